@@ -1,0 +1,5 @@
+import sys
+
+from rayspeed.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""The `rayspeed` console script: plan, train, keys (and more subcommands as they land)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: rayspeed <command> [args]
+
+commands:
+  plan FILE [--set K=V]... [--json] [--top K] [--layouts FILE] [--explain]
+                      the layout to run, its memory and time, and why
+  train --config FILE [--set K=V]... [--launcher ray|local] [--dry-run]
+                      same as python jobs/train.py
+  keys                every job-file key with its type and meaning
+"""
+
+
+def _keys() -> int:
+    from rayspeed.config.load import describe_keys
+
+    for key, typ, doc in describe_keys():
+        print(f"{key:40s} {typ}\n    {doc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "plan":
+        from rayspeed.planner.cli import main as plan_main
+
+        return plan_main(rest)
+    if cmd == "train":
+        from rayspeed.train.launch import main as train_main
+
+        return train_main(rest)
+    if cmd == "keys":
+        return _keys()
+    print(f"rayspeed: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The job file, as typed dataclasses.
+
+Every field carries a docstring right under it (read by `rayspeed config-help` and by error messages
+through `field_doc`). "auto" means the planner decides; the resolved config (no "auto" left) is what
+gets logged and what the workers run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+Auto = Literal["auto"]
+AUTO = "auto"
+
+
+@dataclass
+class ModelConfig:
+    hidden_size: int = 64
+    """Width of the residual stream (h)."""
+    num_layers: int = 2
+    """Number of transformer blocks (L)."""
+    num_heads: int = 4
+    """Attention query heads (a); hidden_size must divide by it."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads; fewer than num_heads means grouped-query attention. null: same as num_heads."""
+    ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner width. null: 8/3 * hidden_size rounded up to a multiple of 64."""
+    vocab_size: int = 256
+    """Vocabulary size (256 with the byte tokenizer)."""
+    seq_len: int = 128
+    """Tokens per training sequence (s)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+
+@dataclass
+class DataConfig:
+    source: Literal["python-stdlib", "files"] = "python-stdlib"
+    """python-stdlib: the .py files of the running Python's standard library (built-in demo corpus);
+    files: the text files matched by `path` (a glob), or a pre-tokenized token file when `path` ends in .bin."""
+    path: Optional[str] = None
+    """Glob of text files, or a pre-tokenized .bin file (uint16 tokens; a `<file>.json` sidecar may say
+    {"dtype": "uint32"}). Only with source: files."""
+    tokenizer: str = "bytes"
+    """bytes (vocab 256) or the path of a Hugging Face tokenizer.json."""
+    val_fraction: float = 0.01
+    """Fraction of the token stream (its tail) held out for validation."""
+    cache_dir: str = AUTO
+    """Where tokenized corpora are cached. auto: <storage.path>/.cache/data."""
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 16
+    """Sequences per optimizer step; kept fixed when workers come and go (default batch policy)."""
+    max_steps: int = 50
+    """Optimizer steps to train."""
+    lr: Union[float, Auto] = 3.0e-4
+    """Peak learning rate, or auto: the playbook rule from global batch and GPU count."""
+    min_lr: float = 3.0e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 5
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping threshold (0 disables)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = AUTO
+    """auto: bf16 on GPUs that support it, else fp32."""
+    grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype gradients are accumulated in."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout."""
+    eval_every_steps: int = 25
+    """Validation every N steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Validation micro-batches per evaluation."""
+
+
+@dataclass
+class ParallelConfig:
+    dp: Union[int, Auto] = AUTO
+    """Data-parallel degree = workers / (tp * pp)."""
+    tp: Union[int, Auto] = AUTO
+    """Tensor-parallel degree (Megatron-style column/row layers); never spans nodes."""
+    pp: Union[int, Auto] = AUTO
+    """Pipeline stages."""
+    zero_stage: Union[int, Auto] = AUTO
+    """DeepSpeed ZeRO stage 0..3 (0 or 1 with pipeline parallel)."""
+    micro_batch_size: Union[int, Auto] = AUTO
+    """Sequences per worker per forward pass."""
+    grad_accum: Union[int, Auto] = AUTO
+    """Micro-batches per optimizer step = global_batch_size / (dp * micro_batch_size)."""
+    sequence_parallel: Union[bool, Auto] = AUTO
+    """Shard norm/dropout regions along the sequence across the tp group (only with tp > 1)."""
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = AUTO
+    """none | selective (attention and MLP blocks recomputed) | full (whole blocks recomputed)."""
+
+
+@dataclass
+class ClusterConfig:
+    address: str = AUTO
+    """auto: RAY_ADDRESS if set, else a local Ray started for this job; or a Ray address."""
+    num_workers: Union[int, list[int]] = 2
+    """Training workers (one per GPU on GPU clusters), or [min, max] for elastic training."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves per worker."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources per worker, e.g. {trainer: 1}."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy for the workers (PACK keeps a node's workers together)."""
+    gpu: str = AUTO
+    """For planning: h100-sxm-80gb | h100-pcie-80gb | h200 | a100-80gb | a100-40gb | l40s | cpu. auto: detect
+    (cpu when use_gpu is false)."""
+    gpus_per_node: int = 8
+    """Workers (GPUs) per node, for planning a cluster that is not up yet and for keeping tp in a node."""
+    num_nodes: int = 1
+    """Nodes, for planning a cluster that is not up yet."""
+    local_num_cpus: Union[int, Auto] = AUTO
+    """Logical CPUs a local Ray (started for this job) declares. auto: enough for all workers, even on a
+    machine with fewer cores (CPU workers then share cores)."""
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[-1] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, list) and self.num_workers[0] != self.num_workers[-1]
+
+
+@dataclass
+class ResilienceConfig:
+    max_failures: int = 3
+    """Restarts after worker, node or collective failures before the job fails."""
+    checkpoint_every_steps: int = 10
+    """Checkpoint every N optimizer steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Verified checkpoints kept (never fewer than 2)."""
+    elastic_monitor_interval_s: float = 300.0
+    """How often an elastic job looks for room to grow."""
+    batch_policy: Literal["keep_global", "playbook"] = "keep_global"
+    """keep_global: same global batch via accumulation; playbook: bsz * (1 - lost/total) ** 0.8, lr rescaled."""
+    collective_timeout_s: float = 600.0
+    """Process-group timeout: a collective blocked longer than this fails the step instead of hanging."""
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = AUTO
+    """auto: MLFLOW_TRACKING_URI if set, else sqlite mlflow.db at the repository root."""
+    experiment: str = "rayspeed"
+    """MLflow experiment name."""
+    log_every_steps: int = 10
+    """Metrics every N steps (loss is read from the device only then)."""
+    system_metrics: bool = True
+    """Log CPU/GPU/memory system metrics under system/."""
+    register_model: str = AUTO
+    """Registered model name; auto: rayspeed-<name>."""
+
+
+@dataclass
+class StorageConfig:
+    path: str = AUTO
+    """Checkpoints and Ray Train results; absolute and shared by all nodes. auto: <repo>/runs."""
+
+
+@dataclass
+class HealthConfig:
+    preflight: bool = True
+    """Bandwidth and environment checks on the job's own workers before step 0."""
+
+
+@dataclass
+class KillAt:
+    rank: int = 0
+    """Rank whose process dies."""
+    step: int = 1
+    """Step at which it dies (once per job)."""
+
+
+@dataclass
+class ChaosConfig:
+    kill_rank_at_step: Optional[KillAt] = None
+    """{rank: 1, step: 12}: that rank's process dies once, at that step."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "job"
+    """Job name: MLflow run name, Ray Train run name, checkpoint folder name."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The decoder-only transformer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus and tokenizer."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Layout; each key a value or auto."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where it runs."""
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    """Checkpoints, restarts, elasticity."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """Checkpoint storage."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Preflight checks."""
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """Fault injection for drills; off unless set."""

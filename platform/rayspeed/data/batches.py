@@ -1,0 +1,205 @@
+"""Deterministic global batches, independent of the parallel layout.
+
+The training split is cut into non-overlapping windows of seq_len+1 tokens (a "sequence";
+inputs = window[:-1], labels = window[1:]). Global sample g = step * G + i (G = global batch size,
+i = position 0..G-1) is sequence perm_e[g % N] with e = g // N and perm_e a PCG64 permutation seeded
+from (seed, e). This depends on (N, G, seed) only, never on dp size, micro-batch size or gradient
+accumulation, so every layout with the same G trains on the same batches in the same order.
+
+Rank r's micro-batch k (of grad_accum) holds positions (k*dp + r)*b .. (k*dp + r)*b + b-1; over all
+ranks and micro-steps that is exactly positions 0..G-1, each once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from rayspeed.data.corpus import TokenSplit
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+class GlobalBatchSchedule:
+    """(step, position) -> sequence index: a seeded permutation of the N sequences per epoch."""
+
+    _CACHED_EPOCHS = 2  # a step spans at most a few epochs; keep the current and the next one
+
+    def __init__(self, num_sequences: int, global_batch_size: int, seed: int):
+        if num_sequences < 1:
+            raise ValueError(f"num_sequences must be >= 1, got {num_sequences} (corpus too small for seq_len?)")
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.num_sequences = int(num_sequences)
+        self.global_batch_size = int(global_batch_size)
+        self.seed = int(seed)
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            # SeedSequence([seed, epoch]): independent streams per epoch, no seed arithmetic collisions.
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(epoch)])))
+            perm = rng.permutation(self.num_sequences)
+            self._perms[epoch] = perm
+            while len(self._perms) > self._CACHED_EPOCHS:
+                self._perms.popitem(last=False)
+        else:
+            self._perms.move_to_end(epoch)
+        return perm
+
+    def epoch_of(self, step: int) -> int:
+        """Epoch of the first sample of `step`."""
+        return step * self.global_batch_size // self.num_sequences
+
+    def indices(self, step: int, positions: Optional[Sequence[int]] = None) -> np.ndarray:
+        """Sequence indices (int64) for the given positions of step's global batch (default: all G)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        pos = np.arange(self.global_batch_size) if positions is None else np.asarray(positions, dtype=np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.global_batch_size):
+            raise ValueError(f"positions must be in [0, {self.global_batch_size})")
+        g = step * self.global_batch_size + pos
+        epochs, offsets = np.divmod(g, self.num_sequences)
+        out = np.empty(pos.shape, dtype=np.int64)
+        for e in np.unique(epochs).tolist():
+            sel = epochs == e
+            out[sel] = self.permutation(e)[offsets[sel]]
+        return out
+
+    def index(self, step: int, position: int) -> int:
+        return int(self.indices(step, [position])[0])
+
+    def __repr__(self) -> str:
+        return f"GlobalBatchSchedule(num_sequences={self.num_sequences}, global_batch_size={self.global_batch_size}, seed={self.seed})"
+
+
+def make_schedule(split: TokenSplit, seq_len: int, global_batch_size: int, seed: int) -> GlobalBatchSchedule:
+    return GlobalBatchSchedule(split.num_sequences(seq_len), global_batch_size, seed)
+
+
+def _to_tensors(windows: np.ndarray) -> MicroBatch:
+    x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
+    y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+    return x, y
+
+
+class RankBatches:
+    """One data-parallel rank's micro-batches, step by step; iterable from any start step.
+
+    Iterating yields (step, [(input_ids, labels)] * grad_accum), each LongTensor [b, seq_len].
+    state_dict() holds the next step; load it into a RankBatches of ANY layout with the same global
+    batch size, seed and data to continue the same global batch sequence.
+    """
+
+    def __init__(self, split: TokenSplit, seq_len: int, schedule: GlobalBatchSchedule, dp_rank: int,
+                 dp_size: int, micro_batch_size: int, grad_accum: int, start_step: int = 0):
+        if min(dp_size, micro_batch_size, grad_accum) < 1:
+            raise ValueError(f"dp_size, micro_batch_size and grad_accum must be >= 1, got "
+                             f"{dp_size}, {micro_batch_size}, {grad_accum}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+        G = dp_size * micro_batch_size * grad_accum
+        if G != schedule.global_batch_size:
+            raise ValueError(f"dp_size {dp_size} * micro_batch_size {micro_batch_size} * grad_accum {grad_accum} = {G}, "
+                             f"not the global batch size {schedule.global_batch_size}")
+        n = split.num_sequences(seq_len)
+        if n != schedule.num_sequences:
+            raise ValueError(f"schedule has {schedule.num_sequences} sequences but the {split.name} split "
+                             f"has {n} of length {seq_len}")
+        self.split, self.seq_len, self.schedule = split, int(seq_len), schedule
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+        self.micro_batch_size, self.grad_accum = int(micro_batch_size), int(grad_accum)
+        self.step = int(start_step)
+
+    def positions(self, micro_step: int) -> np.ndarray:
+        """Global-batch positions held by this rank's micro-batch `micro_step`."""
+        if not 0 <= micro_step < self.grad_accum:
+            raise ValueError(f"micro_step {micro_step} not in [0, {self.grad_accum})")
+        first = (micro_step * self.dp_size + self.dp_rank) * self.micro_batch_size
+        return np.arange(first, first + self.micro_batch_size)
+
+    def sequence_indices(self, step: int) -> list[np.ndarray]:
+        """Per micro-step, the sequence indices this rank reads at `step`."""
+        return [self.schedule.indices(step, self.positions(k)) for k in range(self.grad_accum)]
+
+    def get(self, step: int) -> list[MicroBatch]:
+        """The grad_accum micro-batches of `step` for this rank (reads only this rank's windows)."""
+        return [_to_tensors(self.split.windows(idx, self.seq_len)) for idx in self.sequence_indices(step)]
+
+    def __iter__(self) -> "RankBatches":
+        return self
+
+    def __next__(self) -> tuple[int, list[MicroBatch]]:
+        step = self.step
+        batches = self.get(step)
+        self.step = step + 1  # advanced only once the step's data exists: state_dict = next step to train
+        return step, batches
+
+    def iterate(self, start_step: Optional[int] = None, num_steps: Optional[int] = None) -> Iterator[tuple[int, list[MicroBatch]]]:
+        """Yield (step, micro-batches) from start_step (default: the current position), num_steps of them
+        (default: forever)."""
+        if start_step is not None:
+            self.step = int(start_step)
+        done = 0
+        while num_steps is None or done < num_steps:
+            yield next(self)
+            done += 1
+
+    @property
+    def epoch(self) -> int:
+        return self.schedule.epoch_of(self.step)
+
+    def state_dict(self) -> dict:
+        # The layout is recorded for information only: resuming under another layout is allowed.
+        return {"step": self.step, "epoch": self.epoch, "seed": self.schedule.seed,
+                "global_batch_size": self.schedule.global_batch_size,
+                "num_sequences": self.schedule.num_sequences, "seq_len": self.seq_len,
+                "content_hash": self.split.content_hash,
+                "layout": {"dp_size": self.dp_size, "micro_batch_size": self.micro_batch_size,
+                           "grad_accum": self.grad_accum}}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Continue from state["step"]. strict: the batch sequence must be the same one (seed, global
+        batch size, sequences, seq_len, data content), else ValueError."""
+        if strict:
+            mine = self.state_dict()
+            bad = [f"{k}: checkpoint {state.get(k)!r}, now {mine[k]!r}"
+                   for k in ("seed", "global_batch_size", "num_sequences", "seq_len")
+                   if k in state and state[k] != mine[k]]
+            h_old, h_new = state.get("content_hash"), mine["content_hash"]
+            if h_old is not None and h_new is not None and h_old != h_new:
+                bad.append(f"content_hash: the training data changed ({h_old[:12]} -> {h_new[:12]})")
+            if bad:
+                raise ValueError("data state does not match this run: " + "; ".join(bad))
+        self.step = int(state["step"])
+
+    def __repr__(self) -> str:
+        return (f"RankBatches(rank {self.dp_rank}/{self.dp_size}, b={self.micro_batch_size}, "
+                f"accum={self.grad_accum}, seq_len={self.seq_len}, step={self.step})")
+
+
+def val_batches(split: TokenSplit, seq_len: int, batch_size: int, num_batches: int, dp_rank: int,
+                dp_size: int) -> list[MicroBatch]:
+    """This rank's validation micro-batches: batch j uses windows j*B + r*b .. +b-1 of the val split
+    (b = batch_size per rank, B = b * dp_size), the first num_batches*B windows in all. num_batches is
+    capped by the windows available. Same b*dp_size and num_batches => same validation set."""
+    if min(batch_size, num_batches, dp_size) < 1:
+        raise ValueError(f"batch_size, num_batches and dp_size must be >= 1, got {batch_size}, {num_batches}, {dp_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+    B = batch_size * dp_size
+    available = split.num_sequences(seq_len) // B
+    if available < 1:
+        raise ValueError(f"the {split.name} split has {split.num_sequences(seq_len)} sequences of length "
+                         f"{seq_len}, fewer than one validation batch of {B} (raise data.val_fraction)")
+    out = []
+    for j in range(min(num_batches, available)):
+        first = j * B + dp_rank * batch_size
+        out.append(_to_tensors(split.windows(np.arange(first, first + batch_size), seq_len)))
+    return out

@@ -1,0 +1,1 @@
+"""The DeepSpeed engine: config generation from the plan, optimizer/schedule, engine construction."""

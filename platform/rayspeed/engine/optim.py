@@ -1,0 +1,48 @@
+"""Client optimizer and LR schedule handed to DeepSpeed (no DeepSpeed op builds needed)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rayspeed.config.schema import JobConfig
+
+
+def lr_factor(step: int, cfg: JobConfig) -> float:
+    """Linear warm-up then cosine decay to min_lr, as a factor of the peak lr (LambdaLR's contract)."""
+    t = cfg.train
+    peak = float(t.lr)
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    span = max(1, t.max_steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    floor = t.min_lr / peak
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: norms and other 1-D parameters are not decayed."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig, on_gpu: bool) -> torch.optim.Optimizer:
+    t = cfg.train
+    kwargs = {}
+    if on_gpu:
+        kwargs["fused"] = True  # one kernel for the whole update
+    return torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=float(t.lr), betas=(t.adam_beta1, t.adam_beta2), eps=1e-8, **kwargs
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))

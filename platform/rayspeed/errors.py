@@ -1,0 +1,23 @@
+"""Errors the user can fix. Entry points turn them into one message and exit code 2."""
+
+from __future__ import annotations
+
+
+class ConfigError(Exception):
+    """The job (file, overrides or cluster) is wrong. Carries every problem found, each naming its key."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        if len(self.problems) == 1:
+            return f"config error: {self.problems[0]}"
+        lines = [f"config error: {len(self.problems)} problems"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2

@@ -1,0 +1,24 @@
+"""The decoder-only transformer. The DeepSpeed pipeline form lives in rayspeed.model.pipeline
+(imported on demand: it pulls in deepspeed)."""
+
+from .transformer import (
+    Block,
+    ModelDims,
+    OutputHead,
+    RMSNorm,
+    Transformer,
+    count_parameters,
+    num_parameters,
+    parameter_bytes,
+)
+
+__all__ = [
+    "Block",
+    "ModelDims",
+    "OutputHead",
+    "RMSNorm",
+    "Transformer",
+    "count_parameters",
+    "num_parameters",
+    "parameter_bytes",
+]

@@ -1,0 +1,168 @@
+"""The Transformer as a DeepSpeed PipelineModule: a flat list of layer specs split into stages.
+
+    [embed] [block 0] ... [block L-1] [final norm] [head]
+
+The embedding sits on the first stage and the final norm + head on the last. With
+tie_embeddings the head is a TiedLayerSpec of the embedding, so DeepSpeed keeps one copy per
+stage that needs it and all-reduces its gradient between them.
+
+Every layer is built by the same classes as the Transformer with the same parameter names
+(`embed.weight`, `layers.{i}.*`, `norm.weight`, `head.weight`), and those names seed the
+initialisation: for the same seed the pipelined model starts bit-identical to the
+non-pipelined one, whatever the partition.
+
+DeepSpeed's contract: the engine feeds `inputs` (token ids) to the first stage and calls
+`loss_fn(outputs, labels)` on the last. The last layer returns (hidden, head_weight) rather
+than logits, so the loss runs as the chunked (tp=1) or vocab-parallel (tp>1) cross-entropy
+and full logits never exist.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..parallel.groups import ParallelGroups, TensorParallel
+from ..parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
+from ..parallel.loss import linear_cross_entropy
+from .transformer import Block, ModelDims, OutputHead, RMSNorm, _check_mode
+
+
+class EmbeddingPipe(VocabParallelEmbedding):
+    """First-stage layer: token ids [batch, seq] -> hidden [batch, seq(/tp under sp), h]."""
+
+    canonical_prefix = "embed"
+
+    def __init__(self, cfg, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False, seed: int = 0):
+        dims = ModelDims.from_config(cfg)
+        super().__init__(
+            dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sequence_parallel,
+            init_std=dims.init_std, seed=seed, name="embed",
+        )
+
+
+class FinalNormPipe(RMSNorm):
+    canonical_prefix = "norm"
+
+    def __init__(self, cfg, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
+        dims = ModelDims.from_config(cfg)
+        super().__init__(dims.hidden_size, dims.norm_eps, tp, sequence_parallel)
+
+
+class HeadPipe(OutputHead):
+    """Last-stage layer of an untied model: returns (tp-region hidden, head weight) for the loss."""
+
+    canonical_prefix = "head"
+
+    def forward(self, x: torch.Tensor):
+        return self.prepare(x), self.weight
+
+
+def tied_head_forward(embedding: EmbeddingPipe, x: torch.Tensor):
+    """Last-stage use of the tied embedding: the head's input and weight, for the loss."""
+    return enter_tp_region(x, embedding.tp, embedding.sequence_parallel), embedding.weight
+
+
+class PipelineLoss:
+    """loss_fn(outputs, labels) for the last stage: mean fp32 cross-entropy of hidden @ weight^T."""
+
+    def __init__(self, tp: Optional[TensorParallel] = None, chunk_tokens: Optional[int] = None):
+        self.tp = tp or NO_TP
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        hidden, weight = outputs
+        return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens)
+
+
+def build_pipeline_module(
+    cfg,
+    groups_or_topology: Union[ParallelGroups, "object", None] = None,
+    num_stages: Optional[int] = None,
+    tp: Optional[TensorParallel] = None,
+    sequence_parallel: bool = False,
+    activation_checkpointing: str = "none",
+    preserve_rng_state: bool = False,
+    seed: int = 0,
+    partition_method: str = "parameters",
+):
+    """A deepspeed.pipe.PipelineModule of the Transformer described by `cfg`.
+
+    groups_or_topology: a ParallelGroups (its DeepSpeed topology and tp handle are used), a
+    DeepSpeed ProcessTopology, or None (then num_stages is required and there is no tp).
+    partition_method: any DeepSpeed method: "parameters" (balance parameter counts),
+    "uniform" (same number of specs per stage) or "type:Block" (same number of blocks).
+    Activation checkpointing is done inside the blocks, not by DeepSpeed's interval.
+    torch.distributed must be initialized (e.g. deepspeed.init_distributed()) and LOCAL_RANK set.
+    """
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    topology = None
+    if isinstance(groups_or_topology, ParallelGroups):
+        topology = groups_or_topology.topology()
+        tp = tp or groups_or_topology.tp
+    elif groups_or_topology is not None:
+        topology = groups_or_topology
+    tp = tp or NO_TP
+
+    if topology is not None:
+        stages = topology.get_dim("pipe")
+        if num_stages is not None and num_stages != stages:
+            raise ValueError(f"num_stages={num_stages} but the topology has {stages} pipeline stages")
+        model_dim = max(topology.get_dim("model"), 1) if "model" in topology.get_axis_names() else 1
+        if model_dim != tp.world_size:
+            raise ValueError(f"topology has model (tp) size {model_dim} but the tp handle has {tp.world_size}")
+    elif num_stages is None:
+        raise ValueError("give a ParallelGroups, a topology or num_stages")
+    elif tp.enabled:
+        raise ValueError("tp > 1 needs a ParallelGroups or topology so stages and tp slices line up")
+    if "LOCAL_RANK" not in os.environ:
+        raise RuntimeError("DeepSpeed's PipelineModule reads LOCAL_RANK from the environment; set it first")
+
+    dims = ModelDims.from_config(cfg)
+    sp = sequence_parallel and tp.enabled
+    dims.validate(tp, sp)
+    _check_mode(activation_checkpointing)
+
+    embed_args = (dims, tp, sp, seed)
+    specs = []
+    if dims.tie_embeddings:
+        specs.append(TiedLayerSpec("embed", EmbeddingPipe, *embed_args, tied_weight_attr=["weight"]))
+    else:
+        specs.append(LayerSpec(EmbeddingPipe, *embed_args))
+    specs += [
+        LayerSpec(Block, dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
+        for i in range(dims.num_layers)
+    ]
+    specs.append(LayerSpec(FinalNormPipe, dims, tp, sp))
+    if dims.tie_embeddings:
+        specs.append(
+            TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=tied_head_forward, tied_weight_attr=["weight"])
+        )
+    else:
+        specs.append(LayerSpec(HeadPipe, dims, tp, sp, seed))
+
+    return PipelineModule(
+        layers=specs,
+        topology=topology,
+        num_stages=None if topology is not None else num_stages,
+        loss_fn=PipelineLoss(tp, dims.loss_chunk_tokens),
+        partition_method=partition_method,
+        activation_checkpoint_interval=0,
+    )
+
+
+def canonical_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """This stage's parameters under the Transformer's names (`embed.weight`, `layers.3.attn.wq.weight`, ...).
+
+    Lets checkpoints and tests line a pipeline stage up with the non-pipelined model.
+    """
+    for _, child in module.named_modules():
+        prefix = getattr(child, "canonical_prefix", None)
+        if prefix is None:
+            continue
+        for name, param in child.named_parameters():
+            yield f"{prefix}.{name}", param

@@ -1,0 +1,375 @@
+"""Decoder-only transformer (Llama-style: RMSNorm, GQA with RoPE, SwiGLU, no biases).
+
+One model for every layout: pass a TensorParallel handle to split heads, the MLP and the
+vocabulary over a tp group, and sequence_parallel=True to also split the norm / residual
+regions along the sequence. Weights are initialised from (seed, parameter name) on the full
+tensor, so every layout of the same seed starts from the same function and produces the
+same loss (see parallel/layers.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..parallel.comm import copy_to_tp, gather_from_tp
+from ..parallel.groups import TensorParallel
+from ..parallel.layers import (
+    NO_TP,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    enter_tp_region,
+    gather_full,
+    sharded_parameter,
+)
+from ..parallel.loss import linear_cross_entropy
+
+CHECKPOINTING_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The model shape with every optional field resolved; built from any config-like object."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_len: int
+    tie_embeddings: bool
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    loss_chunk_tokens: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelDims":
+        if isinstance(cfg, cls):
+            return cfg
+        heads = cfg.num_heads
+        kv = getattr(cfg, "num_kv_heads", None) or heads
+        ffn = getattr(cfg, "ffn_hidden_size", None)
+        if ffn is None:
+            # Same default as the job schema: 8/3 h rounded up to a multiple of 64.
+            ffn = -(-(8 * cfg.hidden_size // 3) // 64) * 64
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=heads,
+            num_kv_heads=kv,
+            ffn_hidden_size=ffn,
+            vocab_size=cfg.vocab_size,
+            seq_len=cfg.seq_len,
+            tie_embeddings=bool(cfg.tie_embeddings),
+            rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
+            norm_eps=float(getattr(cfg, "norm_eps", 1e-5)),
+            init_std=float(getattr(cfg, "init_std", 0.02)),
+            loss_chunk_tokens=getattr(cfg, "loss_chunk_tokens", None),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def residual_init_std(self) -> float:
+        # GPT-2 / Megatron: shrink the layers that write into the residual stream so its
+        # variance does not grow with depth.
+        return self.init_std / math.sqrt(2 * self.num_layers)
+
+    def validate(self, tp: TensorParallel, sequence_parallel: bool) -> None:
+        problems = []
+        if self.hidden_size % self.num_heads:
+            problems.append(f"hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head dim {self.head_dim} must be even for RoPE")
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} must divide by num_kv_heads={self.num_kv_heads}")
+        t = tp.world_size
+        for name, value in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
+                            ("ffn_hidden_size", self.ffn_hidden_size), ("vocab_size", self.vocab_size)):
+            if value % t:
+                problems.append(f"{name}={value} must divide by the tensor-parallel size tp={t}")
+        if sequence_parallel and self.seq_len % t:
+            problems.append(f"seq_len={self.seq_len} must divide by tp={t} with sequence_parallel")
+        if problems:
+            raise ValueError("invalid model for this layout: " + "; ".join(problems))
+
+
+def _check_mode(activation_checkpointing: str) -> str:
+    if activation_checkpointing not in CHECKPOINTING_MODES:
+        raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING_MODES}, got {activation_checkpointing!r}")
+    return activation_checkpointing
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32. The weight is replicated across tp.
+
+    Under sequence parallelism each rank normalises only its sequence shard, so its weight
+    gradient is a partial sum: routing the weight through f (identity forward, all-reduce
+    backward) makes every rank see the full-sequence gradient.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
+        super().__init__()
+        self.tp = tp or NO_TP
+        self.eps = eps
+        self.sequence_parallel = sequence_parallel and self.tp.enabled
+        self.weight = nn.Parameter(torch.ones(dim))
+        if self.sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, self.tp) if self.sequence_parallel else self.weight
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq_len, head_dim] in fp32 for rotate-half RoPE (built per call: cheap, no state to keep in sync)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [batch, heads, seq, head_dim] by position; in fp32, back to x's dtype."""
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x32 * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; heads and kv-heads are split evenly over tp.
+
+    Rank r owns query heads [r*a/tp, ...) and kv heads [r*kv/tp, ...); because both splits
+    are contiguous and a/kv is a whole number, local query head i still uses local kv head
+    i // (a/kv), so no kv head is needed on more than one rank.
+    """
+
+    def __init__(self, dims: ModelDims, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        h, hd = dims.hidden_size, dims.head_dim
+        self.head_dim = hd
+        self.local_heads = dims.num_heads // tp.world_size
+        self.local_kv_heads = dims.num_kv_heads // tp.world_size
+        self.rope_theta = dims.rope_theta
+        col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed)
+        self.wq = ColumnParallelLinear(h, dims.num_heads * hd, name=f"{name}.wq", **col)
+        self.wk = ColumnParallelLinear(h, dims.num_kv_heads * hd, name=f"{name}.wk", **col)
+        self.wv = ColumnParallelLinear(h, dims.num_kv_heads * hd, name=f"{name}.wv", **col)
+        self.wo = RowParallelLinear(
+            dims.num_heads * hd, h, tp, input_is_parallel=True, sequence_parallel=sequence_parallel,
+            init_std=dims.residual_init_std, seed=seed, name=f"{name}.wo",
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sequence_parallel)  # one collective for q, k and v
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
+        )
+        out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return self.wo(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: w_down(silu(w_gate x) * w_up x); gate/up split by columns, down by rows."""
+
+    def __init__(self, dims: ModelDims, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        h, f = dims.hidden_size, dims.ffn_hidden_size
+        col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed)
+        self.w_gate = ColumnParallelLinear(h, f, name=f"{name}.w_gate", **col)
+        self.w_up = ColumnParallelLinear(h, f, name=f"{name}.w_up", **col)
+        self.w_down = RowParallelLinear(
+            f, h, tp, input_is_parallel=True, sequence_parallel=sequence_parallel,
+            init_std=dims.residual_init_std, seed=seed, name=f"{name}.w_down",
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sequence_parallel)
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block. Parameter names are `layers.{layer_idx}.*` wherever it lives.
+
+    activation_checkpointing: "selective" recomputes the attention and MLP sub-blocks
+    (norm included) in backward, "full" the whole block; both non-reentrant.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        layer_idx: int,
+        tp: Optional[TensorParallel] = None,
+        sequence_parallel: bool = False,
+        activation_checkpointing: str = "none",
+        preserve_rng_state: bool = False,
+        seed: int = 0,
+    ):
+        super().__init__()
+        dims = ModelDims.from_config(cfg)
+        tp = tp or NO_TP
+        sp = sequence_parallel and tp.enabled
+        self.layer_idx = layer_idx
+        self.activation_checkpointing = _check_mode(activation_checkpointing)
+        self.preserve_rng_state = preserve_rng_state
+        prefix = f"layers.{layer_idx}"
+        self.canonical_prefix = prefix  # where its parameters live in Transformer's state dict
+        self.attn_norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.attn = Attention(dims, tp, sp, seed, name=f"{prefix}.attn")
+        self.mlp_norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.mlp = MLP(dims, tp, sp, seed, name=f"{prefix}.mlp")
+
+    def _checkpointed(self, fn, x):
+        return checkpoint(fn, x, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+
+    def _attn_branch(self, x):
+        return self.attn(self.attn_norm(x))
+
+    def _mlp_branch(self, x):
+        return self.mlp(self.mlp_norm(x))
+
+    def _block(self, x):
+        if self.activation_checkpointing == "selective":
+            x = x + self._checkpointed(self._attn_branch, x)
+            return x + self._checkpointed(self._mlp_branch, x)
+        x = x + self._attn_branch(x)
+        return x + self._mlp_branch(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing == "full" and torch.is_grad_enabled():
+            return self._checkpointed(self._block, x)
+        return self._block(x)
+
+
+class OutputHead(nn.Module):
+    """Logits over the (tp-split) vocabulary, optionally reusing the embedding matrix.
+
+    The loss path never builds full logits: tp=1 runs the chunked CE, tp>1 keeps this
+    rank's vocab slice and uses the vocab-parallel CE.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        tp: Optional[TensorParallel] = None,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        tied_weight: Optional[nn.Parameter] = None,
+    ):
+        super().__init__()
+        dims = ModelDims.from_config(cfg)
+        self.tp = tp or NO_TP
+        self.sequence_parallel = sequence_parallel and self.tp.enabled
+        self.chunk_tokens = dims.loss_chunk_tokens
+        self.tied = tied_weight is not None
+        if self.tied:
+            self.weight = tied_weight  # same Parameter object as the embedding's: shared storage
+        else:
+            self.weight = sharded_parameter(
+                (dims.vocab_size, dims.hidden_size), 0, self.tp, std=dims.init_std, seed=seed, key="head.weight"
+            )
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Full-sequence, tp-region input for the vocab-split matmul."""
+        return enter_tp_region(x, self.tp, self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Full logits [batch, seq, vocab] (gathered over tp): for inference and tests, not training."""
+        return gather_from_tp(F.linear(self.prepare(x), self.weight), self.tp)
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(self.prepare(x), self.weight, labels, self.tp, chunk_tokens=self.chunk_tokens)
+
+
+class Transformer(nn.Module):
+    """embed -> N blocks -> RMSNorm -> head. forward(ids, labels) is the mean fp32 CE; without labels, logits."""
+
+    def __init__(
+        self,
+        cfg,
+        tp: Optional[TensorParallel] = None,
+        sequence_parallel: bool = False,
+        activation_checkpointing: str = "none",
+        preserve_rng_state: bool = False,
+        seed: int = 0,
+    ):
+        super().__init__()
+        dims = ModelDims.from_config(cfg)
+        tp = tp or NO_TP
+        sp = sequence_parallel and tp.enabled
+        dims.validate(tp, sp)
+        self.dims, self.tp, self.sequence_parallel, self.seed = dims, tp, sp, seed
+        self.activation_checkpointing = _check_mode(activation_checkpointing)
+
+        self.embed = VocabParallelEmbedding(
+            dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sp, init_std=dims.init_std, seed=seed, name="embed"
+        )
+        self.layers = nn.ModuleList(
+            Block(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed) for i in range(dims.num_layers)
+        )
+        self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        if labels is None:
+            return self.head(x)
+        return self.head.loss(x, labels)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter unsharded (all-gathered over tp; collective), keyed by parameter name.
+
+        For the same seed this is bit-identical for every tp size and equals the weights of
+        the same-named layers of the pipeline module.
+        """
+        return {name: gather_full(p, p, self.tp).clone() for name, p in self.named_parameters()}
+
+    full_state_dict_reference = full_state_dict
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Parameters held by this process (tied ones once; a tp rank counts only its shards)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters held by this process."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def count_parameters(cfg) -> int:
+    """Parameters of the whole (unsharded) model, from the config alone."""
+    d = ModelDims.from_config(cfg)
+    h, hd = d.hidden_size, d.head_dim
+    attn = h * d.num_heads * hd * 2 + h * d.num_kv_heads * hd * 2  # wq, wo + wk, wv
+    mlp = 3 * h * d.ffn_hidden_size
+    per_layer = attn + mlp + 2 * h  # two norms
+    embed = d.vocab_size * h
+    head = 0 if d.tie_embeddings else d.vocab_size * h
+    return embed + d.num_layers * per_layer + h + head

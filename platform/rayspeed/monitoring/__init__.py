@@ -1,0 +1,1 @@
+"""rayspeed.monitoring"""

@@ -1,0 +1,165 @@
+"""The human-readable answer: chosen layout, one line per decision, memory table, time split, runner-ups and
+why they lost, the field guide's rules."""
+
+from __future__ import annotations
+
+from rayspeed.planner.context import LAYOUT_KEYS, Ctx
+from rayspeed.planner.hardware import GIB
+from rayspeed.planner.memory import COMPONENTS
+from rayspeed.planner.search import Estimate
+
+TIME_PARTS = (
+    ("compute_s", "compute (forward + backward + recomputation)"),
+    ("tp_comm_s", "tensor-parallel collectives"),
+    ("pp_bubble_s", "pipeline bubble"),
+    ("pp_p2p_s", "pipeline sends"),
+    ("dp_comm_s", "exposed data-parallel/ZeRO communication"),
+    ("zero3_overhead_s", "ZeRO-3 gather bookkeeping"),
+    ("optimizer_s", "optimizer step + engine"),
+)
+LABEL = dict(TIME_PARTS)
+
+
+def why_lost(e: Estimate, best: Estimate) -> str:
+    """The time component that grew the most against the chosen layout."""
+    a, b = e.time.as_dict(), best.time.as_dict()
+    diffs = {k: a[k] - b[k] for k, _ in TIME_PARTS}
+    k = max(diffs, key=diffs.get)
+    slower = 100 * (e.step_s / best.step_s - 1)
+    if slower <= 0.05:
+        return "a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, less recomputation)"
+    what = LABEL[k]
+    if k == "compute_s" and a["recompute_s"] - b["recompute_s"] > 0.5 * diffs[k]:
+        what = "recomputation"
+    return f"{slower:.1f}% slower: more {what} (+{diffs[k]:.3f} s)"
+
+
+def key_alternatives(best: Estimate, estimates: list[Estimate], fixed: dict) -> list[str]:
+    """One line per layout key: the chosen value and what the best layout with another value would cost."""
+    lines = []
+    for key in LAYOUT_KEYS:
+        chosen = getattr(best.layout, key)
+        if key in fixed:
+            lines.append(f"{key} = {chosen}: fixed in the job file")
+            continue
+        others: dict = {}
+        for e in estimates:
+            v = getattr(e.layout, key)
+            if v == chosen:
+                continue
+            cur = others.get(v)
+            if cur is None or (e.fits and (not cur.fits or e.step_s < cur.step_s)) or (
+                    not e.fits and not cur.fits and e.memory_gib < cur.memory_gib):
+                others[v] = e
+        parts = []
+        for v in sorted(others, key=str):
+            e = others[v]
+            if e.fits:
+                parts.append(f"{v}: {100 * (e.step_s / best.step_s - 1):+.1f}%")
+            else:
+                parts.append(f"{v}: does not fit (>= {e.memory_gib:.1f} GiB)")
+        extra = _key_reason(key, best)
+        tail = f" (best with {key} = " + "; ".join(parts) + ")" if parts else " (the only valid value)"
+        lines.append(f"{key} = {chosen}{extra}{tail}")
+    return lines
+
+
+def _key_reason(key: str, best: Estimate) -> str:
+    lay, ctx = best.layout, best.ctx
+    if key == "tp" and lay.tp > 1:
+        return f": within one node ({ctx.node_size} ranks, {ctx.hw.intra_node_gbps:.0f} GB/s links)"
+    if key == "sequence_parallel":
+        return ": auto is true iff tp > 1"
+    if key == "activation_checkpointing":
+        return ": the cheapest mode that fits and is fastest"
+    if key == "grad_accum":
+        return f": global batch {ctx.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch_size} x {lay.grad_accum}"
+    return ""
+
+
+def memory_table(e: Estimate) -> list[str]:
+    lines = [f"memory per GPU, worst rank (pipeline stage {e.worst_stage}), GiB:"]
+    for k in COMPONENTS:
+        v = e.memory.get(k, 0.0) / GIB
+        if v > 0:
+            lines.append(f"  {k:<18} {v:9.2f}")
+    lines.append(f"  {'total':<18} {e.memory_gib:9.2f}   of {e.ctx.usable_gib:.2f} usable "
+                 f"({e.ctx.memory_gib:.1f} x {e.ctx.usable_fraction:.2f} headroom)")
+    return lines
+
+
+def time_table(e: Estimate) -> list[str]:
+    t = e.time.as_dict()
+    lines = [f"time per step (predicted): {e.step_s:.4f} s -> {e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+             f"MFU {100 * e.mfu:.1f}%"]
+    for k, label in TIME_PARTS:
+        if t[k] > 0:
+            lines.append(f"  {label:<45} {t[k]:9.4f} s  {100 * t[k] / e.step_s:5.1f}%")
+    if t["recompute_s"] > 0:
+        lines.append(f"    of which recomputation {t['recompute_s']:.4f} s")
+    if t["dp_comm_total_s"] > t["dp_comm_s"]:
+        lines.append(f"    data-parallel communication in all {t['dp_comm_total_s']:.4f} s, "
+                     f"{t['dp_comm_total_s'] - t['dp_comm_s']:.4f} s of it hidden behind backward")
+    return lines
+
+
+def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: list[Estimate], rules: dict,
+           fixed: dict, notes: list[str], job_name: str, counts: dict) -> str:
+    sh = ctx.shape
+    lay = best.layout
+    L = []
+    L.append(f"rayspeed plan: {job_name}: {sh.params / 1e9:.2f}B parameters ({sh.L} layers, hidden {sh.h}, "
+             f"{sh.a} heads / {sh.kv} kv, ffn {sh.f}, vocab {sh.v}, seq {sh.s}, "
+             f"{'tied' if sh.tied else 'untied'} embeddings)")
+    L.append(f"cluster: {ctx.world} x {ctx.hw.name} ({ctx.nodes} node(s) x {ctx.node_size}), {ctx.precision}; "
+             f"global batch {ctx.global_batch} sequences = {ctx.global_batch * sh.s:,} tokens per step")
+    L.append("")
+    L.append(f"chosen layout: {lay.short()}")
+    L.append(f"  fastest of {counts['fitting']} fitting layouts ({counts['evaluated']} evaluated, "
+             f"{counts['evaluated'] - counts['fitting']} do not fit)")
+    for line in key_alternatives(best, estimates, fixed):
+        L.append(f"  - {line}")
+    L.append("")
+    L += memory_table(best)
+    L.append("")
+    L += time_table(best)
+    L.append("")
+    if alternatives:
+        L.append("runner-up layouts:")
+        for i, e in enumerate(alternatives, 1):
+            L.append(f"  {i}. {e.layout.short()}: {e.step_s:.4f} s, {e.memory_gib:.1f} GiB; {why_lost(e, best)}")
+    faster = sorted((e for e in estimates if not e.fits and e.step_s < best.step_s), key=lambda e: e.step_s)[:3]
+    if faster:
+        L.append("faster layouts that do not fit:")
+        for e in faster:
+            k, v = e.biggest_part()
+            L.append(f"  - {e.layout.short()}: {e.step_s:.4f} s but {e.memory_gib:.1f} GiB "
+                     f"(over by {e.overshoot_gib():.1f}; largest part {k} {v:.1f} GiB)")
+    L.append("")
+    L.append("field guide rules:")
+    s = rules["strategy"]
+    L.append(f"  strategy by size ({s['params_billions']}B, {s['gpus']} GPUs): {s['recommends']}; "
+             f"{'fits' if s['fits'] else 'does NOT fit'}; chosen follows it: {s['chosen_follows_rule']}; {s['note']}")
+    lr = rules["lr"]
+    L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g}" + (f" ({lr['floored']})" if "floored" in lr else ""))
+    cap = rules["accumulation_cap"]
+    L.append(f"  accumulation cap: {cap['rule']} = {cap['max_grad_accum']}; chosen {lay.grad_accum}")
+    c = rules["comm_profile"]
+    L.append(f"  communication: {c['tier']}; env {c['env'] or '{}'}; deepspeed {c['deepspeed'] or '{}'}")
+    for n in c["notes"]:
+        L.append(f"    - {n}")
+    p = rules["precision"]
+    L.append(f"  precision: {p['precision']} ({p['why']}); TF32 for fp32 matmuls: {p['tf32']}"
+             + (f"; {p['warning']}" if "warning" in p else ""))
+    ck = rules["checkpointing"]
+    L.append(f"  activation checkpointing template: {ck['template']} (mode {ck['mode']}, preserve_rng_state False, "
+             f"contiguous_memory_optimization True)")
+    t = rules["topology"]
+    L.append(f"  topology: {t['nodes']} node(s) x {t['ranks_per_node']}; tp within a node: {t['tp_within_node']}; "
+             f"symmetric: {t['symmetric']}; >= 4 per node: {t['min_4_per_node']}; {t['order']}")
+    if notes:
+        L.append("")
+        L.append("assumptions:")
+        for n in notes:
+            L.append(f"  - {n}")
+    return "\n".join(L) + "\n"

@@ -1,0 +1,148 @@
+"""Accelerator table: what the time and memory models need to know about one GPU (or one CPU worker).
+
+Numbers are datasheet peaks (dense, no sparsity) and typical measured collective bandwidths; the one
+calibration we own is the H200 anchor (docs/PLANNER.md): a large bf16 matmul reached 790 of 989 TFLOP/s,
+so the best-case GEMM efficiency is 0.80 of peak. Every field can be overridden from the job file
+(`cluster.hardware: {memory_gib: 75, inter_node_gbps: 25, ...}`) when the lead adds that key; until then
+`hardware_overrides` can be passed explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: dict = field(default_factory=dict)
+    """Dense peak per matmul dtype: bf16, fp16, fp32 (tf32 on Ampere+ when TF32 is allowed)."""
+    memory_gib: float = 80.0
+    """Device memory as the driver reports it (nvidia-smi total)."""
+    hbm_gbps: float = 3350.0
+    """Device memory bandwidth (GB/s): bounds element-wise work, small GEMMs, the optimizer step."""
+    intra_node_gbps: float = 360.0
+    """NCCL bus bandwidth of a collective inside one node (NVLink/NVSwitch or PCIe), GB/s."""
+    inter_node_gbps: float = 40.0
+    """Network bandwidth per GPU across nodes (its own NIC, after protocol overhead), GB/s."""
+    intra_latency_us: float = 10.0
+    """Fixed cost of one collective or send inside a node."""
+    inter_latency_us: float = 30.0
+    """Fixed cost of one collective or send across nodes."""
+    gemm_efficiency: float = 0.80
+    """Best fraction of peak a large GEMM reaches (790/989 measured on the H200 anchor)."""
+    attention_efficiency: float = 0.45
+    """Fraction of peak for fused (flash/SDPA) attention, forward and backward together."""
+    kernel_overhead_us: float = 6.0
+    """Host time to launch one eager op; bounds tiny models (the GPU waits on Python)."""
+    bf16: bool = True
+    tf32: bool = True
+    """TF32 tensor cores for fp32 matmuls (Ampere and newer)."""
+    is_gpu: bool = True
+
+    def peak(self, precision: str) -> float:
+        """FLOP/s for matmuls in this precision."""
+        key = precision
+        if precision == "fp32" and self.tf32:
+            key = "tf32"
+        return self.peak_tflops.get(key, self.peak_tflops.get("fp32", 1.0)) * 1e12
+
+
+_H100_SXM = Hardware(
+    name="h100-sxm-80gb",
+    peak_tflops={"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    memory_gib=79.6,  # 81559 MiB
+    hbm_gbps=3350.0,
+    intra_node_gbps=360.0,  # NVLink 4 (450 GB/s per direction) at ~80% in nccl-tests all_reduce
+    inter_node_gbps=40.0,  # one 400 Gb/s NDR NIC per GPU = 50 GB/s, ~80% achieved
+)
+
+TABLE: dict[str, Hardware] = {
+    "h100-sxm-80gb": _H100_SXM,
+    "h200": dataclasses.replace(_H100_SXM, name="h200", memory_gib=140.4, hbm_gbps=4800.0),  # 143771 MiB HBM3e
+    "h100-pcie-80gb": Hardware(
+        name="h100-pcie-80gb",
+        peak_tflops={"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+        memory_gib=79.6,
+        hbm_gbps=2000.0,
+        intra_node_gbps=40.0,  # PCIe Gen5 x16 (64 GB/s) through switches; NVLink bridges pair GPUs only
+        inter_node_gbps=12.5,  # typically one 200 Gb/s NIC per two GPUs
+        inter_latency_us=40.0,
+    ),
+    "a100-80gb": Hardware(
+        name="a100-80gb",
+        peak_tflops={"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+        memory_gib=80.0,
+        hbm_gbps=2039.0,
+        intra_node_gbps=230.0,  # NVLink 3 (300 GB/s per direction), nccl-tests ~230
+        inter_node_gbps=20.0,  # one 200 Gb/s HDR NIC per GPU = 25 GB/s, ~80% achieved
+    ),
+    "a100-40gb": Hardware(
+        name="a100-40gb",
+        peak_tflops={"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+        memory_gib=40.0,
+        hbm_gbps=1555.0,
+        intra_node_gbps=230.0,
+        inter_node_gbps=20.0,
+    ),
+    "l40s": Hardware(
+        name="l40s",
+        peak_tflops={"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+        memory_gib=44.5,  # 46068 MiB GDDR6
+        hbm_gbps=864.0,
+        intra_node_gbps=20.0,  # PCIe Gen4 only, no NVLink
+        inter_node_gbps=12.5,
+        inter_latency_us=40.0,
+    ),
+    # One CPU core per worker: fp32 AVX2/AVX-512 FMA (~100 GFLOP/s peak, PyTorch reaches ~60%),
+    # ~8 GB/s of DRAM bandwidth per core, gloo collectives over loopback (~1.5 GB/s, ~60 us each),
+    # and eager PyTorch op dispatch (~15 us per op on CPU).
+    "cpu": Hardware(
+        name="cpu",
+        peak_tflops={"fp32": 0.1, "bf16": 0.05, "fp16": 0.02},
+        memory_gib=0.0,  # filled from host RAM at planning time (cpu_memory_gib)
+        hbm_gbps=8.0,
+        intra_node_gbps=1.5,
+        inter_node_gbps=1.0,  # 10 GbE
+        intra_latency_us=60.0,
+        inter_latency_us=150.0,
+        gemm_efficiency=0.6,
+        attention_efficiency=0.3,
+        kernel_overhead_us=15.0,
+        bf16=False,
+        tf32=False,
+        is_gpu=False,
+    ),
+}
+
+NAMES = tuple(TABLE)
+
+
+def host_memory_gib() -> float:
+    """Physical RAM of this host (planning on the head node; workers are assumed alike)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):
+        return 16.0
+
+
+def cpu_memory_gib(workers_on_host: int) -> float:
+    """A conservative share of host RAM per CPU worker: half the RAM, split evenly (the rest is the OS,
+    Ray's object store and the driver)."""
+    return 0.5 * host_memory_gib() / max(1, workers_on_host)
+
+
+def get(name: str, overrides: dict | None = None) -> Hardware:
+    """Table entry by name, with fields replaced by `overrides` (unknown names are a KeyError)."""
+    hw = TABLE[name]
+    if overrides:
+        fields = {f.name for f in dataclasses.fields(Hardware)}
+        unknown = [k for k in overrides if k not in fields]
+        if unknown:
+            raise KeyError(f"unknown hardware field(s) {unknown}; known: {sorted(fields)}")
+        hw = dataclasses.replace(hw, **overrides)
+    return hw

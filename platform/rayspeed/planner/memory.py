@@ -1,0 +1,165 @@
+"""Memory per rank, component by component, for the worst pipeline stage.
+
+Playbook part A: bf16 weights 2N + bf16 grads 2N + fp32 master 4N + Adam 8N = 16 bytes/param, 20 with fp32
+gradient accumulation; ZeRO-1 divides the 12N optimizer part by dp, ZeRO-2 also the gradients, ZeRO-3
+everything. Activations are counted tensor by tensor for this platform's block (see `layer_saved`)."""
+
+from __future__ import annotations
+
+from rayspeed.planner.context import Ctx, Layout
+from rayspeed.planner.hardware import GIB
+from rayspeed.planner.model_math import Shape, stage_params
+
+COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "logits_loss",
+              "zero3_gathered", "comm_buckets", "cuda_context", "allocator_slack")
+
+# Gathered (non-persistent) tensors per layer under ZeRO-3: q, k, v, o, gate, up, down; the norms are
+# below stage3_param_persistence_threshold and stay resident.
+ZERO3_TENSORS_PER_LAYER = 7
+
+
+def bytes_per_param(precision: str, grad_accum_dtype: str) -> dict:
+    """Model-state bytes per parameter before any ZeRO division."""
+    if precision == "fp32":
+        return {"weights": 4, "gradients": 4, "master_weights": 0, "optimizer_states": 8}
+    grads = 2 + (4 if grad_accum_dtype == "fp32" else 0)  # bf16/fp16 grads (+ fp32 accumulation buffer)
+    return {"weights": 2, "gradients": grads, "master_weights": 4, "optimizer_states": 8}
+
+
+def model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zero_stage: int, dp: int) -> dict:
+    b = bytes_per_param(precision, grad_accum_dtype)
+    div = {
+        "weights": dp if zero_stage >= 3 else 1,
+        "gradients": dp if zero_stage >= 2 else 1,
+        "master_weights": dp if zero_stage >= 1 else 1,
+        "optimizer_states": dp if zero_stage >= 1 else 1,
+    }
+    return {k: n_params * b[k] / div[k] for k in b}
+
+
+def layer_saved(sh: Shape, tp: int, sp: bool) -> tuple[float, float, float]:
+    """Elements per token saved for backward by one layer without recomputation, as
+    (total, attention sub-block, MLP sub-block).
+    Outside the tp region (sharded only with sequence parallel): the two norm inputs and the two norm
+    outputs feeding the matmuls (4h). Inside (split by tp): q, k, v, the attention output, the fp32
+    log-sum-exp of flash attention (2 elements per head), and SwiGLU's gate, silu(gate), up and product
+    (4f, what eager autograd keeps). Flash/SDPA attention is assumed: no s x s score matrix is kept (the
+    playbook's 5as/h term is gone); its 34h for GPT-3 becomes about 37h for a Llama-7B block."""
+    out_div = tp if sp else 1
+    attn = 2 * sh.h / out_div + (2 * sh.h + 2 * sh.kv_dim + 2 * sh.a) / tp
+    mlp = 2 * sh.h / out_div + 4 * sh.f / tp
+    return attn + mlp, attn, mlp
+
+
+def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
+    """Activations held by one rank of `stage` at the peak of backward."""
+    sh = ctx.shape
+    tokens = lay.micro_batch_size * sh.s
+    out_div = lay.tp if lay.sequence_parallel else 1
+    full, attn, mlp = layer_saved(sh, lay.tp, lay.sequence_parallel)
+    mode = lay.activation_checkpointing
+    if mode == "none":
+        kept, working = full, 0.0
+    elif mode == "selective":  # attention and MLP sub-blocks checkpointed: their inputs are kept
+        kept, working = 2 * sh.h / out_div, max(attn, mlp)
+    else:  # full: only each block's input is kept; one block is rebuilt at a time
+        kept, working = sh.h / out_div, full
+    layers = sh.L // lay.pp
+    # 1F1B: stage i has (pp - i) micro-batches in flight (at most the number of micro-batches).
+    in_flight = 1 if lay.pp == 1 else min(lay.pp - stage, lay.grad_accum)
+    # Backward transient: gradients of one block's widest tensors (SwiGLU gate/up, the residual).
+    transient = 2 * sh.f / lay.tp + 2 * sh.h
+    elems = tokens * (in_flight * layers * kept + working + transient)
+    return elems * ctx.w_bytes
+
+
+def logits_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
+    """Last stage only: logits (working dtype) + fp32 log-softmax + fp32 logits gradient, s*b*v each,
+    divided by tp (vocab-parallel cross-entropy)."""
+    if stage != lay.pp - 1:
+        return 0.0
+    sh = ctx.shape
+    return lay.micro_batch_size * sh.s * sh.v / lay.tp * (ctx.w_bytes + 8)
+
+
+def buckets(ctx: Ctx, lay: Layout) -> dict:
+    """DeepSpeed bucket sizes (elements), from the hidden size like the HF integration's "auto"
+    (h^2 reduce/all-gather buckets, 0.9 h^2 prefetch, 10h persistence threshold), clamped so that small
+    models still send a few large messages and large ones do not reserve gigabytes."""
+    sh = ctx.shape
+    n = stage_params(sh, lay.tp, lay.pp, 0)
+    bucket = int(min(max(sh.h * sh.h, 2**23), 5e8, max(n, 1)))
+    layer_elems = sh.layer_matrix_params // lay.tp
+    return {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": int(0.9 * bucket),
+        "stage3_param_persistence_threshold": 10 * sh.h,
+        "stage3_max_live_parameters": int(max(2 * layer_elems, bucket)),
+        "stage3_max_reuse_distance": int(max(2 * layer_elems, bucket)),
+    }
+
+
+def bucket_bytes(ctx: Ctx, lay: Layout) -> float:
+    b = buckets(ctx, lay)
+    if lay.dp == 1 and lay.zero_stage < 3:
+        return 0.0
+    if lay.zero_stage == 0:
+        return b["reduce_bucket_size"] * ctx.comm_bytes
+    if lay.zero_stage in (1, 2):
+        # DeepSpeed: overlap_comm "uses 4.5x the allgather_bucket_size and reduce_bucket_size values".
+        return 4.5 * (b["reduce_bucket_size"] + b["allgather_bucket_size"]) * ctx.w_bytes
+    return 2 * b["reduce_bucket_size"] * ctx.comm_bytes
+
+
+def zero3_gathered_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
+    """ZeRO-3: full (tp-split) parameters of the modules in use plus those prefetched."""
+    if lay.zero_stage < 3:
+        return 0.0
+    sh = ctx.shape
+    b = buckets(ctx, lay)
+    biggest = sh.layer_matrix_params / lay.tp
+    if stage == 0 or stage == lay.pp - 1:
+        biggest = max(biggest, sh.v * sh.h / lay.tp)
+    return (min(b["stage3_max_live_parameters"], 2 * biggest) + b["stage3_prefetch_bucket_size"]) * ctx.w_bytes
+
+
+def communicators(lay: Layout) -> int:
+    return sum(1 for d in (lay.dp, lay.tp, lay.pp) if d > 1)
+
+
+def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
+    """Bytes per component for one rank of `stage`."""
+    n = stage_params(ctx.shape, lay.tp, lay.pp, stage)
+    out = model_state_bytes(n, ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.dp)
+    out["activations"] = activation_bytes(ctx, lay, stage)
+    out["logits_loss"] = logits_bytes(ctx, lay, stage)
+    out["zero3_gathered"] = zero3_gathered_bytes(ctx, lay, stage)
+    out["comm_buckets"] = bucket_bytes(ctx, lay)
+    if ctx.hw.is_gpu:
+        # CUDA context + cuBLAS workspaces, and NCCL channel buffers per communicator.
+        out["cuda_context"] = (0.75 + 0.25 * communicators(lay)) * GIB
+    else:
+        out["cuda_context"] = 0.4 * GIB  # the Python + torch process itself
+    dynamic = out["activations"] + out["logits_loss"] + out["zero3_gathered"] + out["comm_buckets"]
+    # Caching-allocator fragmentation grows with the churn of short-lived tensors.
+    out["allocator_slack"] = 0.25 * GIB + 0.05 * dynamic
+    return out
+
+
+def worst_stage(ctx: Ctx, lay: Layout) -> tuple[int, dict]:
+    """(stage, bytes by component) of the rank with the largest total. The first stage holds the most
+    in-flight micro-batches and the embedding, the last the head and the logits; middle stages hold less
+    than the first."""
+    stages = {0, lay.pp - 1}
+    best = None
+    for st in sorted(stages):
+        br = stage_breakdown(ctx, lay, st)
+        tot = sum(br.values())
+        if best is None or tot > best[0]:
+            best = (tot, st, br)
+    return best[1], best[2]
+
+
+def to_gib(br: dict) -> dict:
+    return {k: round(v / GIB, 3) for k, v in br.items()}

@@ -1,0 +1,222 @@
+"""plan_job / resolve / evaluate_layout: the planner's entry points."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.errors import ConfigError
+from rayspeed.planner.context import CHECKPOINT_MODES, LAYOUT_KEYS, Ctx, Layout
+from rayspeed.planner.explain import render
+from rayspeed.planner.hardware import GIB
+from rayspeed.planner.memory import bytes_per_param
+from rayspeed.planner.rules import all_rules, lr_rule
+from rayspeed.planner.search import (Estimate, accumulation_cap, build_ctx, deepspeed_options, enumerate_layouts,
+                                     evaluate, fixed_keys, rank, tp_ok)
+
+
+@dataclass
+class PlanResult:
+    best: dict
+    alternatives: list = field(default_factory=list)
+    explain: str = ""
+    rules: dict = field(default_factory=dict)
+    layout: Layout | None = None
+    ctx: Ctx | None = None
+
+    def to_json(self) -> dict:
+        return {"plan": self.best, "alternatives": self.alternatives, "explain": self.explain}
+
+
+# ---------------------------------------------------------------- search
+
+
+def _diverse(ranked: list[Estimate], top_k: int) -> list[Estimate]:
+    """Runner-ups that teach something: the best of each other (tp, pp, ZeRO) family first, then the rest."""
+    if top_k <= 0 or len(ranked) < 2:
+        return []
+    best = ranked[0]
+    seen = {(best.layout.tp, best.layout.pp, best.layout.zero_stage)}
+    out: list[Estimate] = []
+    for e in ranked[1:]:
+        key = (e.layout.tp, e.layout.pp, e.layout.zero_stage)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+        if len(out) >= top_k:
+            return out
+    for e in ranked[1:]:
+        if len(out) >= top_k:
+            break
+        if e not in out:
+            out.append(e)
+    return sorted(out, key=lambda e: e.step_s)
+
+
+def _search(cfg: JobConfig, ctx: Ctx, fixed: dict):
+    en = enumerate_layouts(ctx, fixed)
+    estimates = [evaluate(ctx, lay) for lay in en.layouts]
+    ranked = rank(estimates)
+    notes = list(ctx.notes)
+    if not ranked and en.beyond_cap:
+        extra = [evaluate(ctx, lay) for lay in en.beyond_cap]
+        ranked = rank(extra)
+        estimates += extra
+        if ranked:
+            notes.append(f"no layout fits within the accumulation cap ({accumulation_cap(ctx)}); the cap was relaxed "
+                         f"to grad_accum {ranked[0].layout.grad_accum} rather than fail the job")
+    return en, estimates, ranked, notes
+
+
+def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5) -> PlanResult:
+    """Search every valid layout for this job and cluster; raise ConfigError when none is possible."""
+    ctx = build_ctx(cfg, world_size)
+    fixed = fixed_keys(cfg)
+    en, estimates, ranked, notes = _search(cfg, ctx, fixed)
+    if not ranked:
+        raise ConfigError(_why_nothing(cfg, ctx, fixed, en, estimates))
+    best = ranked[0]
+    alts = _diverse(ranked, top_k)
+    rules = all_rules(ctx, best.layout, best, ranked, estimates, cfg.train.precision,
+                      cfg.resilience.collective_timeout_s)
+    counts = {"evaluated": len(estimates), "fitting": len(ranked)}
+    text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts)
+    plan = _plan_dict(cfg, ctx, best, rules)
+    plan["notes"] = notes
+    return PlanResult(best=plan, alternatives=[e.to_plan() for e in alts], explain=text, rules=rules,
+                      layout=best.layout, ctx=ctx)
+
+
+def _plan_dict(cfg: JobConfig, ctx: Ctx, e: Estimate, rules: dict | None = None) -> dict:
+    d = e.to_plan()
+    ds = deepspeed_options(ctx, e.layout)
+    if rules:
+        ds.update(rules["comm_profile"]["deepspeed"])
+        d["env"] = rules["comm_profile"]["env"]
+        d["rules"] = rules
+    d.update(world_size=ctx.world, gpu=ctx.hw.name, nodes=ctx.nodes, precision=ctx.precision, deepspeed=ds)
+    d["lr"] = cfg.train.lr if cfg.train.lr != AUTO else lr_rule(ctx.global_batch, ctx.world)["lr"]
+    return d
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Estimate]) -> list[str]:
+    """Problems naming the key and the fix: structural first, then memory (which part, by how much, what fits)."""
+    if not estimates:
+        seen, out = set(), []
+        for r in en.rejected:
+            if r not in seen:
+                seen.add(r)
+                out.append(r)
+        if not out:
+            out.append(f"no layout of dp x tp x pp = {ctx.world} satisfies the job")
+        head = (f"no valid layout for {ctx.world} workers"
+                + (f" with {', '.join(f'parallel.{k}={v}' for k, v in fixed.items())}" if fixed else ""))
+        return [f"{head}: " + out[0]] + out[1:6]
+    least = min(estimates, key=lambda e: e.memory_gib)
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]) if v > 0)
+    k, v = least.biggest_part()
+    msg = (f"the job does not fit in memory on {ctx.world} x {ctx.hw.name} ({ctx.usable_gib:.1f} GiB usable per "
+           f"{'GPU' if ctx.hw.is_gpu else 'worker'})"
+           + (f" with {', '.join(f'parallel.{k2}={v2}' for k2, v2 in fixed.items())}" if fixed else "")
+           + f": the smallest layout ({least.layout.short()}) needs {least.memory_gib:.1f} GiB on the worst rank, "
+           f"over by {least.overshoot_gib():.1f} GiB; largest part {k} {v:.1f} GiB (GiB: {parts})")
+    problems = [msg]
+    if fixed:
+        free = dataclasses.replace(cfg, parallel=type(cfg.parallel)())
+        en2 = enumerate_layouts(ctx, {})
+        est2 = [evaluate(ctx, lay) for lay in en2.layouts + en2.beyond_cap]
+        ranked = rank(est2)
+        if ranked:
+            b = ranked[0].layout
+            changes = [f"parallel.{key}={getattr(b, key)}" for key in fixed if getattr(b, key) != fixed[key]]
+            problems.append(f"what would fit: {', '.join(changes) or 'leaving these keys auto'} "
+                            f"(best layout {b.short()}, {ranked[0].memory_gib:.1f} GiB); or set them to auto")
+            return problems
+    # Nothing fits at all: how many GPUs the model states alone need at ZeRO-3.
+    bpp = sum(bytes_per_param(ctx.precision, ctx.grad_accum_dtype).values())
+    need = math.ceil(ctx.shape.params * bpp / GIB / max(ctx.usable_gib * 0.6, 1e-9))
+    problems.append(f"what would fit: more {'GPUs' if ctx.hw.is_gpu else 'workers'} (model states alone need "
+                    f"{ctx.shape.params * bpp / GIB:.0f} GiB: about {need} or more with ZeRO-3), a GPU with more memory "
+                    f"(cluster.gpu), or a shorter model.seq_len / smaller train.global_batch_size")
+    return problems
+
+
+# ---------------------------------------------------------------- resolve / evaluate
+
+
+def resolve(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, PlanResult]:
+    """A new JobConfig with every auto in parallel and train filled (and cluster.gpu), plus the plan."""
+    res = plan_job(cfg, world_size)
+    lay, ctx = res.layout, res.ctx
+    par = dataclasses.replace(cfg.parallel, **{k: getattr(lay, k) for k in LAYOUT_KEYS})
+    train = dataclasses.replace(cfg.train, precision=ctx.precision,
+                                lr=cfg.train.lr if cfg.train.lr != AUTO else res.best["lr"])
+    if train.min_lr > train.lr:
+        train = dataclasses.replace(train, min_lr=train.lr * 0.1)
+    cluster = cfg.cluster
+    if cluster.gpu == AUTO:
+        cluster = dataclasses.replace(cluster, gpu=ctx.hw.name)
+    return dataclasses.replace(cfg, parallel=par, train=train, cluster=cluster), res
+
+
+def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None) -> dict:
+    """One plan object for a given layout (fits false with a reason when it is invalid or does not fit).
+    Missing keys are derived (dp from the world, grad_accum from the batch, sequence_parallel from tp)."""
+    ctx = build_ctx(cfg, world_size)
+    sh = ctx.shape
+    problems: list[str] = []
+    unknown = [k for k in layout if k not in LAYOUT_KEYS]
+    if unknown:
+        problems.append(f"unknown layout key(s) {unknown}; expected {list(LAYOUT_KEYS)}")
+    tp = int(layout.get("tp", 1))
+    pp = int(layout.get("pp", 1))
+    dp = int(layout.get("dp", ctx.world // max(1, tp * pp)))
+    mb = int(layout.get("micro_batch_size", 1))
+    ga = int(layout.get("grad_accum", max(1, ctx.global_batch // max(1, dp * mb))))
+    z = int(layout.get("zero_stage", 0))
+    sp = bool(layout.get("sequence_parallel", tp > 1))
+    ac = str(layout.get("activation_checkpointing", "none"))
+    if min(dp, tp, pp, mb, ga) < 1:
+        problems.append("dp, tp, pp, micro_batch_size and grad_accum must be >= 1")
+        dp, tp, pp, mb, ga = (max(1, x) for x in (dp, tp, pp, mb, ga))
+    if dp * tp * pp != ctx.world:
+        problems.append(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size ({ctx.world})")
+    why = tp_ok(ctx, tp)
+    if why:
+        problems.append(why)
+    if sh.L % pp:
+        problems.append(f"pp {pp} does not divide model.num_layers ({sh.L})")
+    if dp * mb * ga != ctx.global_batch:
+        problems.append(f"dp ({dp}) x micro_batch_size ({mb}) x grad_accum ({ga}) = {dp * mb * ga} != "
+                        f"train.global_batch_size ({ctx.global_batch})")
+    if z not in (0, 1, 2, 3):
+        problems.append(f"zero_stage {z} is not 0..3")
+        z = 0
+    if pp > 1 and z > 1:
+        problems.append(f"zero_stage {z} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only")
+    if sp and tp == 1:
+        problems.append("sequence_parallel needs tp > 1")
+    if ac not in CHECKPOINT_MODES:
+        problems.append(f"activation_checkpointing {ac!r} is not one of {list(CHECKPOINT_MODES)}")
+        ac = "none"
+    if ga > accumulation_cap(ctx):
+        cap_note = f"grad_accum {ga} is above the field guide's cap ({accumulation_cap(ctx)})"
+    else:
+        cap_note = None
+    lay = Layout(dp, tp, pp, z, mb, ga, sp, ac)
+    if problems:
+        d = lay.as_dict()
+        d.update(fits=False, valid=False, reason="; ".join(problems), memory_gib_per_gpu=None,
+                 memory_breakdown_gib={}, step_time_s=None, tokens_per_s_per_gpu=None, mfu=None)
+        return d
+    e = evaluate(ctx, lay)
+    d = _plan_dict(cfg, ctx, e)
+    d["valid"] = True
+    if cap_note:
+        d["note"] = cap_note
+    return d

@@ -1,0 +1,192 @@
+"""The field guide's rules of thumb (PLAYBOOK.md part B), each computed for this job and shown beside the
+plan. Where a rule names a mechanism that does not exist, the rule's intent is served by one that does,
+and the rule says so."""
+
+from __future__ import annotations
+
+import math
+
+from rayspeed.planner.context import Ctx, Layout
+from rayspeed.planner.search import Estimate, accumulation_cap
+
+# ---------------------------------------------------------------- 1. strategy by size
+
+
+def strategy_family(ctx: Ctx) -> tuple[str, callable]:
+    """(name, predicate on a layout) of the strategy the size rule recommends."""
+    b = ctx.shape.params / 1e9
+    if b < 10:
+        return "pure data parallel (model < 10B)", lambda l: l.tp == 1 and l.pp == 1
+    if b <= 100:
+        if ctx.world < 32:
+            return "pipeline parallel with 2 stages (10-100B, < 32 GPUs)", lambda l: l.pp == 2 and l.tp == 1
+        return "data + tensor parallel, 2D (10-100B, >= 32 GPUs)", lambda l: l.tp > 1 and l.pp == 1
+    return "3D: data x pipeline x tensor (> 100B)", lambda l: l.tp > 1 and l.pp > 1
+
+
+def strategy_rule(ctx: Ctx, best: Estimate | None, ranked: list[Estimate], all_est: list[Estimate]) -> dict:
+    name, pred = strategy_family(ctx)
+    members = [e for e in ranked if pred(e.layout)]
+    candidates = [e for e in all_est if pred(e.layout)]
+    out = {
+        "rule": "< 10B: pure DP; 10-100B: PP with 2 stages below 32 GPUs, else DP + TP (2D); > 100B: 3D (DP x PP x TP)",
+        "params_billions": round(ctx.shape.params / 1e9, 3),
+        "gpus": ctx.world,
+        "recommends": name,
+        "fits": bool(members),
+        "chosen_follows_rule": bool(best is not None and pred(best.layout)),
+    }
+    if members:
+        fam = members[0]
+        out["rule_best_layout"] = fam.layout.short()
+        if best is not None and fam is not best:
+            out["rule_best_slowdown"] = round(fam.step_s / best.step_s - 1, 4)
+            out["note"] = (f"the rule's best layout ({fam.layout.short()}) is predicted "
+                           f"{100 * (fam.step_s / best.step_s - 1):.1f}% slower than the chosen one")
+        else:
+            out["note"] = "the chosen layout is the rule's"
+    elif candidates:
+        least = min(candidates, key=lambda e: e.memory_gib)
+        out["note"] = (f"no layout of this family fits: the smallest ({least.layout.short()}) needs "
+                       f"{least.memory_gib:.1f} GiB of {ctx.usable_gib:.1f} GiB usable")
+    else:
+        out["note"] = "no layout of this family is possible for this world size and model shape"
+    return out
+
+
+# ---------------------------------------------------------------- 3. learning rate
+
+
+def lr_rule(global_batch: int, gpus: int) -> dict:
+    """base = 1e-4 * sqrt(B / 1024); lr = base * min(1, log2(gpus) / 7). As written it is 0 on one GPU:
+    the GPU factor is floored at 1/7 (log2 taken as at least 1, i.e. the 2-GPU value)."""
+    base = 1e-4 * math.sqrt(global_batch / 1024)
+    raw = min(1.0, math.log2(gpus) / 7) if gpus >= 1 else 0.0
+    factor = min(1.0, max(1.0, math.log2(max(gpus, 1))) / 7)
+    lr = base * factor
+    out = {
+        "rule": "lr = 1e-4 * sqrt(global_batch / 1024) * min(1, log2(gpus) / 7)",
+        "global_batch": global_batch,
+        "gpus": gpus,
+        "base": base,
+        "gpu_factor": factor,
+        "lr": lr,
+    }
+    if factor != raw:
+        out["floored"] = (f"log2({gpus})/7 = {raw:.3f} would give lr {base * raw:.3g}; the factor is floored at 1/7 "
+                          "(log2 taken as at least 1), so lr is never 0")
+    return out
+
+
+# ---------------------------------------------------------------- 2. communication by cluster size
+
+
+def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = None) -> dict:
+    n = ctx.world
+    env: dict[str, str] = {}
+    ds: dict = {}
+    notes: list[str] = []
+    if not ctx.hw.is_gpu:
+        return {"gpus": n, "tier": "cpu (gloo)", "backend": "gloo", "env": {}, "deepspeed": {},
+                "notes": ["CPU workers use gloo over the host network; the NCCL tiers of the rule do not apply"]}
+    if n <= 8:
+        tier = "1-8 GPUs: plain all-reduce (NCCL defaults over NVLink)"
+    elif n <= 64:
+        tier = "8-64 GPUs: NCCL tree algorithm"
+        env["NCCL_ALGO"] = "Tree"
+    elif n <= 256:
+        tier = "64-256 GPUs: hierarchical all-gather (within nodes, then across)"
+    else:
+        tier = "> 256 GPUs: topology-aware mixed strategy"
+        notes.append("NCCL_ALGO left to NCCL's tuner: trees for small messages, rings for large ones")
+        env["NCCL_CROSS_NIC"] = "0"  # keep each ring/tree on its rail (rail-optimised fabrics)
+    if n > 64:
+        if lay.zero_stage == 3 and ctx.nodes > 1:
+            ds["zero_hpz_partition_size"] = ctx.node_size
+            notes.append(f"ZeRO++ hierarchical partitioning: a secondary weight copy per node "
+                         f"(zero_hpz_partition_size={ctx.node_size}) keeps backward all-gathers on NVLink")
+        else:
+            notes.append(f"hierarchical partitioning (ZeRO++ zero_hpz_partition_size) applies to ZeRO-3 only; with "
+                         f"ZeRO-{lay.zero_stage} NCCL's topology-aware rings already reduce inside a node before "
+                         "crossing it")
+    if n > 128:
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+        notes.append("asynchronous NCCL error handling on (> 128 GPUs): a dead rank fails the job instead of hanging "
+                     "it (NCCL_ASYNC_ERROR_HANDLING is the deprecated alias)")
+    if collective_timeout_s:
+        notes.append(f"collective timeout = process-group timeout {collective_timeout_s:.0f} s "
+                     "(resilience.collective_timeout_s; there is no NCCL_SOCKET_TIMEOUT variable)")
+    return {"gpus": n, "tier": tier, "backend": "nccl", "env": env, "deepspeed": ds, "notes": notes}
+
+
+# ---------------------------------------------------------------- 6. precision
+
+
+def precision_rule(ctx: Ctx, requested: str) -> dict:
+    hw = ctx.hw
+    out = {"precision": ctx.precision, "requested": requested}
+    if requested == "auto":
+        out["why"] = ("fp32 on CPU workers" if not hw.is_gpu else
+                      "bf16: the GPU supports it (prefer bf16)" if hw.bf16 else "fp16: the GPU has no bf16")
+    else:
+        out["why"] = "set in the job file"
+    out["tf32"] = bool(hw.is_gpu and hw.tf32)
+    if out["tf32"]:
+        out["torch_flags"] = {"torch.backends.cuda.matmul.allow_tf32": True, "torch.backends.cudnn.allow_tf32": True}
+    if ctx.precision == "fp16" and ctx.global_batch > 1024:
+        out["warning"] = ("fp16 with a global batch > 1024 is where gradient-sync errors were seen: prefer bf16; "
+                          "gradients are reduced in fp32 (DeepSpeed communication_data_type)")
+    return out
+
+
+# ---------------------------------------------------------------- 5. activation checkpointing
+
+
+def checkpointing_template(ctx: Ctx, lay: Layout) -> dict:
+    return {
+        "mode": lay.activation_checkpointing,
+        "template": "selective recomputation of attention and MLP blocks, RNG state not preserved, contiguous buffers",
+        "preserve_rng_state": False,  # torch.utils.checkpoint(preserve_rng_state=False): the model has no dropout
+        "contiguous_memory_optimization": True,
+        "number_checkpoints": ctx.shape.L // lay.pp,
+        "partition_activations": lay.tp > 1,
+        "cpu_checkpointing": False,
+        "synchronize_checkpoint_boundary": False,
+    }
+
+
+# ---------------------------------------------------------------- 10. topology
+
+
+def topology_rule(ctx: Ctx, lay: Layout) -> dict:
+    n, k = ctx.world, ctx.node_size
+    nodes = ctx.nodes
+    per_node = n / nodes
+    out = {
+        "rule": "up to 8 GPUs on one node (full NVLink); beyond, spread evenly, >= 4 GPUs per node, symmetric; "
+                "tp never spans nodes",
+        "nodes": nodes,
+        "ranks_per_node": k,
+        "tp_within_node": lay.tp <= k,
+        "symmetric": n % k == 0 or nodes == 1,
+        "min_4_per_node": nodes == 1 or per_node >= 4,
+        "placement_strategy": "PACK" if nodes == 1 else "SPREAD across nodes, PACK within (ranks tp-fastest, then dp, then pp)",
+        "order": "tp innermost (NVLink), then dp, then pp across nodes",
+    }
+    if lay.pp > 1 and nodes > 1:
+        out["pp_across_nodes"] = True
+    return out
+
+
+def all_rules(ctx: Ctx, lay: Layout, best: Estimate | None, ranked, all_est, requested_precision: str,
+              collective_timeout_s: float | None) -> dict:
+    return {
+        "strategy": strategy_rule(ctx, best, ranked, all_est),
+        "lr": lr_rule(ctx.global_batch, ctx.world),
+        "accumulation_cap": {"rule": "max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33))",
+                             "max_grad_accum": accumulation_cap(ctx)},
+        "comm_profile": comm_profile(ctx, lay, collective_timeout_s),
+        "precision": precision_rule(ctx, requested_precision),
+        "checkpointing": checkpointing_template(ctx, lay),
+        "topology": topology_rule(ctx, lay),
+    }

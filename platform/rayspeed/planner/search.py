@@ -1,0 +1,272 @@
+"""Build the planning context from a job, enumerate every valid layout, evaluate and rank them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.errors import ConfigError
+from rayspeed.planner import hardware
+from rayspeed.planner.context import CHECKPOINT_MODES, LAYOUT_KEYS, Ctx, Layout
+from rayspeed.planner.memory import buckets, to_gib, worst_stage
+from rayspeed.planner.model_math import Shape
+from rayspeed.planner.timing import StepTime, step_time
+
+GIB = hardware.GIB
+NEAR_TIE = 0.01  # within 1% the model cannot tell layouts apart: prefer the simpler one (see `preference`)
+
+
+# ---------------------------------------------------------------- context
+
+
+def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides: dict | None = None) -> Ctx:
+    c, t = cfg.cluster, cfg.train
+    notes: list[str] = []
+    world = int(world_size) if world_size else c.max_workers
+    if world < 1:
+        raise ConfigError(f"world size must be >= 1, got {world}")
+    gpu = c.gpu
+    if gpu == AUTO:
+        gpu = "h100-sxm-80gb" if c.use_gpu else "cpu"
+        if c.use_gpu:
+            notes.append("cluster.gpu is auto: planned for h100-sxm-80gb (assumed; the engine detects the real GPU "
+                         "at run time and re-plans)")
+    if gpu not in hardware.TABLE:
+        raise ConfigError(f"cluster.gpu: unknown '{gpu}'; known: {', '.join(hardware.NAMES)} (or auto)")
+    if c.use_gpu and gpu == "cpu":
+        raise ConfigError("cluster.gpu: cpu contradicts cluster.use_gpu: true; set a GPU type or auto")
+    if not c.use_gpu and gpu != "cpu":
+        notes.append(f"cluster.use_gpu is false but cluster.gpu is {gpu}: planned for {gpu} GPUs")
+    overrides = dict(hardware_overrides or getattr(c, "hardware", None) or {})
+    try:
+        hw = hardware.get(gpu, overrides)
+    except KeyError as e:
+        raise ConfigError(f"cluster.hardware: {e.args[0]}") from None
+    if hw.is_gpu:
+        node_size = c.gpus_per_node
+    else:  # CPU workers: one node unless the job says there are several
+        node_size = world if c.num_nodes <= 1 else -(-world // c.num_nodes)
+    memory = hw.memory_gib
+    if not hw.is_gpu and "memory_gib" not in overrides:
+        memory = hardware.cpu_memory_gib(min(node_size, world))
+        notes.append(f"cpu workers: memory budget {memory:.1f} GiB each (half the host RAM, split across "
+                     f"{min(node_size, world)} workers)")
+    precision = t.precision
+    if precision == AUTO:
+        precision = "fp32" if not hw.is_gpu else ("bf16" if hw.bf16 else "fp16")
+    elif precision == "bf16" and hw.is_gpu and not hw.bf16:
+        raise ConfigError(f"train.precision: bf16 is not supported on {hw.name}; use fp16 or auto")
+    return Ctx(shape=Shape.from_config(cfg.model), hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
+               world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
+               notes=tuple(notes))
+
+
+# ---------------------------------------------------------------- constraints
+
+
+def accumulation_cap(ctx: Ctx) -> int:
+    """Field guide rule 4: max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33)), at least 1."""
+    billions = ctx.shape.params / 1e9
+    return max(1, math.floor(2048 / (billions * ctx.world**0.33)))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fixed_keys(cfg: JobConfig) -> dict:
+    par = cfg.parallel
+    return {k: getattr(par, k) for k in LAYOUT_KEYS if getattr(par, k) != AUTO}
+
+
+def tp_ok(ctx: Ctx, tp: int) -> str | None:
+    sh = ctx.shape
+    if sh.a % tp or sh.kv % tp:
+        return f"tp {tp} does not divide model.num_heads ({sh.a}) and model.num_kv_heads ({sh.kv})"
+    if sh.v % tp:
+        return f"tp {tp} does not divide model.vocab_size ({sh.v}) (vocab-parallel embedding)"
+    if tp > ctx.node_size:
+        return f"tp {tp} exceeds the {ctx.node_size} ranks of a node (tp never spans nodes)"
+    return None
+
+
+@dataclass
+class Enumeration:
+    layouts: list[Layout] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)  # why structural combinations were dropped
+    beyond_cap: list[Layout] = field(default_factory=list)  # valid but above the accumulation cap
+
+
+def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
+    """Every layout that satisfies the structural rules and the fixed keys."""
+    sh, W, B = ctx.shape, ctx.world, ctx.global_batch
+    cap = accumulation_cap(ctx)
+    out = Enumeration()
+    tps = [fixed["tp"]] if "tp" in fixed else divisors(W)
+    for tp in tps:
+        if W % tp:
+            out.rejected.append(f"parallel.tp ({tp}) does not divide the world size ({W})")
+            continue
+        why = tp_ok(ctx, tp)
+        if why:
+            if "tp" in fixed:
+                out.rejected.append(f"parallel.tp: {why}")
+            continue
+        pps = [fixed["pp"]] if "pp" in fixed else divisors(W // tp)
+        for pp in pps:
+            if (W // tp) % pp:
+                out.rejected.append(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide the world size ({W})")
+                continue
+            if sh.L % pp:
+                if "pp" in fixed:
+                    out.rejected.append(f"parallel.pp ({pp}) does not divide model.num_layers ({sh.L})")
+                continue
+            dp = W // (tp * pp)
+            if "dp" in fixed and fixed["dp"] != dp:
+                out.rejected.append(f"parallel.dp ({fixed['dp']}) x tp ({tp}) x pp ({pp}) must equal the world size ({W}); "
+                                    f"dp would be {dp}")
+                continue
+            if B % dp:
+                out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) "
+                                    f"(world {W} / (tp {tp} x pp {pp}))")
+                continue
+            per = B // dp
+            mbs = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else divisors(per)
+            for mb in mbs:
+                if per % mb:
+                    out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) x "
+                                        f"parallel.micro_batch_size ({mb}); use a micro-batch that divides {per}")
+                    continue
+                ga = per // mb
+                if "grad_accum" in fixed and fixed["grad_accum"] != ga:
+                    out.rejected.append(f"train.global_batch_size ({B}) != dp ({dp}) x parallel.micro_batch_size ({mb}) x "
+                                        f"parallel.grad_accum ({fixed['grad_accum']}); grad_accum would be {ga}")
+                    continue
+                zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else ([0, 1] if pp > 1 else [0, 1, 2, 3])
+                for z in zeros:
+                    if pp > 1 and z > 1:
+                        out.rejected.append(f"parallel.zero_stage ({z}) with pp {pp}: DeepSpeed's pipeline engine "
+                                            "supports ZeRO 0 or 1 only")
+                        continue
+                    sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
+                    for sp in sps:
+                        if sp and tp == 1:
+                            out.rejected.append("parallel.sequence_parallel: true needs tp > 1")
+                            continue
+                        modes = ([fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed
+                                 else list(CHECKPOINT_MODES))
+                        for ac in modes:
+                            lay = Layout(dp, tp, pp, z, mb, ga, bool(sp), ac)
+                            if ga > cap and "grad_accum" not in fixed:
+                                out.beyond_cap.append(lay)
+                            else:
+                                out.layouts.append(lay)
+    return out
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    fits: bool
+    memory: dict  # bytes by component, worst stage
+    worst_stage: int
+    time: StepTime
+    ctx: Ctx
+
+    @property
+    def memory_gib(self) -> float:
+        return sum(self.memory.values()) / GIB
+
+    @property
+    def step_s(self) -> float:
+        return self.time.step_s
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.ctx.global_batch * self.ctx.shape.s / self.step_s / self.ctx.world
+
+    @property
+    def mfu(self) -> float:
+        hw = self.ctx.hw
+        return self.tokens_per_s_per_gpu * self.ctx.shape.flops_per_token / hw.peak(self.ctx.precision)
+
+    def overshoot_gib(self) -> float:
+        return self.memory_gib - self.ctx.usable_gib
+
+    def biggest_part(self) -> tuple[str, float]:
+        k = max(self.memory, key=self.memory.get)
+        return k, self.memory[k] / GIB
+
+    def to_plan(self) -> dict:
+        """The plan object of the interface: layout fields + fits, memory, time, throughput."""
+        d = self.layout.as_dict()
+        d.update(
+            fits=self.fits,
+            memory_gib_per_gpu=round(self.memory_gib, 3),
+            memory_breakdown_gib=to_gib(self.memory),
+            usable_memory_gib=round(self.ctx.usable_gib, 3),
+            worst_stage=self.worst_stage,
+            step_time_s=round(self.step_s, 6),
+            tokens_per_s_per_gpu=round(self.tokens_per_s_per_gpu, 2),
+            mfu=round(self.mfu, 4),
+            time_breakdown_s=self.time.as_dict(),
+        )
+        if not self.fits:
+            k, v = self.biggest_part()
+            d["reason"] = (f"needs {self.memory_gib:.2f} GiB on the worst rank (stage {self.worst_stage}) but "
+                           f"{self.ctx.usable_gib:.2f} GiB are usable (over by {self.overshoot_gib():.2f} GiB; "
+                           f"largest part: {k} {v:.2f} GiB)")
+        return d
+
+
+def evaluate(ctx: Ctx, lay: Layout) -> Estimate:
+    stage, mem = worst_stage(ctx, lay)
+    tot = sum(mem.values()) / GIB
+    return Estimate(layout=lay, fits=tot <= ctx.usable_gib, memory=mem, worst_stage=stage,
+                    time=step_time(ctx, lay), ctx=ctx)
+
+
+def preference(e: Estimate) -> tuple:
+    """Order among near ties: less accumulation (bigger micro-batches, more DP), smaller tp and pp, lower ZeRO,
+    cheaper checkpointing."""
+    lay = e.layout
+    return (lay.grad_accum, lay.tp, lay.pp, lay.zero_stage, CHECKPOINT_MODES.index(lay.activation_checkpointing))
+
+
+def rank(estimates: list[Estimate]) -> list[Estimate]:
+    """Fitting estimates, fastest first, near ties (NEAR_TIE) resolved by `preference`."""
+    fit = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
+    if not fit:
+        return []
+    best_t = fit[0].step_s
+    head = sorted((e for e in fit if e.step_s <= best_t * (1 + NEAR_TIE)), key=preference)
+    rest = [e for e in fit if e not in head]
+    return head + rest
+
+
+def deepspeed_options(ctx: Ctx, lay: Layout) -> dict:
+    """The DeepSpeed settings this plan assumes (bucket sizes, overlap, dtypes); the engine merges them."""
+    b = buckets(ctx, lay)
+    zero = {"stage": lay.zero_stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
+            "reduce_bucket_size": b["reduce_bucket_size"], "allgather_bucket_size": b["allgather_bucket_size"]}
+    if lay.zero_stage == 3:
+        zero.update({k: b[k] for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                                       "stage3_max_live_parameters", "stage3_max_reuse_distance")})
+    out = {
+        "train_batch_size": ctx.global_batch,
+        "train_micro_batch_size_per_gpu": lay.micro_batch_size,
+        "gradient_accumulation_steps": lay.grad_accum,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ctx.precision == "bf16"},
+        "fp16": {"enabled": ctx.precision == "fp16"},
+        "communication_data_type": "fp32" if ctx.comm_bytes == 4 else ctx.precision,
+        "data_types": {"grad_accum_dtype": ctx.grad_accum_dtype},
+    }
+    if lay.pp > 1:
+        out["pipeline"] = {"stages": lay.pp, "partition_method": "uniform", "activation_checkpoint_interval":
+                           0 if lay.activation_checkpointing == "none" else 1}
+    return out

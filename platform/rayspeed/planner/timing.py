@@ -1,0 +1,197 @@
+"""Step time of one layout, from first principles: GEMMs on a soft roofline (FLOPs at the measured best GEMM
+efficiency plus the bytes they move at HBM bandwidth, so small per-GPU work runs at lower efficiency),
+fused attention at its own efficiency, element-wise work at memory bandwidth, host launch overhead as a
+floor, collectives as latency + bytes / bus bandwidth with their overlap, the 1F1B pipeline bubble,
+ZeRO-3's per-tensor gather cost, and the optimizer step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayspeed.planner.context import Ctx, Layout
+from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER
+from rayspeed.planner.model_math import stage_params
+
+MEM_EFFICIENCY = 0.8  # element-wise kernels reach ~80% of HBM bandwidth
+DEEPSPEED_STEP_S = 0.005  # engine cost per optimizer step beyond the math (H200 anchor: ZeRO-1 vs eager)
+ZERO3_PER_TENSOR_S = 0.0005  # ZeRO-3 fetch/release bookkeeping per gathered tensor per pass (H200 anchor:
+#                              774M on 1 GPU, 380.6 ms vs 207.5 ms at ZeRO-1 over ~150 tensors x 2 passes)
+OVERLAP_TAX = 0.1  # overlapped communication still slows the compute it hides behind (shared SMs, HBM)
+KERNELS_FWD_PER_LAYER = 30  # eager ops in one block's forward (norms, projections, RoPE, attention, SwiGLU)
+KERNELS_BWD_PER_LAYER = 50
+OPTIMIZER_BYTES_PER_PARAM = 36  # fused Adam: read w,g,m,v + write w,m,v (fp32), grad norm, bf16 copy-out
+
+
+@dataclass
+class StepTime:
+    compute_s: float  # forward + backward + recomputation of all micro-batches (critical path, no bubble)
+    recompute_s: float  # part of compute_s spent recomputing activations
+    tp_comm_s: float  # tensor-parallel collectives (critical path)
+    pp_bubble_s: float  # pipeline fill and drain
+    pp_p2p_s: float  # pipeline sends on the critical path
+    dp_comm_s: float  # exposed data-parallel / ZeRO communication
+    dp_comm_total_s: float  # all data-parallel communication, hidden or not
+    zero3_overhead_s: float  # ZeRO-3 gather bookkeeping
+    optimizer_s: float  # optimizer step + engine overhead
+
+    @property
+    def step_s(self) -> float:
+        return (self.compute_s + self.tp_comm_s + self.pp_bubble_s + self.pp_p2p_s + self.dp_comm_s
+                + self.zero3_overhead_s + self.optimizer_s)
+
+    def as_dict(self) -> dict:
+        d = {k: round(v, 6) for k, v in self.__dict__.items()}
+        d["step_s"] = round(self.step_s, 6)
+        return d
+
+
+def gemm_s(ctx: Ctx, M: float, K: float, N: float) -> float:
+    """One GEMM (M x K) @ (K x N): FLOPs at the best efficiency plus its operand traffic at HBM speed
+    (a soft roofline: thin GEMMs from small micro-batches or large tp fall well below peak)."""
+    hw = ctx.hw
+    flops = 2.0 * M * K * N
+    traffic = ctx.w_bytes * (M * K + K * N + M * N)
+    return flops / (hw.peak(ctx.precision) * hw.gemm_efficiency) + traffic / (hw.hbm_gbps * 1e9)
+
+
+def collective_s(nbytes: float, ranks: int, bw_gbps: float, latency_us: float, factor: float, calls: int = 1) -> float:
+    """Ring-style collective: factor * (n-1)/n * bytes / bus bandwidth + latency per call.
+    factor 2 for all-reduce, 1 for reduce-scatter or all-gather."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return factor * (ranks - 1) / ranks * nbytes / (bw_gbps * 1e9) + calls * latency_us * 1e-6
+
+
+def tp_link(ctx: Ctx, lay: Layout) -> tuple[float, float]:
+    """(bandwidth GB/s, latency us) of the tp group: NVLink while it fits in a node, the network beyond."""
+    if lay.tp <= ctx.node_size:
+        return ctx.hw.intra_node_gbps, ctx.hw.intra_latency_us
+    return ctx.hw.inter_node_gbps, ctx.hw.inter_latency_us
+
+
+def dp_link(ctx: Ctx, lay: Layout) -> tuple[float, float]:
+    """Ranks are placed tp-fastest, then dp, then pp. A dp group inside one node uses NVLink; one that
+    spans nodes is bounded by the NICs its ranks own on each node (NCCL runs one ring per NIC)."""
+    hw = ctx.hw
+    if lay.tp * lay.dp <= ctx.node_size:
+        return hw.intra_node_gbps, hw.intra_latency_us
+    per_node = max(1, min(lay.dp, ctx.node_size // lay.tp))
+    return min(hw.intra_node_gbps, per_node * hw.inter_node_gbps), hw.inter_latency_us
+
+
+def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
+    """One block's forward for one micro-batch: (gemm+attention s, element-wise s, host launch s)."""
+    sh, hw, t = ctx.shape, ctx.hw, lay.tp
+    T = lay.micro_batch_size * sh.s
+    g = (gemm_s(ctx, T, sh.h, (sh.h + 2 * sh.kv_dim) / t) + gemm_s(ctx, T, sh.h / t, sh.h)
+         + gemm_s(ctx, T, sh.h, 2 * sh.f / t) + gemm_s(ctx, T, sh.f / t, sh.h))
+    attn_flops = 2.0 * T * sh.s * sh.h / t  # causal: half of QK^T and AV
+    g += attn_flops / (hw.peak(ctx.precision) * hw.attention_efficiency)
+    out_div = t if lay.sequence_parallel else 1
+    # norms (read+write h, twice), residual adds (3h, twice) | RoPE on q,k, SwiGLU (silu + product)
+    elems = T * (10 * sh.h / out_div + (2 * sh.h + 2 * sh.kv_dim + 5 * sh.f) / t)
+    ew = elems * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
+    host = KERNELS_FWD_PER_LAYER * hw.kernel_overhead_us * 1e-6
+    return g, ew, host
+
+
+def microbatch_stage_s(ctx: Ctx, lay: Layout, stage: int) -> tuple[float, float, float, float]:
+    """(compute, recompute, tp comm, backward compute) for one micro-batch on one stage."""
+    sh, hw, t = ctx.shape, ctx.hw, lay.tp
+    T = lay.micro_batch_size * sh.s
+    layers = sh.L // lay.pp
+    g, ew, host = layer_fwd(ctx, lay)
+    attn_bwd_extra = 1.5 * 2.0 * T * sh.s * sh.h / t / (hw.peak(ctx.precision) * hw.attention_efficiency)
+    fwd = max(g + ew, host)
+    bwd = max(2 * g + attn_bwd_extra + 2 * ew, KERNELS_BWD_PER_LAYER * hw.kernel_overhead_us * 1e-6)
+    rec = 0.0
+    if lay.activation_checkpointing == "full":
+        rec = fwd
+    elif lay.activation_checkpointing == "selective":
+        rec = max(g + 0.8 * ew, host)  # residual adds are not rebuilt
+    comp = layers * (fwd + bwd + rec)
+    back = layers * (bwd + rec)
+    if stage == lay.pp - 1:  # output head + cross-entropy
+        head = gemm_s(ctx, T, sh.h, sh.v / t)
+        ce = T * sh.v / t * (ctx.w_bytes + 16) / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
+        comp += 3 * head + ce
+        back += 2 * head + ce / 2
+    if stage == 0:  # embedding lookup (its traffic only)
+        comp += 2 * T * sh.h * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
+    tp = 0.0
+    if t > 1:
+        bw, lat = tp_link(ctx, lay)
+        act = T * sh.h * ctx.w_bytes
+        per_layer = 4 + (2 if lay.activation_checkpointing != "none" else 0)  # 2 fwd + 2 bwd (+2 recompute)
+        # With sequence parallel each all-reduce becomes a reduce-scatter + all-gather: same bytes, two calls.
+        calls = 2 if lay.sequence_parallel else 1
+        tp = layers * per_layer * collective_s(act, t, bw, lat, 2.0, calls)
+        if stage == 0:
+            tp += collective_s(act, t, bw, lat, 2.0)  # vocab-parallel embedding
+        if stage == lay.pp - 1:
+            tp += collective_s(T * 12, t, bw, lat, 2.0, 3)  # vocab-parallel loss: max, sum, target logit
+    return comp, layers * rec, tp, back
+
+
+def step_time(ctx: Ctx, lay: Layout) -> StepTime:
+    sh, hw = ctx.shape, ctx.hw
+    m, p, d = lay.grad_accum, lay.pp, lay.dp
+    stages = sorted({0, p - 1})
+    per = {st: microbatch_stage_s(ctx, lay, st) for st in stages}
+    worst = max(stages, key=lambda st: per[st][0] + per[st][2])
+    comp, rec, tpc, back = per[worst]
+
+    # Pipeline: 1F1B runs m + p - 1 slots of the slowest stage; (p - 1) of them are the bubble.
+    p2p = 0.0
+    if p > 1:
+        T = lay.micro_batch_size * sh.s
+        nbytes = T * sh.h * ctx.w_bytes / (lay.tp if lay.sequence_parallel else 1)
+        cross = ctx.world > ctx.node_size
+        bw = hw.inter_node_gbps if cross else hw.intra_node_gbps
+        lat = hw.inter_latency_us if cross else hw.intra_latency_us
+        p2p = (m + p - 1) * 2 * (lat * 1e-6 + nbytes / (bw * 1e9))
+    compute = m * comp
+    bubble = (p - 1) * (comp + tpc)
+    tp_total = m * tpc
+
+    # Data parallel / ZeRO.
+    n_stage = stage_params(sh, lay.tp, p, worst)
+    grads = n_stage * ctx.comm_bytes
+    weights = n_stage * ctx.w_bytes
+    bw, lat = dp_link(ctx, lay)
+    bucket = max(1, min(max(sh.h * sh.h, 2**23), 5e8))
+    calls_g = max(1, round(n_stage / bucket))
+    window_last = back  # the last micro-batch's backward hides the gradient reduction
+    dp_total = dp_exposed = z3 = 0.0
+    if d > 1 or lay.zero_stage == 3:
+        if lay.zero_stage in (0, 1):
+            red = collective_s(grads, d, bw, lat, 2.0 if lay.zero_stage == 0 else 1.0, calls_g)
+            gather = collective_s(weights, d, bw, lat, 1.0, calls_g) if lay.zero_stage == 1 else 0.0
+            hidden = 0.0 if p > 1 else window_last  # DeepSpeed's pipeline engine reduces after the flush
+            dp_total = red + gather
+            dp_exposed = _exposed(red, hidden) + gather
+        elif lay.zero_stage == 2:  # reduce-scatter on every micro-batch's backward
+            red = collective_s(grads, d, bw, lat, 1.0, calls_g)
+            gather = collective_s(weights, d, bw, lat, 1.0, calls_g)
+            dp_total = m * red + gather
+            dp_exposed = m * _exposed(red, back) + gather
+        else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, each micro-batch
+            fwd_time = comp - back
+            ag = collective_s(weights, d, bw, lat, 1.0, calls_g)
+            red = collective_s(grads, d, bw, lat, 1.0, calls_g)
+            dp_total = m * (2 * ag + red)
+            dp_exposed = m * (_exposed(ag, fwd_time) + _exposed(ag + red, back))
+            z3 = m * 2 * ZERO3_TENSORS_PER_LAYER * (sh.L // p) * ZERO3_PER_TENSOR_S
+    if sh.tied and p > 1:  # tied embedding: first and last stage all-reduce its gradient
+        dp_exposed += collective_s(sh.v * sh.h / lay.tp * ctx.comm_bytes, 2, hw.inter_node_gbps, hw.inter_latency_us, 2.0)
+
+    owned = n_stage / (d if lay.zero_stage >= 1 else 1)
+    opt = owned * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY) + DEEPSPEED_STEP_S
+    return StepTime(compute_s=compute, recompute_s=m * rec, tp_comm_s=tp_total, pp_bubble_s=bubble,
+                    pp_p2p_s=p2p, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, zero3_overhead_s=z3,
+                    optimizer_s=opt)
+
+
+def _exposed(comm: float, window: float) -> float:
+    """Communication overlapped with `window` seconds of compute: what sticks out, plus a tax on what hid."""
+    return max(0.0, comm - window) + OVERLAP_TAX * min(comm, window)

@@ -1,0 +1,182 @@
+"""The rank-zero MLflow logger.
+
+Gate once (only rank 0 constructs a live logger; other ranks get a no-op), import mlflow lazily, and
+never let the tracking server stall or kill training: everything goes through a queue drained by one
+background thread that retries with backoff, warns once while the server is away and flushes when it
+is back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_MAX_BATCH = 500  # MLflow's log_batch limit is 1000 metrics; stay well under.
+
+
+class NullLogger:
+    """What non-zero ranks get: every call is free."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def log_artifact_file(self, path: str, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_artifact_dir(self, path: str, artifact_path: str | None = None) -> None:
+        pass
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        return True
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        pass
+
+
+class MlflowLogger(NullLogger):
+    def __init__(self, tracking_uri: str, run_id: str, retry_max_s: float = 30.0):
+        # Short HTTP retries inside mlflow: our own loop retries forever without blocking the caller.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.run_id = run_id
+        self._q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self._retry_max_s = retry_max_s
+        self._warned = False
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stop = False
+        self._thread = threading.Thread(target=self._drain, name="rayspeed-mlflow", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- producer side (never blocks)
+    def _put(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._q.put((kind, payload))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        ts = int(time.time() * 1000)
+        self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._put("params", {k: _param_value(v) for k, v in params.items()})
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self._put("tags", {k: str(v) for k, v in tags.items()})
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._put("text", (text, artifact_file))
+
+    def log_artifact_file(self, path: str, artifact_path: str | None = None) -> None:
+        self._put("file", (path, artifact_path))
+
+    def log_artifact_dir(self, path: str, artifact_path: str | None = None) -> None:
+        self._put("dir", (path, artifact_path))
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until everything queued so far reached the server (or the timeout passed)."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        ok = self.flush(timeout_s)
+        self._stop = True
+        self._q.put(("stop", None))
+        if not ok:
+            log.warning("MLflow: %d queued records were not delivered before shutdown", self._pending)
+
+    # ------------------------------------------------------------- consumer side
+    def _send(self, kind: str, payload: Any) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        if kind == "metrics":
+            for i in range(0, len(payload), _MAX_BATCH):
+                chunk = payload[i : i + _MAX_BATCH]
+                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in chunk])
+        elif kind == "params":
+            items = list(payload.items())
+            existing = self.client.get_run(self.run_id).data.params
+            # A resumed run keeps its first params; a re-plan that changed a value is recorded as a tag.
+            fresh = [Param(k, v) for k, v in items if k not in existing]
+            changed = {f"replan.{k}": v for k, v in items if k in existing and existing[k] != v}
+            for i in range(0, len(fresh), 100):
+                self.client.log_batch(self.run_id, params=fresh[i : i + 100])
+            if changed:
+                self.client.log_batch(self.run_id, tags=[RunTag(k, v[:5000]) for k, v in changed.items()])
+        elif kind == "tags":
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v[:5000]) for k, v in payload.items()])
+        elif kind == "text":
+            text, artifact_file = payload
+            self.client.log_text(self.run_id, text, artifact_file)
+        elif kind == "file":
+            path, artifact_path = payload
+            self.client.log_artifact(self.run_id, path, artifact_path)
+        elif kind == "dir":
+            path, artifact_path = payload
+            self.client.log_artifacts(self.run_id, path, artifact_path)
+
+    def _drain(self) -> None:
+        while True:
+            kind, payload = self._q.get()
+            if kind == "stop":
+                return
+            delay = 0.5
+            while True:
+                try:
+                    self._send(kind, payload)
+                    if self._warned:
+                        log.warning("MLflow: tracking server reachable again; queued records delivered")
+                        self._warned = False
+                    break
+                except Exception as e:  # server away, network, store locked: retry, never raise
+                    if not self._warned:
+                        log.warning("MLflow: logging failed (%s); queueing and retrying, training continues", _short(e))
+                        self._warned = True
+                    if self._stop:
+                        break
+                    time.sleep(delay)
+                    delay = min(delay * 2, self._retry_max_s)
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.set()
+
+
+def _param_value(v: Any) -> str:
+    s = json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+    return s[:6000]
+
+
+def _short(e: Exception) -> str:
+    s = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return s[:200]
+
+
+def write_temp_json(obj: Any, name: str) -> str:
+    d = tempfile.mkdtemp(prefix="rayspeed-")
+    path = os.path.join(d, name)
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True)
+    return path

@@ -1,0 +1,102 @@
+"""Where runs live and which run a job writes to: one MLflow run per job name, across restarts,
+resizes and resubmissions. mlflow is imported lazily so planning and config checks never pay for it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from rayspeed.config.schema import AUTO, JobConfig
+
+log = logging.getLogger(__name__)
+
+JOB_TAG = "rayspeed.job"
+
+
+def home() -> Path:
+    """The repository the job was launched from. `make submit` passes RAYSPEED_HOME because `ray job submit
+    --working-dir` runs the driver from a temporary copy whose files vanish."""
+    env = os.environ.get("RAYSPEED_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(__file__).resolve().parents[3]
+
+
+def tracking_uri(cfg: JobConfig) -> str:
+    if cfg.tracking.uri != AUTO:
+        return cfg.tracking.uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{home() / 'mlflow.db'}"
+
+
+def artifact_root() -> str:
+    """Artifact root for experiments created in the local SQLite store (absolute, see home())."""
+    return (home() / "mlartifacts").as_uri()
+
+
+def storage_path(cfg: JobConfig) -> str:
+    if cfg.storage.path != AUTO:
+        p = cfg.storage.path
+        return p if "://" in p else str(Path(p).expanduser())
+    return str(home() / "runs")
+
+
+def registered_model_name(cfg: JobConfig) -> str:
+    return cfg.tracking.register_model if cfg.tracking.register_model != AUTO else f"rayspeed-{cfg.name}"
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: Any, name: str, uri: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    location = artifact_root() if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another job
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
+    """(run id, resumed): the job's existing run if one exists (same experiment, tag rayspeed.job = name),
+    else a new one. Resubmitting a job name therefore continues its run."""
+    uri = tracking_uri(cfg)
+    client = _client(uri)
+    exp_id = experiment_id(client, cfg.tracking.experiment, uri)
+    runs = client.search_runs(
+        [exp_id],
+        filter_string=f"tags.`{JOB_TAG}` = '{cfg.name}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if runs:
+        run_id = runs[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        return run_id, True
+    tags = {JOB_TAG: cfg.name, "mlflow.runName": cfg.name}
+    tags.update(extra_tags or {})
+    run = client.create_run(exp_id, run_name=cfg.name, tags=tags)
+    return run.info.run_id, False
+
+
+def finish_run(cfg: JobConfig, run_id: str, status: str) -> None:
+    try:
+        client = _client(tracking_uri(cfg))
+        client.set_tag(run_id, "rayspeed.status", status.lower())
+        client.set_terminated(run_id, status=status)
+    except Exception as e:  # tracking must never fail the job
+        log.warning("could not close MLflow run %s: %s", run_id, e)

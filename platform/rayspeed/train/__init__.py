@@ -1,0 +1,1 @@
+"""Launching jobs (Ray Train or in-process) and the worker loop."""

@@ -1,0 +1,200 @@
+"""`python jobs/train.py`: check the job, plan it, then run it under Ray Train or in-process.
+
+Everything that can be wrong with the input is found before anything is written: exit 2 with one message,
+no traceback, nothing in MLflow or storage. Exit 1 means training failed after the allowed restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rayspeed.config.load import load, to_dict, to_yaml
+from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ConfigError
+
+log = logging.getLogger("rayspeed")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="jobs/train.py", description="Train a rayspeed job.")
+    ap.add_argument("--config", required=True, help="job YAML file")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key (value parsed as YAML)")
+    ap.add_argument("--launcher", choices=("ray", "local"), default="ray", help="ray (default): Ray Train; local: this process, world size 1")
+    ap.add_argument("--dry-run", action="store_true", help="print the resolved config and plan, train nothing")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rayspeed.logs import setup
+
+    setup()
+    args = parse_args(argv)
+    try:
+        job = load(args.config, args.set)
+        world = 1 if args.launcher == "local" else job.cluster.max_workers
+        from rayspeed.planner import resolve
+
+        cfg, plan = resolve(job, world_size=world)
+        if args.dry_run:
+            print(to_yaml(cfg))
+            print(plan.explain)
+            return EXIT_OK
+        ray_info = _connect_ray(cfg) if args.launcher == "ray" else None
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return _run(job, cfg, plan, args.launcher, ray_info)
+
+
+# ---------------------------------------------------------------- Ray
+
+
+def _local_cpus(cfg: JobConfig) -> int:
+    c = cfg.cluster
+    if c.local_num_cpus != AUTO:
+        return int(c.local_num_cpus)
+    # Logical CPUs, not cores: 4 CPU workers may share 2 cores (they then run slower, but they run).
+    need = int(c.max_workers * c.cpus_per_worker + 0.999) + 1
+    return max(os.cpu_count() or 1, need)
+
+
+def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
+    import ray
+
+    address = cfg.cluster.address if cfg.cluster.address != AUTO else os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        started = False
+    else:
+        # "local" starts a fresh cluster explicitly: a stale /tmp/ray/ray_current_cluster must not be joined.
+        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=False, logging_level=logging.WARNING)
+        started = True
+    total = ray.cluster_resources()
+    c = cfg.cluster
+    per_worker = {"CPU": c.cpus_per_worker, **c.resources_per_worker}
+    if c.use_gpu:
+        per_worker["GPU"] = 1.0
+    problems = []
+    for res, amount in per_worker.items():
+        have = float(total.get(res, 0.0))
+        need = amount * c.min_workers
+        if need > have + 1e-9:
+            problems.append(
+                f"cluster.num_workers ({c.num_workers}): {c.min_workers} workers x {amount:g} {res} = {need:g} {res}, "
+                f"but the Ray cluster has {have:g} {res} in all; lower cluster.num_workers or "
+                f"cluster.{'cpus_per_worker' if res == 'CPU' else 'resources_per_worker'}, or add nodes"
+            )
+    if problems:
+        ray.shutdown()
+        raise ConfigError(problems)
+    return {"address": address or "local", "started": started, "resources": total}
+
+
+def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from rayspeed.train.worker import train_loop
+
+    c = cfg.cluster
+    workers = (c.min_workers, c.max_workers) if c.elastic else c.max_workers
+    trainer = TorchTrainer(
+        train_loop_per_worker=train_loop,
+        train_loop_config=launch,
+        scaling_config=ScalingConfig(
+            num_workers=workers,
+            use_gpu=c.use_gpu,
+            resources_per_worker={"CPU": c.cpus_per_worker, **c.resources_per_worker},
+            placement_strategy=c.placement_strategy,
+        ),
+        torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo", timeout_s=int(cfg.resilience.collective_timeout_s)),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=cfg.resilience.max_failures),
+            # Retention is the manifest protocol's job (rayspeed.checkpoint.store.prune).
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+        ),
+    )
+    return trainer.fit()
+
+
+# ---------------------------------------------------------------- run
+
+
+def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dict[str, Any] | None) -> int:
+    from rayspeed.tracking.runs import find_or_create_run, finish_run, storage_path, tracking_uri
+
+    storage = storage_path(cfg)
+    exp_dir = Path(storage) / cfg.name
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    run_id = None
+    try:
+        run_id, resumed = find_or_create_run(cfg)
+        log.info("MLflow run %s (%s) at %s", run_id, "continued" if resumed else "new", tracking_uri(cfg))
+    except Exception as e:  # tracking must never stop training
+        log.warning("MLflow unavailable (%s): training without tracking", e)
+    launch = {
+        "job": to_dict(job),
+        "mlflow_run_id": run_id,
+        "tracking_uri": tracking_uri(cfg),
+        "storage_path": storage,
+        "launched_at": time.time(),
+    }
+    status, error = "FINISHED", None
+    try:
+        if launcher == "local":
+            result = _run_local(cfg, launch, str(exp_dir))
+        else:
+            _ray_train(cfg, launch, storage)
+            result = _read_json(exp_dir / "worker_result.json")
+    except Exception as e:
+        status, error = "FAILED", e
+        result = {}
+    summary = {
+        "name": cfg.name,
+        "status": "finished" if status == "FINISHED" else "failed",
+        "steps": result.get("steps", 0),
+        "final_loss": result.get("final_loss"),
+        "val_loss": result.get("val_loss"),
+        "mlflow_run_id": run_id,
+        "restarts": result.get("restarts", 0),
+        "world_size": result.get("world_size"),
+        "launcher": launcher,
+    }
+    if error is not None:
+        summary["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
+    with open(exp_dir / "summary.json", "w") as fh:
+        json.dump(summary, fh, indent=2)
+    if run_id:
+        finish_run(cfg, run_id, status)
+    if error is not None:
+        log.error("training failed: %s", summary["error"].splitlines()[0])
+        print(json.dumps(summary), flush=True)
+        return EXIT_FAILED
+    print(json.dumps(summary), flush=True)
+    return EXIT_OK
+
+
+def _run_local(cfg: JobConfig, launch: dict[str, Any], exp_dir: str) -> dict[str, Any]:
+    from rayspeed.train.context import local_context
+    from rayspeed.train.worker import run_worker
+
+    backend = "nccl" if cfg.cluster.use_gpu else "gloo"
+    ctx = local_context(exp_dir, backend, cfg.resilience.collective_timeout_s)
+    return run_worker(launch, ctx)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
