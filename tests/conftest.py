@@ -2,6 +2,19 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
+sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A real local Ray cluster shared by every integration test of the session."""
+    from _cluster import RayHead
+
+    head = RayHead(num_cpus=8)
+    yield head
+    head.stop()

@@ -19,6 +19,7 @@ from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.errors import ConfigError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 # ---------------------------------------------------------------- docs
@@ -113,6 +114,9 @@ def _coerce(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
         raise _Bad
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads 1e-4 (no dot) as a string; a number is what was meant.
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
             return float(value)
         raise _Bad
     if tp is str:

@@ -139,6 +139,9 @@ class ClusterConfig:
     """Workers (GPUs) per node, for planning a cluster that is not up yet and for keeping tp in a node."""
     num_nodes: int = 1
     """Nodes, for planning a cluster that is not up yet."""
+    hardware: dict[str, float] = field(default_factory=dict)
+    """Overrides of the planner's hardware table for cluster.gpu, e.g. {memory_gib: 75, inter_node_gbps: 25}
+    (see `rayspeed plan --explain` and docs/PLANNER.md for the fields)."""
     local_num_cpus: Union[int, Auto] = AUTO
     """Logical CPUs a local Ray (started for this job) declares. auto: enough for all workers, even on a
     machine with fewer cores (CPU workers then share cores)."""

@@ -63,7 +63,7 @@ class HeadPipe(OutputHead):
 
 def tied_head_forward(embedding: EmbeddingPipe, x: torch.Tensor):
     """Last-stage use of the tied embedding: the head's input and weight, for the loss."""
-    return enter_tp_region(x, embedding.tp, embedding.sequence_parallel), embedding.weight
+    return enter_tp_region(x, embedding.tp, embedding.sequence_parallel), embedding.weight.detach()
 
 
 class PipelineLoss:
@@ -145,14 +145,17 @@ def build_pipeline_module(
     else:
         specs.append(LayerSpec(HeadPipe, dims, tp, sp, seed))
 
-    return PipelineModule(
-        layers=specs,
-        topology=topology,
-        num_stages=None if topology is not None else num_stages,
-        loss_fn=PipelineLoss(tp, dims.loss_chunk_tokens),
-        partition_method=partition_method,
-        activation_checkpoint_interval=0,
-    )
+    # PipelineModule broadcasts tied weights in place while it is built; under grad mode
+    # autograd would record that broadcast into the tied parameter's history.
+    with torch.no_grad():
+        return PipelineModule(
+            layers=specs,
+            topology=topology,
+            num_stages=None if topology is not None else num_stages,
+            loss_fn=PipelineLoss(tp, dims.loss_chunk_tokens),
+            partition_method=partition_method,
+            activation_checkpoint_interval=0,
+        )
 
 
 def canonical_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

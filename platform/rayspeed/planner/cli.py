@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rayspeed.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
@@ -31,9 +32,10 @@ def _summary(res) -> str:
         f"layout: dp {b['dp']} x tp {b['tp']} x pp {b['pp']}, ZeRO-{b['zero_stage']}, micro-batch "
         f"{b['micro_batch_size']} x accumulation {b['grad_accum']}, sequence_parallel {b['sequence_parallel']}, "
         f"activation_checkpointing {b['activation_checkpointing']}",
-        f"memory: {b['memory_gib_per_gpu']:.2f} GiB per GPU (worst rank) of {b['usable_memory_gib']:.2f} usable: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in b["memory_breakdown_gib"].items() if v > 0),
-        f"time: {b['step_time_s']:.4f} s per step, {b['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+        f"memory: {b['memory_gib_per_gpu']:.2f} GiB per {'worker' if b['gpu'] == 'cpu' else 'GPU'} (worst rank) of {b['usable_memory_gib']:.2f} usable: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in b["memory_breakdown_gib"].items() if v > 0),
+        f"time: {b['step_time_s']:.4f} s per step, {b['tokens_per_s_per_gpu']:,.0f} tokens/s per "
+        f"{'worker' if b['gpu'] == 'cpu' else 'GPU'}, "
         f"MFU {100 * b['mfu']:.1f}% ({b['world_size']} x {b['gpu']}, {b['precision']})",
         f"strategy rule: {res.rules['strategy']['recommends']} ({res.rules['strategy']['note']})",
         "run with --explain for the reasons and the runner-ups",
@@ -66,7 +68,7 @@ def _evaluate_file(cfg, path: str, world_size) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "plan":
+    if argv and argv[0] == "plan" and not os.path.exists("plan"):  # `rayspeed plan FILE` or `plan FILE`
         argv = argv[1:]
     args = _parser().parse_args(argv)
     try:
@@ -84,12 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.json:
-        print(json.dumps(res.to_json(), indent=2))
-    elif args.explain:
-        print(res.explain, end="")
-    else:
-        print(_summary(res))
+    try:
+        if args.json:
+            print(json.dumps(res.to_json(), indent=2))
+        elif args.explain:
+            print(res.explain, end="")
+        else:
+            print(_summary(res))
+    except BrokenPipeError:  # `rayspeed plan ... | head`
+        sys.stderr.close()
     return EXIT_OK
 
 

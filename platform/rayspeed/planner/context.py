@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from rayspeed.planner.hardware import Hardware
 from rayspeed.planner.model_math import Shape
@@ -22,13 +22,18 @@ class Layout:
     grad_accum: int
     sequence_parallel: bool
     activation_checkpointing: str
+    hpz: int = 1
+    """ZeRO++ hierarchical partitioning (zero_hpz_partition_size): ZeRO-3 keeps a secondary copy of the weights
+    partitioned over this many ranks of a node, so backward all-gathers stay on NVLink. 1 = off. Not a job key:
+    the communication rule for 64+ GPUs turns it on when it fits."""
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: getattr(self, k) for k in LAYOUT_KEYS}
 
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} zero{self.zero_stage} mb{self.micro_batch_size}"
+        hpz = f" hpz{self.hpz}" if self.hpz > 1 else ""
+        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} zero{self.zero_stage}{hpz} mb{self.micro_batch_size}"
                 f" ga{self.grad_accum} ckpt={self.activation_checkpointing}")
 
 
@@ -60,6 +65,6 @@ class Ctx:
 
     @property
     def comm_bytes(self) -> int:
-        """Bytes per gradient element on the wire: gradients are reduced in the dtype they are
-        accumulated in (DeepSpeed communication_data_type is set to match)."""
-        return 4 if (self.precision == "fp32" or self.grad_accum_dtype == "fp32") else 2
+        """Bytes per gradient element on the wire: the engine reduces gradients in fp32 (DeepSpeed
+        communication_data_type fp32, the field guide's precision-drift remedy), whatever the precision."""
+        return 4

@@ -3,6 +3,7 @@ why they lost, the field guide's rules."""
 
 from __future__ import annotations
 
+from rayspeed.planner.context import CHECKPOINT_MODES as CKPT
 from rayspeed.planner.context import LAYOUT_KEYS, Ctx
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.memory import COMPONENTS
@@ -31,7 +32,7 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     what = LABEL[k]
     if k == "compute_s" and a["recompute_s"] - b["recompute_s"] > 0.5 * diffs[k]:
         what = "recomputation"
-    return f"{slower:.1f}% slower: more {what} (+{diffs[k]:.3f} s)"
+    return f"{slower:.1f}% slower: more {what} (+{diffs[k]:.3g} s)"
 
 
 def key_alternatives(best: Estimate, estimates: list[Estimate], fixed: dict) -> list[str]:
@@ -52,7 +53,7 @@ def key_alternatives(best: Estimate, estimates: list[Estimate], fixed: dict) -> 
                     not e.fits and not cur.fits and e.memory_gib < cur.memory_gib):
                 others[v] = e
         parts = []
-        for v in sorted(others, key=str):
+        for v in sorted(others, key=lambda x: (str(type(x)), x if not isinstance(x, str) else CKPT.index(x))):
             e = others[v]
             if e.fits:
                 parts.append(f"{v}: {100 * (e.step_s / best.step_s - 1):+.1f}%")
@@ -77,20 +78,26 @@ def _key_reason(key: str, best: Estimate) -> str:
     return ""
 
 
+def _gib(v: float) -> str:
+    return f"{v:9.2f}" if v >= 0.1 or v == 0 else f"{v:9.4f}"
+
+
 def memory_table(e: Estimate) -> list[str]:
-    lines = [f"memory per GPU, worst rank (pipeline stage {e.worst_stage}), GiB:"]
+    who = "GPU" if e.ctx.hw.is_gpu else "worker"
+    lines = [f"memory per {who}, worst rank (pipeline stage {e.worst_stage}), GiB:"]
     for k in COMPONENTS:
         v = e.memory.get(k, 0.0) / GIB
         if v > 0:
-            lines.append(f"  {k:<18} {v:9.2f}")
-    lines.append(f"  {'total':<18} {e.memory_gib:9.2f}   of {e.ctx.usable_gib:.2f} usable "
-                 f"({e.ctx.memory_gib:.1f} x {e.ctx.usable_fraction:.2f} headroom)")
+            lines.append(f"  {k:<18} {_gib(v)}")
+    lines.append(f"  {'total':<18} {_gib(e.memory_gib)}   of {e.ctx.usable_gib:.2f} usable "
+                 f"({e.ctx.memory_gib:.1f} x {e.ctx.usable_fraction:.2f}: headroom for what the model does not see)")
     return lines
 
 
 def time_table(e: Estimate) -> list[str]:
     t = e.time.as_dict()
-    lines = [f"time per step (predicted): {e.step_s:.4f} s -> {e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+    who = "GPU" if e.ctx.hw.is_gpu else "worker"
+    lines = [f"time per step (predicted): {e.step_s:.4f} s -> {e.tokens_per_s_per_gpu:,.0f} tokens/s per {who}, "
              f"MFU {100 * e.mfu:.1f}%"]
     for k, label in TIME_PARTS:
         if t[k] > 0:
@@ -108,7 +115,9 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     sh = ctx.shape
     lay = best.layout
     L = []
-    L.append(f"rayspeed plan: {job_name}: {sh.params / 1e9:.2f}B parameters ({sh.L} layers, hidden {sh.h}, "
+    n = sh.params
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    L.append(f"rayspeed plan: {job_name}: {size} parameters ({sh.L} layers, hidden {sh.h}, "
              f"{sh.a} heads / {sh.kv} kv, ffn {sh.f}, vocab {sh.v}, seq {sh.s}, "
              f"{'tied' if sh.tied else 'untied'} embeddings)")
     L.append(f"cluster: {ctx.world} x {ctx.hw.name} ({ctx.nodes} node(s) x {ctx.node_size}), {ctx.precision}; "
@@ -116,7 +125,8 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L.append("")
     L.append(f"chosen layout: {lay.short()}")
     L.append(f"  fastest of {counts['fitting']} fitting layouts ({counts['evaluated']} evaluated, "
-             f"{counts['evaluated'] - counts['fitting']} do not fit)")
+             f"{counts['evaluated'] - counts['fitting']} do not fit in memory; "
+             f"{counts['beyond_cap']} more excluded by the accumulation cap of {rules['accumulation_cap']['max_grad_accum']})")
     for line in key_alternatives(best, estimates, fixed):
         L.append(f"  - {line}")
     L.append("")
@@ -128,9 +138,11 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
         L.append("runner-up layouts:")
         for i, e in enumerate(alternatives, 1):
             L.append(f"  {i}. {e.layout.short()}: {e.step_s:.4f} s, {e.memory_gib:.1f} GiB; {why_lost(e, best)}")
-    faster = sorted((e for e in estimates if not e.fits and e.step_s < best.step_s), key=lambda e: e.step_s)[:3]
+    # Faster layouts that miss by little (within half the usable memory): what more memory would buy.
+    near = [e for e in estimates if not e.fits and e.step_s < best.step_s and e.overshoot_gib() < 0.5 * ctx.usable_gib]
+    faster = sorted(near, key=lambda e: e.step_s)[:3]
     if faster:
-        L.append("faster layouts that do not fit:")
+        L.append("faster layouts that just do not fit:")
         for e in faster:
             k, v = e.biggest_part()
             L.append(f"  - {e.layout.short()}: {e.step_s:.4f} s but {e.memory_gib:.1f} GiB "
@@ -138,10 +150,11 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L.append("")
     L.append("field guide rules:")
     s = rules["strategy"]
-    L.append(f"  strategy by size ({s['params_billions']}B, {s['gpus']} GPUs): {s['recommends']}; "
+    L.append(f"  strategy by size ({size}, {s['gpus']} {'GPUs' if ctx.hw.is_gpu else 'workers'}): {s['recommends']}; "
              f"{'fits' if s['fits'] else 'does NOT fit'}; chosen follows it: {s['chosen_follows_rule']}; {s['note']}")
     lr = rules["lr"]
-    L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g}" + (f" ({lr['floored']})" if "floored" in lr else ""))
+    used = "used for train.lr: auto" if lr.get("applied") else "not used: train.lr is set in the job"
+    L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g} ({used})" + (f"; {lr['floored']}" if "floored" in lr else ""))
     cap = rules["accumulation_cap"]
     L.append(f"  accumulation cap: {cap['rule']} = {cap['max_grad_accum']}; chosen {lay.grad_accum}")
     c = rules["comm_profile"]

@@ -33,10 +33,15 @@ class Hardware:
     """Fixed cost of one collective or send inside a node."""
     inter_latency_us: float = 30.0
     """Fixed cost of one collective or send across nodes."""
+    intra_hop_us: float = 1.0
+    """Added per algorithm step inside a node (a ring of n ranks takes n - 1 steps per phase)."""
+    inter_hop_us: float = 5.0
+    """Added per algorithm step when the group spans nodes (each ring step waits on the network hop)."""
     gemm_efficiency: float = 0.80
     """Best fraction of peak a large GEMM reaches (790/989 measured on the H200 anchor)."""
-    attention_efficiency: float = 0.45
-    """Fraction of peak for fused (flash/SDPA) attention, forward and backward together."""
+    attention_efficiency: float = 0.35
+    """Fraction of peak for fused (flash/SDPA) attention at head dim 128, forward and backward together
+    (FlashAttention-2 on H100, causal FLOPs counted as executed)."""
     kernel_overhead_us: float = 6.0
     """Host time to launch one eager op; bounds tiny models (the GPU waits on Python)."""
     bf16: bool = True
@@ -110,6 +115,8 @@ TABLE: dict[str, Hardware] = {
         inter_node_gbps=1.0,  # 10 GbE
         intra_latency_us=60.0,
         inter_latency_us=150.0,
+        intra_hop_us=20.0,
+        inter_hop_us=60.0,
         gemm_efficiency=0.6,
         attention_efficiency=0.3,
         kernel_overhead_us=15.0,

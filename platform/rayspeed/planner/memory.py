@@ -38,16 +38,17 @@ def model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zero
 
 
 def layer_saved(sh: Shape, tp: int, sp: bool) -> tuple[float, float, float]:
-    """Elements per token saved for backward by one layer without recomputation, as
-    (total, attention sub-block, MLP sub-block).
-    Outside the tp region (sharded only with sequence parallel): the two norm inputs and the two norm
-    outputs feeding the matmuls (4h). Inside (split by tp): q, k, v, the attention output, the fp32
-    log-sum-exp of flash attention (2 elements per head), and SwiGLU's gate, silu(gate), up and product
-    (4f, what eager autograd keeps). Flash/SDPA attention is assumed: no s x s score matrix is kept (the
-    playbook's 5as/h term is gone); its 34h for GPT-3 becomes about 37h for a Llama-7B block."""
+    """Working-dtype elements per token that one block of the platform's model (rayspeed.model.transformer,
+    eager autograd) keeps for backward without recomputation: (total, attention sub-block, MLP sub-block).
+    Outside the tp region (split only by sequence parallel), per RMSNorm: its fp32 upcast (2 elements' worth),
+    the normalised bf16 tensor and the weighted output that feeds the projections: 4h, so 8h for two.
+    Inside (split by tp): q, k, v after RoPE (h + 2 kv_dim), the SDPA output and its reshaped copy feeding
+    wo (2h), the fp32 log-sum-exp (2 per head), SwiGLU's gate, silu(gate), up and product (4f).
+    Flash/SDPA attention keeps no s x s matrix (the playbook's 5as/h term is gone). For Llama-7B this is
+    about 47h bytes against the playbook's 34h for a GPT-3 block: fp32 norms and unfused SwiGLU cost more."""
     out_div = tp if sp else 1
-    attn = 2 * sh.h / out_div + (2 * sh.h + 2 * sh.kv_dim + 2 * sh.a) / tp
-    mlp = 2 * sh.h / out_div + 4 * sh.f / tp
+    attn = 4 * sh.h / out_div + (3 * sh.h + 2 * sh.kv_dim + 2 * sh.a) / tp
+    mlp = 4 * sh.h / out_div + 4 * sh.f / tp
     return attn + mlp, attn, mlp
 
 
@@ -73,13 +74,22 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     return elems * ctx.w_bytes
 
 
+LOSS_CHUNK_ELEMENTS = 1 << 26  # rayspeed.parallel.loss: largest fp32 logits block of the chunked loss
+
+
 def logits_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
-    """Last stage only: logits (working dtype) + fp32 log-softmax + fp32 logits gradient, s*b*v each,
-    divided by tp (vocab-parallel cross-entropy)."""
+    """Last stage only: the output head's loss buffers (rayspeed.parallel.loss).
+    tp = 1: chunked cross-entropy never builds full logits: one chunk of fp32 logits, its probabilities and
+    gradient (about 10 bytes per element of a 2^26-element chunk), plus the head's fp32 weight-gradient
+    accumulator (4 v h). tp > 1: vocab-parallel loss on this rank's slice: bf16 logits + fp32 copy + fp32
+    shifted/softmax at the end of forward, s*b*v/tp * 10 bytes."""
     if stage != lay.pp - 1:
         return 0.0
     sh = ctx.shape
-    return lay.micro_batch_size * sh.s * sh.v / lay.tp * (ctx.w_bytes + 8)
+    tokens = lay.micro_batch_size * sh.s
+    if lay.tp == 1:
+        return min(tokens * sh.v, LOSS_CHUNK_ELEMENTS) * (ctx.w_bytes + 8) + 4 * sh.v * sh.h
+    return tokens * sh.v / lay.tp * (ctx.w_bytes + 8)
 
 
 def buckets(ctx: Ctx, lay: Layout) -> dict:
@@ -107,13 +117,16 @@ def bucket_bytes(ctx: Ctx, lay: Layout) -> float:
     if lay.zero_stage == 0:
         return b["reduce_bucket_size"] * ctx.comm_bytes
     if lay.zero_stage in (1, 2):
+        if not ctx.hw.is_gpu:  # overlap_comm is off on CPU: one reduce and one gather bucket
+            return b["reduce_bucket_size"] * ctx.comm_bytes + b["allgather_bucket_size"] * ctx.w_bytes
         # DeepSpeed: overlap_comm "uses 4.5x the allgather_bucket_size and reduce_bucket_size values".
         return 4.5 * (b["reduce_bucket_size"] + b["allgather_bucket_size"]) * ctx.w_bytes
     return 2 * b["reduce_bucket_size"] * ctx.comm_bytes
 
 
 def zero3_gathered_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
-    """ZeRO-3: full (tp-split) parameters of the modules in use plus those prefetched."""
+    """ZeRO-3: full (tp-split) parameters of the modules in use plus those prefetched, plus ZeRO++'s
+    node-local secondary weight partition when hierarchical partitioning is on."""
     if lay.zero_stage < 3:
         return 0.0
     sh = ctx.shape
@@ -121,7 +134,9 @@ def zero3_gathered_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     biggest = sh.layer_matrix_params / lay.tp
     if stage == 0 or stage == lay.pp - 1:
         biggest = max(biggest, sh.v * sh.h / lay.tp)
-    return (min(b["stage3_max_live_parameters"], 2 * biggest) + b["stage3_prefetch_bucket_size"]) * ctx.w_bytes
+    live = (min(b["stage3_max_live_parameters"], 2 * biggest) + b["stage3_prefetch_bucket_size"]) * ctx.w_bytes
+    secondary = stage_params(sh, lay.tp, lay.pp, stage) * ctx.w_bytes / lay.hpz if lay.hpz > 1 else 0.0
+    return live + secondary
 
 
 def communicators(lay: Layout) -> int:

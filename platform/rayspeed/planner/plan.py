@@ -14,7 +14,7 @@ from rayspeed.planner.hardware import GIB
 from rayspeed.planner.memory import bytes_per_param
 from rayspeed.planner.rules import all_rules, lr_rule
 from rayspeed.planner.search import (Estimate, accumulation_cap, build_ctx, deepspeed_options, enumerate_layouts,
-                                     evaluate, fixed_keys, rank, tp_ok)
+                                     evaluate, fixed_keys, hpz_applies, rank)
 
 
 @dataclass
@@ -27,7 +27,8 @@ class PlanResult:
     ctx: Ctx | None = None
 
     def to_json(self) -> dict:
-        return {"plan": self.best, "alternatives": self.alternatives, "explain": self.explain}
+        """The `--json` object: plan, alternatives, explain (+ the rules, in full)."""
+        return {"plan": self.best, "alternatives": self.alternatives, "explain": self.explain, "rules": self.rules}
 
 
 # ---------------------------------------------------------------- search
@@ -81,7 +82,9 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5) -> P
     alts = _diverse(ranked, top_k)
     rules = all_rules(ctx, best.layout, best, ranked, estimates, cfg.train.precision,
                       cfg.resilience.collective_timeout_s)
-    counts = {"evaluated": len(estimates), "fitting": len(ranked)}
+    rules["lr"]["applied"] = cfg.train.lr == AUTO
+    beyond = 0 if any(e.layout.grad_accum > accumulation_cap(ctx) for e in ranked) else len(en.beyond_cap)
+    counts = {"evaluated": len(estimates), "fitting": len(ranked), "beyond_cap": beyond}
     text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts)
     plan = _plan_dict(cfg, ctx, best, rules)
     plan["notes"] = notes
@@ -92,10 +95,15 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5) -> P
 def _plan_dict(cfg: JobConfig, ctx: Ctx, e: Estimate, rules: dict | None = None) -> dict:
     d = e.to_plan()
     ds = deepspeed_options(ctx, e.layout)
-    if rules:
+    if rules:  # the compact part of the rules the engine applies; the rest is in PlanResult.rules
         ds.update(rules["comm_profile"]["deepspeed"])
         d["env"] = rules["comm_profile"]["env"]
-        d["rules"] = rules
+        d["strategy_rule"] = rules["strategy"]["recommends"]
+        d["strategy_rule_fits"] = rules["strategy"]["fits"]
+        d["max_grad_accum"] = rules["accumulation_cap"]["max_grad_accum"]
+        d["tf32"] = rules["precision"]["tf32"]
+        d["activation_checkpointing_template"] = {k: v for k, v in rules["checkpointing"].items()
+                                                  if k not in ("mode", "template")}
     d.update(world_size=ctx.world, gpu=ctx.hw.name, nodes=ctx.nodes, precision=ctx.precision, deepspeed=ds)
     d["lr"] = cfg.train.lr if cfg.train.lr != AUTO else lr_rule(ctx.global_batch, ctx.world)["lr"]
     return d
@@ -114,7 +122,7 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
                 out.append(r)
         if not out:
             out.append(f"no layout of dp x tp x pp = {ctx.world} satisfies the job")
-        head = (f"no valid layout for {ctx.world} workers"
+        head = (f"cluster.num_workers: no valid layout for {ctx.world} workers"
                 + (f" with {', '.join(f'parallel.{k}={v}' for k, v in fixed.items())}" if fixed else ""))
         return [f"{head}: " + out[0]] + out[1:6]
     least = min(estimates, key=lambda e: e.memory_gib)
@@ -127,15 +135,9 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
            f"over by {least.overshoot_gib():.1f} GiB; largest part {k} {v:.1f} GiB (GiB: {parts})")
     problems = [msg]
     if fixed:
-        free = dataclasses.replace(cfg, parallel=type(cfg.parallel)())
-        en2 = enumerate_layouts(ctx, {})
-        est2 = [evaluate(ctx, lay) for lay in en2.layouts + en2.beyond_cap]
-        ranked = rank(est2)
-        if ranked:
-            b = ranked[0].layout
-            changes = [f"parallel.{key}={getattr(b, key)}" for key in fixed if getattr(b, key) != fixed[key]]
-            problems.append(f"what would fit: {', '.join(changes) or 'leaving these keys auto'} "
-                            f"(best layout {b.short()}, {ranked[0].memory_gib:.1f} GiB); or set them to auto")
+        hint = _what_would_fit(ctx, fixed)
+        if hint:
+            problems.append(hint)
             return problems
     # Nothing fits at all: how many GPUs the model states alone need at ZeRO-3.
     bpp = sum(bytes_per_param(ctx.precision, ctx.grad_accum_dtype).values())
@@ -144,6 +146,34 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
                     f"{ctx.shape.params * bpp / GIB:.0f} GiB: about {need} or more with ZeRO-3), a GPU with more memory "
                     f"(cluster.gpu), or a shorter model.seq_len / smaller train.global_batch_size")
     return problems
+
+
+def _best_fitting(ctx: Ctx, fixed: dict) -> Estimate | None:
+    en = enumerate_layouts(ctx, fixed)
+    ranked = rank([evaluate(ctx, lay) for lay in en.layouts]) or rank([evaluate(ctx, lay) for lay in en.beyond_cap])
+    return ranked[0] if ranked else None
+
+
+def _what_would_fit(ctx: Ctx, fixed: dict) -> str | None:
+    """The smallest change to the fixed keys that fits: free one key, else all of them."""
+    options = []
+    for key in fixed:
+        e = _best_fitting(ctx, {k: v for k, v in fixed.items() if k != key})
+        if e is not None:
+            options.append((e.step_s, key, e))
+    if options:
+        options.sort(key=lambda o: o[0])
+        cap = accumulation_cap(ctx)
+        lines = [f"parallel.{key}={getattr(e.layout, key)} (then {e.layout.short()}, {e.memory_gib:.1f} GiB, "
+                 f"{e.step_s:.3g} s/step" + (f", accumulation above the cap of {cap}" if e.layout.grad_accum > cap else "")
+                 + ")" for _, key, e in options[:3]]
+        return "what would fit, changing one fixed key: " + "; or ".join(lines)
+    e = _best_fitting(ctx, {})
+    if e is not None:
+        changes = [f"parallel.{k}={getattr(e.layout, k)}" for k in fixed if getattr(e.layout, k) != fixed[k]]
+        return (f"what would fit: {', '.join(changes) or 'leaving these keys auto'} (best layout {e.layout.short()}, "
+                f"{e.memory_gib:.1f} GiB); or set them to auto")
+    return None
 
 
 # ---------------------------------------------------------------- resolve / evaluate
@@ -165,58 +195,74 @@ def resolve(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, P
 
 
 def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None) -> dict:
-    """One plan object for a given layout (fits false with a reason when it is invalid or does not fit).
-    Missing keys are derived (dp from the world, grad_accum from the batch, sequence_parallel from tp)."""
+    """One plan object for a given layout. Missing keys are derived (dp from the world, grad_accum from the
+    batch, sequence_parallel from tp; zero_stage 0, micro_batch_size 1, checkpointing none).
+    `valid` says whether the platform can run it, `fits` whether it is valid and fits in memory, `reason`
+    why not. Layouts that break a rule but can still be costed (tp across nodes, ZeRO-2/3 with pp, a batch
+    that does not match the job, accumulation above the cap) keep their memory and time estimates."""
     ctx = build_ctx(cfg, world_size)
     sh = ctx.shape
-    problems: list[str] = []
+    fatal: list[str] = []  # cannot be costed
+    broken: list[str] = []  # costed, but the platform would refuse it
+    warnings: list[str] = []
     unknown = [k for k in layout if k not in LAYOUT_KEYS]
     if unknown:
-        problems.append(f"unknown layout key(s) {unknown}; expected {list(LAYOUT_KEYS)}")
-    tp = int(layout.get("tp", 1))
-    pp = int(layout.get("pp", 1))
-    dp = int(layout.get("dp", ctx.world // max(1, tp * pp)))
-    mb = int(layout.get("micro_batch_size", 1))
-    ga = int(layout.get("grad_accum", max(1, ctx.global_batch // max(1, dp * mb))))
-    z = int(layout.get("zero_stage", 0))
-    sp = bool(layout.get("sequence_parallel", tp > 1))
+        warnings.append(f"ignored unknown key(s) {unknown}; expected {list(LAYOUT_KEYS)}")
+    try:
+        tp = int(layout.get("tp", 1))
+        pp = int(layout.get("pp", 1))
+        dp = int(layout.get("dp", ctx.world // max(1, tp * pp)))
+        mb = int(layout.get("micro_batch_size", 1))
+        ga = int(layout.get("grad_accum", max(1, ctx.global_batch // max(1, dp * mb))))
+        z = int(layout.get("zero_stage", 0))
+    except (TypeError, ValueError) as e:
+        return {**{k: layout.get(k) for k in LAYOUT_KEYS}, "fits": False, "valid": False,
+                "reason": f"layout values must be integers: {e}"}
+    sp = layout.get("sequence_parallel", tp > 1)
+    sp = sp if isinstance(sp, bool) else str(sp).lower() == "true"
     ac = str(layout.get("activation_checkpointing", "none"))
     if min(dp, tp, pp, mb, ga) < 1:
-        problems.append("dp, tp, pp, micro_batch_size and grad_accum must be >= 1")
-        dp, tp, pp, mb, ga = (max(1, x) for x in (dp, tp, pp, mb, ga))
-    if dp * tp * pp != ctx.world:
-        problems.append(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size ({ctx.world})")
-    why = tp_ok(ctx, tp)
-    if why:
-        problems.append(why)
-    if sh.L % pp:
-        problems.append(f"pp {pp} does not divide model.num_layers ({sh.L})")
-    if dp * mb * ga != ctx.global_batch:
-        problems.append(f"dp ({dp}) x micro_batch_size ({mb}) x grad_accum ({ga}) = {dp * mb * ga} != "
-                        f"train.global_batch_size ({ctx.global_batch})")
+        fatal.append("dp, tp, pp, micro_batch_size and grad_accum must be >= 1")
+    elif dp * tp * pp != ctx.world:
+        fatal.append(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size ({ctx.world})")
+    if tp >= 1 and (sh.a % tp or sh.kv % tp):
+        fatal.append(f"tp {tp} does not divide model.num_heads ({sh.a}) and model.num_kv_heads ({sh.kv})")
+    if pp >= 1 and sh.L % pp:
+        fatal.append(f"pp {pp} does not divide model.num_layers ({sh.L})")
     if z not in (0, 1, 2, 3):
-        problems.append(f"zero_stage {z} is not 0..3")
-        z = 0
-    if pp > 1 and z > 1:
-        problems.append(f"zero_stage {z} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only")
-    if sp and tp == 1:
-        problems.append("sequence_parallel needs tp > 1")
+        fatal.append(f"zero_stage {z} is not 0..3")
     if ac not in CHECKPOINT_MODES:
-        problems.append(f"activation_checkpointing {ac!r} is not one of {list(CHECKPOINT_MODES)}")
-        ac = "none"
+        fatal.append(f"activation_checkpointing {ac!r} is not one of {list(CHECKPOINT_MODES)}")
+    lay_d = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": z, "micro_batch_size": mb, "grad_accum": ga,
+             "sequence_parallel": sp, "activation_checkpointing": ac}
+    if fatal:
+        return {**lay_d, "fits": False, "valid": False, "reason": "; ".join(fatal), "memory_gib_per_gpu": None,
+                "memory_breakdown_gib": {}, "step_time_s": None, "tokens_per_s_per_gpu": None, "mfu": None}
+    if sh.v % tp:
+        warnings.append(f"tp {tp} does not divide model.vocab_size ({sh.v}): the vocab-parallel embedding needs padding")
+    if tp > ctx.node_size:
+        broken.append(f"tp {tp} spans nodes ({ctx.node_size} ranks per node): the topology rule keeps tp inside a node")
+    if pp > 1 and z > 1:
+        broken.append(f"zero_stage {z} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only")
+    if sp and tp == 1:
+        broken.append("sequence_parallel needs tp > 1")
+        sp = False
+    if dp * mb * ga != ctx.global_batch:
+        broken.append(f"dp ({dp}) x micro_batch_size ({mb}) x grad_accum ({ga}) = {dp * mb * ga} != "
+                      f"train.global_batch_size ({ctx.global_batch}); costed at {dp * mb * ga} sequences per step")
+        ctx = dataclasses.replace(ctx, global_batch=dp * mb * ga)
     if ga > accumulation_cap(ctx):
-        cap_note = f"grad_accum {ga} is above the field guide's cap ({accumulation_cap(ctx)})"
-    else:
-        cap_note = None
-    lay = Layout(dp, tp, pp, z, mb, ga, sp, ac)
-    if problems:
-        d = lay.as_dict()
-        d.update(fits=False, valid=False, reason="; ".join(problems), memory_gib_per_gpu=None,
-                 memory_breakdown_gib={}, step_time_s=None, tokens_per_s_per_gpu=None, mfu=None)
-        return d
-    e = evaluate(ctx, lay)
+        warnings.append(f"grad_accum {ga} is above the field guide's cap ({accumulation_cap(ctx)})")
+    hpz = max(1, min(dp, ctx.node_size // tp)) if z == 3 and hpz_applies(ctx, tp, dp) else 1
+    e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, hpz))
+    if hpz > 1 and not e.fits:  # hierarchical partitioning only where its node-local copy fits
+        e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, 1))
     d = _plan_dict(cfg, ctx, e)
-    d["valid"] = True
-    if cap_note:
-        d["note"] = cap_note
+    d["valid"] = not broken
+    reasons = broken + ([d["reason"]] if "reason" in d else [])
+    d["fits"] = bool(e.fits and not broken)
+    if reasons:
+        d["reason"] = "; ".join(reasons)
+    if warnings:
+        d["warnings"] = warnings
     return d

@@ -50,7 +50,8 @@ def strategy_rule(ctx: Ctx, best: Estimate | None, ranked: list[Estimate], all_e
         out["note"] = (f"no layout of this family fits: the smallest ({least.layout.short()}) needs "
                        f"{least.memory_gib:.1f} GiB of {ctx.usable_gib:.1f} GiB usable")
     else:
-        out["note"] = "no layout of this family is possible for this world size and model shape"
+        out["note"] = ("no layout of this family is possible for this world size, model shape"
+                       " and the keys fixed in the job file")
     return out
 
 
@@ -101,10 +102,14 @@ def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = Non
         notes.append("NCCL_ALGO left to NCCL's tuner: trees for small messages, rings for large ones")
         env["NCCL_CROSS_NIC"] = "0"  # keep each ring/tree on its rail (rail-optimised fabrics)
     if n > 64:
-        if lay.zero_stage == 3 and ctx.nodes > 1:
-            ds["zero_hpz_partition_size"] = ctx.node_size
-            notes.append(f"ZeRO++ hierarchical partitioning: a secondary weight copy per node "
-                         f"(zero_hpz_partition_size={ctx.node_size}) keeps backward all-gathers on NVLink")
+        if lay.hpz > 1:
+            ds["zero_hpz_partition_size"] = lay.hpz
+            notes.append(f"ZeRO++ hierarchical partitioning: a secondary weight partition per node "
+                         f"(zero_hpz_partition_size={lay.hpz}) keeps backward all-gathers on NVLink")
+        elif lay.zero_stage == 3:
+            notes.append("ZeRO++ hierarchical partitioning (zero_hpz_partition_size) was evaluated and not chosen: "
+                         "its node-local weight copy does not fit or does not pay (dp inside one node, or one dp rank "
+                         "per node)")
         else:
             notes.append(f"hierarchical partitioning (ZeRO++ zero_hpz_partition_size) applies to ZeRO-3 only; with "
                          f"ZeRO-{lay.zero_stage} NCCL's topology-aware rings already reduce inside a node before "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -91,6 +92,12 @@ def tp_ok(ctx: Ctx, tp: int) -> str | None:
     return None
 
 
+def hpz_applies(ctx: Ctx, tp: int, dp: int) -> bool:
+    """Field guide rule 2 (64+ GPUs: hierarchical all-gather) made real: ZeRO++ hierarchical partitioning,
+    worth it only when the dp group spans nodes and has several ranks in each."""
+    return ctx.hw.is_gpu and ctx.world > 64 and tp * dp > ctx.node_size and ctx.node_size // tp > 1
+
+
 @dataclass
 class Enumeration:
     layouts: list[Layout] = field(default_factory=list)
@@ -127,9 +134,19 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                 out.rejected.append(f"parallel.dp ({fixed['dp']}) x tp ({tp}) x pp ({pp}) must equal the world size ({W}); "
                                     f"dp would be {dp}")
                 continue
+            if "micro_batch_size" in fixed and B % (dp * fixed["micro_batch_size"]):
+                mb = fixed["micro_batch_size"]
+                fits = [m for m in divisors(B // dp)] if B % dp == 0 else []
+                out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) x "
+                                    f"parallel.micro_batch_size ({mb}) = {dp * mb}; "
+                                    + (f"use a micro-batch in {fits} or " if fits else "")
+                                    + f"a global batch that is a multiple of {dp * mb}"
+                                    + ("" if fits else " (or a world size that divides it)"))
+                continue
             if B % dp:
                 out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) "
-                                    f"(world {W} / (tp {tp} x pp {pp}))")
+                                    f"(= {W} workers / (tp {tp} x pp {pp})): use a global batch that is a multiple "
+                                    f"of {dp}, or a world size that divides {B}")
                 continue
             per = B // dp
             mbs = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else divisors(per)
@@ -156,12 +173,16 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                             continue
                         modes = ([fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed
                                  else list(CHECKPOINT_MODES))
+                        hpzs = [1]
+                        if z == 3 and hpz_applies(ctx, tp, dp):
+                            hpzs.append(max(1, min(dp, ctx.node_size // tp)))
                         for ac in modes:
-                            lay = Layout(dp, tp, pp, z, mb, ga, bool(sp), ac)
-                            if ga > cap and "grad_accum" not in fixed:
-                                out.beyond_cap.append(lay)
-                            else:
-                                out.layouts.append(lay)
+                            for hpz in hpzs:
+                                lay = Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz)
+                                if ga > cap and "grad_accum" not in fixed:
+                                    out.beyond_cap.append(lay)
+                                else:
+                                    out.layouts.append(lay)
     return out
 
 
@@ -174,8 +195,12 @@ class Estimate:
     fits: bool
     memory: dict  # bytes by component, worst stage
     worst_stage: int
-    time: StepTime
     ctx: Ctx
+
+    @functools.cached_property
+    def time(self) -> StepTime:
+        """Computed on first use: most candidates of a big search never fit and are never timed."""
+        return step_time(self.ctx, self.layout)
 
     @property
     def memory_gib(self) -> float:
@@ -226,8 +251,7 @@ class Estimate:
 def evaluate(ctx: Ctx, lay: Layout) -> Estimate:
     stage, mem = worst_stage(ctx, lay)
     tot = sum(mem.values()) / GIB
-    return Estimate(layout=lay, fits=tot <= ctx.usable_gib, memory=mem, worst_stage=stage,
-                    time=step_time(ctx, lay), ctx=ctx)
+    return Estimate(layout=lay, fits=tot <= ctx.usable_gib, memory=mem, worst_stage=stage, ctx=ctx)
 
 
 def preference(e: Estimate) -> tuple:
@@ -249,24 +273,14 @@ def rank(estimates: list[Estimate]) -> list[Estimate]:
 
 
 def deepspeed_options(ctx: Ctx, lay: Layout) -> dict:
-    """The DeepSpeed settings this plan assumes (bucket sizes, overlap, dtypes); the engine merges them."""
+    """The DeepSpeed settings this plan's estimates assume, flat (the engine reads these keys from
+    plan["deepspeed"]): bucket sizes, ZeRO-3 prefetch/persistence/live limits, ZeRO++ hpZ."""
     b = buckets(ctx, lay)
-    zero = {"stage": lay.zero_stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
-            "reduce_bucket_size": b["reduce_bucket_size"], "allgather_bucket_size": b["allgather_bucket_size"]}
+    out = {"reduce_bucket_size": b["reduce_bucket_size"], "allgather_bucket_size": b["allgather_bucket_size"],
+           "overlap_comm": ctx.hw.is_gpu, "contiguous_gradients": True, "communication_data_type": "fp32"}
     if lay.zero_stage == 3:
-        zero.update({k: b[k] for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                                       "stage3_max_live_parameters", "stage3_max_reuse_distance")})
-    out = {
-        "train_batch_size": ctx.global_batch,
-        "train_micro_batch_size_per_gpu": lay.micro_batch_size,
-        "gradient_accumulation_steps": lay.grad_accum,
-        "zero_optimization": zero,
-        "bf16": {"enabled": ctx.precision == "bf16"},
-        "fp16": {"enabled": ctx.precision == "fp16"},
-        "communication_data_type": "fp32" if ctx.comm_bytes == 4 else ctx.precision,
-        "data_types": {"grad_accum_dtype": ctx.grad_accum_dtype},
-    }
-    if lay.pp > 1:
-        out["pipeline"] = {"stages": lay.pp, "partition_method": "uniform", "activation_checkpoint_interval":
-                           0 if lay.activation_checkpointing == "none" else 1}
+        out.update({k: b[k] for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                                      "stage3_max_live_parameters", "stage3_max_reuse_distance")})
+        if lay.hpz > 1:
+            out["zero_hpz_partition_size"] = lay.hpz
     return out

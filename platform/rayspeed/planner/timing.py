@@ -6,16 +6,17 @@ ZeRO-3's per-tensor gather cost, and the optimizer step."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rayspeed.planner.context import Ctx, Layout
-from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER
+from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
 from rayspeed.planner.model_math import stage_params
 
 MEM_EFFICIENCY = 0.8  # element-wise kernels reach ~80% of HBM bandwidth
 DEEPSPEED_STEP_S = 0.005  # engine cost per optimizer step beyond the math (H200 anchor: ZeRO-1 vs eager)
-ZERO3_PER_TENSOR_S = 0.0005  # ZeRO-3 fetch/release bookkeeping per gathered tensor per pass (H200 anchor:
-#                              774M on 1 GPU, 380.6 ms vs 207.5 ms at ZeRO-1 over ~150 tensors x 2 passes)
+ZERO3_PER_TENSOR_S = 0.0006  # ZeRO-3 fetch/release bookkeeping per gathered tensor per pass (H200 anchor:
+#                              774M on 1 GPU, 380.6 ms vs 207.5 ms at ZeRO-1 = 173 ms over 146 tensors x 2 passes)
 OVERLAP_TAX = 0.1  # overlapped communication still slows the compute it hides behind (shared SMs, HBM)
 KERNELS_FWD_PER_LAYER = 30  # eager ops in one block's forward (norms, projections, RoPE, attention, SwiGLU)
 KERNELS_BWD_PER_LAYER = 50
@@ -54,29 +55,59 @@ def gemm_s(ctx: Ctx, M: float, K: float, N: float) -> float:
     return flops / (hw.peak(ctx.precision) * hw.gemm_efficiency) + traffic / (hw.hbm_gbps * 1e9)
 
 
-def collective_s(nbytes: float, ranks: int, bw_gbps: float, latency_us: float, factor: float, calls: int = 1) -> float:
-    """Ring-style collective: factor * (n-1)/n * bytes / bus bandwidth + latency per call.
-    factor 2 for all-reduce, 1 for reduce-scatter or all-gather."""
+@dataclass(frozen=True)
+class Link:
+    gbps: float  # bus bandwidth
+    base_us: float  # fixed cost per call
+    hop_us: float  # cost per algorithm step
+
+
+def collective_s(nbytes: float, ranks: int, link: Link, kind: str, calls: int = 1) -> float:
+    """NCCL-style cost: (n-1)/n * bytes / bus bandwidth (twice for all-reduce) plus, per call, a fixed cost and
+    one hop per algorithm step: a ring all-gather or reduce-scatter takes n - 1 steps, an all-reduce runs as a
+    tree (2 log2 n steps) or a ring, whichever is shorter."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return factor * (ranks - 1) / ranks * nbytes / (bw_gbps * 1e9) + calls * latency_us * 1e-6
+    factor = 2.0 if kind == "allreduce" else 1.0
+    steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks))) if kind == "allreduce" else ranks - 1
+    calls = max(1, calls)
+    return (factor * (ranks - 1) / ranks * nbytes / (link.gbps * 1e9)
+            + calls * (link.base_us + steps * link.hop_us) * 1e-6)
 
 
-def tp_link(ctx: Ctx, lay: Layout) -> tuple[float, float]:
-    """(bandwidth GB/s, latency us) of the tp group: NVLink while it fits in a node, the network beyond."""
-    if lay.tp <= ctx.node_size:
-        return ctx.hw.intra_node_gbps, ctx.hw.intra_latency_us
-    return ctx.hw.inter_node_gbps, ctx.hw.inter_latency_us
+def intra_link(ctx: Ctx) -> Link:
+    hw = ctx.hw
+    return Link(hw.intra_node_gbps, hw.intra_latency_us, hw.intra_hop_us)
 
 
-def dp_link(ctx: Ctx, lay: Layout) -> tuple[float, float]:
+def inter_link(ctx: Ctx, gbps: float | None = None) -> Link:
+    hw = ctx.hw
+    return Link(gbps or hw.inter_node_gbps, hw.inter_latency_us, hw.inter_hop_us)
+
+
+def tp_link(ctx: Ctx, lay: Layout) -> Link:
+    """NVLink while the tp group fits in a node; beyond, each rank's own NIC (TP's mid-size messages do not
+    reach the aggregate bandwidth of big DP transfers: the measured ~40% loss per doubling past a node)."""
+    return intra_link(ctx) if lay.tp <= ctx.node_size else inter_link(ctx)
+
+
+def dp_link(ctx: Ctx, lay: Layout) -> Link:
     """Ranks are placed tp-fastest, then dp, then pp. A dp group inside one node uses NVLink; one that
     spans nodes is bounded by the NICs its ranks own on each node (NCCL runs one ring per NIC)."""
-    hw = ctx.hw
     if lay.tp * lay.dp <= ctx.node_size:
-        return hw.intra_node_gbps, hw.intra_latency_us
-    per_node = max(1, min(lay.dp, ctx.node_size // lay.tp))
-    return min(hw.intra_node_gbps, per_node * hw.inter_node_gbps), hw.inter_latency_us
+        return intra_link(ctx)
+    per_node = dp_ranks_per_node(ctx, lay)
+    return inter_link(ctx, min(ctx.hw.intra_node_gbps, per_node * ctx.hw.inter_node_gbps))
+
+
+def dp_ranks_per_node(ctx: Ctx, lay: Layout) -> int:
+    return max(1, min(lay.dp, ctx.node_size // lay.tp))
+
+
+def attention_efficiency(ctx: Ctx) -> float:
+    """Fused attention reaches less of peak with small heads (FlashAttention-2 on H100: ~35% of peak at head
+    dim 128, ~28% at 64, forward and backward together)."""
+    return ctx.hw.attention_efficiency * min(1.0, (ctx.shape.head_dim / 128) ** 0.3)
 
 
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
@@ -86,10 +117,13 @@ def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     g = (gemm_s(ctx, T, sh.h, (sh.h + 2 * sh.kv_dim) / t) + gemm_s(ctx, T, sh.h / t, sh.h)
          + gemm_s(ctx, T, sh.h, 2 * sh.f / t) + gemm_s(ctx, T, sh.f / t, sh.h))
     attn_flops = 2.0 * T * sh.s * sh.h / t  # causal: half of QK^T and AV
-    g += attn_flops / (hw.peak(ctx.precision) * hw.attention_efficiency)
+    g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx))
     out_div = t if lay.sequence_parallel else 1
-    # norms (read+write h, twice), residual adds (3h, twice) | RoPE on q,k, SwiGLU (silu + product)
-    elems = T * (10 * sh.h / out_div + (2 * sh.h + 2 * sh.kv_dim + 5 * sh.f) / t)
+    # Element-wise traffic in working-dtype elements per token, forward. Outside the tp region: two RMSNorms
+    # computed in fp32 (~6h each: read, fp32 statistics, scaled write) and two residual adds (3h each).
+    # Inside: RoPE on q and k in fp32 (~3 passes), the attention-output reshape (2h), SwiGLU silu and
+    # product (5f). Backward moves about twice as much.
+    elems = T * (18 * sh.h / out_div + (3 * (sh.h + sh.kv_dim) + 2 * sh.h + 5 * sh.f) / t)
     ew = elems * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
     host = KERNELS_FWD_PER_LAYER * hw.kernel_overhead_us * 1e-6
     return g, ew, host
@@ -101,7 +135,7 @@ def microbatch_stage_s(ctx: Ctx, lay: Layout, stage: int) -> tuple[float, float,
     T = lay.micro_batch_size * sh.s
     layers = sh.L // lay.pp
     g, ew, host = layer_fwd(ctx, lay)
-    attn_bwd_extra = 1.5 * 2.0 * T * sh.s * sh.h / t / (hw.peak(ctx.precision) * hw.attention_efficiency)
+    attn_bwd_extra = 1.5 * 2.0 * T * sh.s * sh.h / t / (hw.peak(ctx.precision) * attention_efficiency(ctx))
     fwd = max(g + ew, host)
     bwd = max(2 * g + attn_bwd_extra + 2 * ew, KERNELS_BWD_PER_LAYER * hw.kernel_overhead_us * 1e-6)
     rec = 0.0
@@ -114,22 +148,26 @@ def microbatch_stage_s(ctx: Ctx, lay: Layout, stage: int) -> tuple[float, float,
     if stage == lay.pp - 1:  # output head + cross-entropy
         head = gemm_s(ctx, T, sh.h, sh.v / t)
         ce = T * sh.v / t * (ctx.w_bytes + 16) / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
-        comp += 3 * head + ce
-        back += 2 * head + ce / 2
+        # tp = 1: the chunked loss recomputes the logits in backward (one more head GEMM).
+        head_passes = 4 if t == 1 else 3
+        comp += head_passes * head + ce
+        back += (head_passes - 1) * head + ce / 2
     if stage == 0:  # embedding lookup (its traffic only)
         comp += 2 * T * sh.h * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
     tp = 0.0
     if t > 1:
-        bw, lat = tp_link(ctx, lay)
+        link = tp_link(ctx, lay)
         act = T * sh.h * ctx.w_bytes
         per_layer = 4 + (2 if lay.activation_checkpointing != "none" else 0)  # 2 fwd + 2 bwd (+2 recompute)
-        # With sequence parallel each all-reduce becomes a reduce-scatter + all-gather: same bytes, two calls.
-        calls = 2 if lay.sequence_parallel else 1
-        tp = layers * per_layer * collective_s(act, t, bw, lat, 2.0, calls)
+        if lay.sequence_parallel:  # each all-reduce becomes all-gather + reduce-scatter: same bytes, two calls
+            one = collective_s(act, t, link, "all_gather") + collective_s(act, t, link, "reduce_scatter")
+        else:
+            one = collective_s(act, t, link, "allreduce")
+        tp = layers * per_layer * one
         if stage == 0:
-            tp += collective_s(act, t, bw, lat, 2.0)  # vocab-parallel embedding
+            tp += collective_s(act, t, link, "allreduce")  # vocab-parallel embedding
         if stage == lay.pp - 1:
-            tp += collective_s(T * 12, t, bw, lat, 2.0, 3)  # vocab-parallel loss: max, sum, target logit
+            tp += collective_s(T * 12, t, link, "allreduce", 3)  # vocab-parallel loss: max, sum, target logit
     return comp, layers * rec, tp, back
 
 
@@ -141,15 +179,14 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     worst = max(stages, key=lambda st: per[st][0] + per[st][2])
     comp, rec, tpc, back = per[worst]
 
-    # Pipeline: 1F1B runs m + p - 1 slots of the slowest stage; (p - 1) of them are the bubble.
+    # Pipeline: 1F1B runs m + p - 1 slots of the slowest stage; (p - 1) of them are the bubble. Each slot
+    # receives an activation (forward) and a gradient (backward) over the stage boundary.
     p2p = 0.0
     if p > 1:
         T = lay.micro_batch_size * sh.s
         nbytes = T * sh.h * ctx.w_bytes / (lay.tp if lay.sequence_parallel else 1)
-        cross = ctx.world > ctx.node_size
-        bw = hw.inter_node_gbps if cross else hw.intra_node_gbps
-        lat = hw.inter_latency_us if cross else hw.intra_latency_us
-        p2p = (m + p - 1) * 2 * (lat * 1e-6 + nbytes / (bw * 1e9))
+        link = inter_link(ctx) if ctx.world > ctx.node_size else intra_link(ctx)
+        p2p = (m + p - 1) * 2 * (link.base_us * 1e-6 + nbytes / (link.gbps * 1e9))
     compute = m * comp
     bubble = (p - 1) * (comp + tpc)
     tp_total = m * tpc
@@ -158,32 +195,40 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     n_stage = stage_params(sh, lay.tp, p, worst)
     grads = n_stage * ctx.comm_bytes
     weights = n_stage * ctx.w_bytes
-    bw, lat = dp_link(ctx, lay)
-    bucket = max(1, min(max(sh.h * sh.h, 2**23), 5e8))
-    calls_g = max(1, round(n_stage / bucket))
-    window_last = back  # the last micro-batch's backward hides the gradient reduction
+    link = dp_link(ctx, lay)
+    calls = max(1, round(n_stage / buckets(ctx, lay)["reduce_bucket_size"]))
+    if not hw.is_gpu:
+        back = 0.0  # no overlap: the collective runs after the backward
     dp_total = dp_exposed = z3 = 0.0
     if d > 1 or lay.zero_stage == 3:
-        if lay.zero_stage in (0, 1):
-            red = collective_s(grads, d, bw, lat, 2.0 if lay.zero_stage == 0 else 1.0, calls_g)
-            gather = collective_s(weights, d, bw, lat, 1.0, calls_g) if lay.zero_stage == 1 else 0.0
-            hidden = 0.0 if p > 1 else window_last  # DeepSpeed's pipeline engine reduces after the flush
+        if lay.zero_stage in (0, 1):  # once per step, in the last micro-batch's backward
+            red = collective_s(grads, d, link, "allreduce" if lay.zero_stage == 0 else "reduce_scatter", calls)
+            gather = collective_s(weights, d, link, "all_gather", calls) if lay.zero_stage == 1 else 0.0
+            # ZeRO-1's backward hooks reduce buckets during the last micro-batch's backward (overlap_comm).
+            # Not hidden: ZeRO-0 (DeepSpeed all-reduces the flat gradients after backward), the pipeline engine
+            # (reduces after the flush), CPU workers (no side stream).
+            hidden = back if (lay.zero_stage == 1 and p == 1 and hw.is_gpu) else 0.0
             dp_total = red + gather
             dp_exposed = _exposed(red, hidden) + gather
-        elif lay.zero_stage == 2:  # reduce-scatter on every micro-batch's backward
-            red = collective_s(grads, d, bw, lat, 1.0, calls_g)
-            gather = collective_s(weights, d, bw, lat, 1.0, calls_g)
+        elif lay.zero_stage == 2:  # reduce-scatter in every micro-batch's backward (gradients are partitioned)
+            red = collective_s(grads, d, link, "reduce_scatter", calls)
+            gather = collective_s(weights, d, link, "all_gather", calls)
             dp_total = m * red + gather
             dp_exposed = m * _exposed(red, back) + gather
-        else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, each micro-batch
+        else:  # ZeRO-3: per micro-batch, gather weights module by module in forward and backward, reduce grads
+            modules = ZERO3_TENSORS_PER_LAYER * (sh.L // p) + 1
             fwd_time = comp - back
-            ag = collective_s(weights, d, bw, lat, 1.0, calls_g)
-            red = collective_s(grads, d, bw, lat, 1.0, calls_g)
-            dp_total = m * (2 * ag + red)
-            dp_exposed = m * (_exposed(ag, fwd_time) + _exposed(ag + red, back))
-            z3 = m * 2 * ZERO3_TENSORS_PER_LAYER * (sh.L // p) * ZERO3_PER_TENSOR_S
+            ag_f = collective_s(weights, d, link, "all_gather", modules)
+            if lay.hpz > 1:  # backward gathers from the node-local secondary partition over NVLink
+                ag_b = collective_s(weights, lay.hpz, intra_link(ctx), "all_gather", modules)
+            else:
+                ag_b = ag_f
+            red = collective_s(grads, d, link, "reduce_scatter", modules)
+            dp_total = m * (ag_f + ag_b + red)
+            dp_exposed = m * (_exposed(ag_f, fwd_time) + _exposed(ag_b + red, back))
+            z3 = m * 2 * modules * ZERO3_PER_TENSOR_S
     if sh.tied and p > 1:  # tied embedding: first and last stage all-reduce its gradient
-        dp_exposed += collective_s(sh.v * sh.h / lay.tp * ctx.comm_bytes, 2, hw.inter_node_gbps, hw.inter_latency_us, 2.0)
+        dp_exposed += collective_s(sh.v * sh.h / lay.tp * ctx.comm_bytes, 2, inter_link(ctx), "allreduce")
 
     owned = n_stage / (d if lay.zero_stage >= 1 else 1)
     opt = owned * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY) + DEEPSPEED_STEP_S

@@ -66,15 +66,31 @@ def _local_cpus(cfg: JobConfig) -> int:
 
 
 def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
+    address = cfg.cluster.address if cfg.cluster.address != AUTO else os.environ.get("RAY_ADDRESS")
+    # Ray reads RAY_AUTH_MODE when it is imported, so it is decided before the import. Token auth is on for
+    # the embedded cluster (said explicitly, so Ray does not warn about its default); a driver joining a
+    # cluster presents the token when one exists (clusters started by `make up` refuse drivers without it).
+    if "RAY_AUTH_MODE" not in os.environ and (not address or (Path.home() / ".ray" / "auth_token").exists()):
+        os.environ["RAY_AUTH_MODE"] = "token"
     import ray
 
-    address = cfg.cluster.address if cfg.cluster.address != AUTO else os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    if ray.is_initialized():  # embedded in a process that already joined a cluster (tests, notebooks)
+        address, started = "existing", False
+    elif address:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        except ConnectionError as e:
+            key = "cluster.address" if cfg.cluster.address != AUTO else "RAY_ADDRESS"
+            raise ConfigError(
+                f"{key}: no Ray cluster answers at {address} ({str(e).splitlines()[0]}); start one with "
+                "`make up`, fix the address, or unset it to train on a local Ray started for this job"
+            ) from None
         started = False
     else:
         # "local" starts a fresh cluster explicitly: a stale /tmp/ray/ray_current_cluster must not be joined.
-        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=False, logging_level=logging.WARNING)
+        # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
+        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=0, logging_level=logging.WARNING)
         started = True
     total = ray.cluster_resources()
     c = cfg.cluster

@@ -1,0 +1,96 @@
+"""One real local Ray head per test session (started like `ray start --head`), and job runs through the
+real entry point (`python jobs/train.py`) joined to it through RAY_ADDRESS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    # The address Ray itself picks for this node (drivers must join with the same one).
+    from ray._private.services import get_node_ip_address
+
+    return get_node_ip_address()
+
+
+class RayHead:
+    def __init__(self, num_cpus: int = 8):
+        self.port = free_port()
+        self.address = f"{_node_ip()}:{self.port}"
+        self.log = open(f"/tmp/rayspeed-test-ray-{self.port}.log", "w")
+        ray_bin = VENV_BIN / "ray"
+        self.proc = subprocess.Popen(
+            [str(ray_bin), "start", "--head", "--block", "--port", str(self.port), "--num-cpus", str(num_cpus),
+             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()),
+             "--disable-usage-stats"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, RAY_AUTH_MODE="token"),
+        )
+        self._wait()
+
+    def _wait(self, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    time.sleep(2)  # raylet and dashboard come up right after the GCS
+                    return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray head exited: see {self.log.name}")
+            time.sleep(0.5)
+        raise RuntimeError(f"ray head did not start in {timeout}s: see {self.log.name}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+
+
+def run_job(home: Path, args: list[str], ray_address: str | None, timeout: float = 600, env_extra: dict | None = None):
+    """python jobs/train.py ... with RAYSPEED_HOME=home; returns (CompletedProcess, summary or None)."""
+    env = dict(os.environ, RAYSPEED_HOME=str(home), PYTHONUNBUFFERED="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+        env["RAY_AUTH_MODE"] = "token"
+    else:
+        env.pop("RAY_ADDRESS", None)
+    env.update(env_extra or {})
+    r = subprocess.run([sys.executable, str(ROOT / "jobs" / "train.py"), *args], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    summary = None
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{") and '"status"' in line:
+            summary = json.loads(line)
+            break
+    return r, summary
+
+
+def metric_history(home: Path, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    hist = sorted(c.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+    return [(m.step, m.value) for m in hist]
