@@ -33,7 +33,10 @@ def test_zero2_two_workers_killed_and_resumed(ray_head, tmp_path):
     six = [v for s, v in loss if s == 6]
     assert six[0] == pytest.approx(six[1], rel=1e-6)
     assert loss[-1][1] < loss[0][1] - 0.5  # it learns
-    assert metric_history(tmp_path, summary["mlflow_run_id"], "resilience/restarts")[-1] == (5, 1.0)
+    assert metric_history(tmp_path, summary["mlflow_run_id"], "resilience/restarts")[-1] == (6, 1.0)
+    (rec_step, recovery), = metric_history(tmp_path, summary["mlflow_run_id"], "resilience/recovery_s")
+    assert rec_step == 6 and 0 < recovery < 300 and summary["recovery_s"] == pytest.approx(recovery)
+    assert metric_history(tmp_path, summary["mlflow_run_id"], "resilience/lost_steps") == [(6, 1.0)]
     assert metric_history(tmp_path, summary["mlflow_run_id"], "val/loss")
 
     from mlflow.tracking import MlflowClient

@@ -301,9 +301,12 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"tracking.log_every_steps: must be >= 1, got {cfg.tracking.log_every_steps}")
     if cfg.storage.path != AUTO and "://" not in cfg.storage.path and not os.path.isabs(os.path.expanduser(cfg.storage.path)):
         p.append(f"storage.path: must be absolute (all nodes must see it), got {cfg.storage.path!r}")
-    k = cfg.chaos.kill_rank_at_step
-    if k is not None and (k.rank < 0 or k.step < 1):
-        p.append(f"chaos.kill_rank_at_step: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
+    for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step"):
+        k = getattr(cfg.chaos, key)
+        if k is not None and (k.rank < 0 or k.step < 1):
+            p.append(f"chaos.{key}: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
+        elif k is not None and k.rank >= c.max_workers:
+            p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
     return p
 
 

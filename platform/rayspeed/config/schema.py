@@ -145,6 +145,9 @@ class ClusterConfig:
     local_num_cpus: Union[int, Auto] = AUTO
     """Logical CPUs a local Ray (started for this job) declares. auto: enough for all workers, even on a
     machine with fewer cores (CPU workers then share cores)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the workers, on top of the communication profile for the cluster
+    size (see `rayspeed doctor --env`); linted before the job starts. Values are strings: quote numbers ("1")."""
 
     @property
     def min_workers(self) -> int:
@@ -173,6 +176,9 @@ class ResilienceConfig:
     """keep_global: same global batch via accumulation; playbook: bsz * (1 - lost/total) ** 0.8, lr rescaled."""
     collective_timeout_s: float = 600.0
     """Process-group timeout: a collective blocked longer than this fails the step instead of hanging."""
+    worker_start_timeout_s: float = 30.0
+    """How long Ray Train may take to start a worker group before the attempt counts as failed (Ray's
+    default, 60 s, is what a restart waits when capacity is gone)."""
 
 
 @dataclass
@@ -199,6 +205,23 @@ class StorageConfig:
 class HealthConfig:
     preflight: bool = True
     """Bandwidth and environment checks on the job's own workers before step 0."""
+    production: bool = True
+    """Production run: debug-only knobs (NCCL_DEBUG=INFO/TRACE, CUDA_LAUNCH_BLOCKING, NCCL_P2P_DISABLE, ...) fail
+    the environment lint. Set false while debugging."""
+    preflight_min_busbw_gbps: float = 0.0
+    """Preflight fails when the all-reduce bus bandwidth at its largest message is below this (GB/s); 0: no floor."""
+    slow_rank_factor: float = 0.5
+    """A rank (or node) is flagged slow when its measurement is below this fraction of the median of the others."""
+    fail_on_slow_rank: bool = False
+    """Fail the preflight when a rank is flagged slow (default: flag and log it only)."""
+    watchdog: Literal["off", "skip", "rollback"] = "skip"
+    """On a NaN/Inf loss or a grad-norm spike: skip the step, roll back to the last verified checkpoint, or do nothing."""
+    grad_norm_spike_factor: float = 10.0
+    """A grad norm above this multiple of the median of the recent window is a spike."""
+    watchdog_window: int = 20
+    """Accepted steps the grad-norm median is taken over."""
+    watchdog_max_skips: int = 5
+    """Consecutive skipped steps after which the watchdog rolls back instead (0: never escalate)."""
 
 
 @dataclass
@@ -213,6 +236,12 @@ class KillAt:
 class ChaosConfig:
     kill_rank_at_step: Optional[KillAt] = None
     """{rank: 1, step: 12}: that rank's process dies once, at that step."""
+    kill_rank_in_checkpoint: Optional[KillAt] = None
+    """{rank: 0, step: 10}: that rank dies once while writing the checkpoint of that step (after its shard,
+    before the manifest): the drill for torn checkpoints."""
+    hang_rank_at_step: Optional[KillAt] = None
+    """{rank: 1, step: 12}: that rank stops answering once, at that step (the others' collectives must time
+    out after resilience.collective_timeout_s and the job restart)."""
 
 
 @dataclass

@@ -28,7 +28,10 @@ class GlobalBatchSchedule:
 
     _CACHED_EPOCHS = 2  # a step spans at most a few epochs; keep the current and the next one
 
-    def __init__(self, num_sequences: int, global_batch_size: int, seed: int):
+    def __init__(self, num_sequences: int, global_batch_size: int, seed: int, start_step: int = 0,
+                 start_sample: int = 0):
+        """start_step/start_sample: the global batch size changed at start_step (elastic `playbook` policy),
+        after start_sample samples had been consumed; the sample stream continues where it was."""
         if num_sequences < 1:
             raise ValueError(f"num_sequences must be >= 1, got {num_sequences} (corpus too small for seq_len?)")
         if global_batch_size < 1:
@@ -38,6 +41,7 @@ class GlobalBatchSchedule:
         self.num_sequences = int(num_sequences)
         self.global_batch_size = int(global_batch_size)
         self.seed = int(seed)
+        self.start_step, self.start_sample = int(start_step), int(start_sample)
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -53,9 +57,13 @@ class GlobalBatchSchedule:
             self._perms.move_to_end(epoch)
         return perm
 
+    def samples_before(self, step: int) -> int:
+        """Samples consumed by steps 0..step-1."""
+        return self.start_sample + (step - self.start_step) * self.global_batch_size
+
     def epoch_of(self, step: int) -> int:
         """Epoch of the first sample of `step`."""
-        return step * self.global_batch_size // self.num_sequences
+        return self.samples_before(step) // self.num_sequences
 
     def indices(self, step: int, positions: Optional[Sequence[int]] = None) -> np.ndarray:
         """Sequence indices (int64) for the given positions of step's global batch (default: all G)."""
@@ -64,7 +72,7 @@ class GlobalBatchSchedule:
         pos = np.arange(self.global_batch_size) if positions is None else np.asarray(positions, dtype=np.int64)
         if pos.size and (pos.min() < 0 or pos.max() >= self.global_batch_size):
             raise ValueError(f"positions must be in [0, {self.global_batch_size})")
-        g = step * self.global_batch_size + pos
+        g = self.samples_before(step) + pos
         epochs, offsets = np.divmod(g, self.num_sequences)
         out = np.empty(pos.shape, dtype=np.int64)
         for e in np.unique(epochs).tolist():
@@ -158,6 +166,7 @@ class RankBatches:
     def state_dict(self) -> dict:
         # The layout is recorded for information only: resuming under another layout is allowed.
         return {"step": self.step, "epoch": self.epoch, "seed": self.schedule.seed,
+                "consumed_samples": self.schedule.samples_before(self.step),
                 "global_batch_size": self.schedule.global_batch_size,
                 "num_sequences": self.schedule.num_sequences, "seq_len": self.seq_len,
                 "content_hash": self.split.content_hash,

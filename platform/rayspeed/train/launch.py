@@ -117,10 +117,14 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from rayspeed.train.resilience import ResilienceCallback
     from rayspeed.train.worker import train_loop
 
     c = cfg.cluster
     workers = (c.min_workers, c.max_workers) if c.elastic else c.max_workers
+    # Ray Train waits this long for a worker group to start before calling the attempt failed; after a node
+    # loss it first retries the old size, so the default 60 s is pure recovery delay. Read by the controller.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(cfg.resilience.worker_start_timeout_s))
     trainer = TorchTrainer(
         train_loop_per_worker=train_loop,
         train_loop_config=launch,
@@ -129,6 +133,7 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
             use_gpu=c.use_gpu,
             resources_per_worker={"CPU": c.cpus_per_worker, **c.resources_per_worker},
             placement_strategy=c.placement_strategy,
+            elastic_resize_monitor_interval_s=cfg.resilience.elastic_monitor_interval_s,
         ),
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo", timeout_s=int(cfg.resilience.collective_timeout_s)),
         run_config=RunConfig(
@@ -137,6 +142,7 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
             failure_config=FailureConfig(max_failures=cfg.resilience.max_failures),
             # Retention is the manifest protocol's job (rayspeed.checkpoint.store.prune).
             checkpoint_config=CheckpointConfig(num_to_keep=None),
+            callbacks=[ResilienceCallback(str(Path(storage) / cfg.name))],
         ),
     )
     return trainer.fit()
@@ -183,6 +189,9 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
         "mlflow_run_id": run_id,
         "restarts": result.get("restarts", 0),
         "world_size": result.get("world_size"),
+        "global_batch_size": result.get("global_batch_size"),
+        "recovery_s": result.get("recovery_s"),
+        "checkpoint_stall_s": result.get("checkpoint_stall_s"),
         "launcher": launcher,
     }
     if error is not None:

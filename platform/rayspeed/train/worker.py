@@ -1,17 +1,19 @@
 """The worker loop: the same function under Ray Train (one per worker) and in-process (--launcher local).
 
-At every (re)start the worker re-plans for the world size it actually got, builds the model and the
-DeepSpeed engine, resumes from the newest verified checkpoint, and trains. Rank 0 alone talks to MLflow.
+At every (re)start each worker: joins the process group, agrees with the others on the newest verified
+checkpoint, re-plans for the world size it actually got (tp and pp kept from the checkpoint, dp and
+accumulation recomputed, the batch policy applied), builds the model and the DeepSpeed engine, resumes
+(through a universal checkpoint when the ZeRO layout changed) and trains. Rank 0 alone talks to MLflow.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import random
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +22,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rayspeed.checkpoint import resume as ckpt_resume
 from rayspeed.checkpoint import store
 from rayspeed.config.load import flatten, parse, to_dict, to_yaml
-from rayspeed.config.schema import JobConfig
+from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.train import resilience
 from rayspeed.train.context import WorkerContext
 
 log = logging.getLogger("rayspeed.worker")
@@ -62,164 +66,214 @@ def train_loop(config: dict[str, Any]) -> None:
     run_worker(config, ray_context())
 
 
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _pin_model_parallel(job: JobConfig, manifest: dict[str, Any] | None) -> JobConfig:
+    """On resume, tp and pp stay what the checkpoint was written with (a model-parallel reshard is not a
+    restart's job); dp and accumulation are re-planned for the new world."""
+    if not manifest:
+        return job
+    old = manifest.get("layout") or {}
+    par = job.parallel
+    pinned = {k: int(old[k]) for k in ("tp", "pp") if getattr(par, k) == AUTO and k in old}
+    return dataclasses.replace(job, parallel=dataclasses.replace(par, **pinned)) if pinned else job
+
+
 def run_worker(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
-    _setup_logging(ctx.rank)
+    import deepspeed
+
     from rayspeed.planner import resolve
 
-    # The user's job (with its "auto"s) is re-planned here, for the world this attempt actually got.
+    _setup_logging(ctx.rank)
+    t_start = time.time()
     job = parse(config["job"])
+    backend = "nccl" if job.cluster.use_gpu else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    chosen = None
+    if ctx.is_rank0:
+        preferred = None
+        if ctx.under_ray:
+            import ray.train
+
+            ck = ray.train.get_checkpoint()
+            preferred = ck.path if ck is not None else None
+        found = ckpt_resume.choose(ctx.experiment_dir, preferred)
+        chosen = str(found) if found else None
+    chosen = _broadcast(chosen)
+    manifest = store.read_manifest(chosen) if chosen else None
+    job, policy_line = resilience.apply_batch_policy(_pin_model_parallel(job, manifest), ctx.world_size)
+    # The user's job (with its "auto"s) is re-planned here, for the world this attempt actually got.
     cfg, plan = resolve(job, world_size=ctx.world_size)
-    return Trainer(cfg, plan, ctx, config).run()
+    if ctx.is_rank0:
+        log.info(policy_line)
+    return Trainer(cfg, plan, ctx, config, chosen, manifest, t_start).run()
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, plan: Any, ctx: WorkerContext, launch: dict[str, Any]):
+    def __init__(self, cfg: JobConfig, plan: Any, ctx: WorkerContext, launch: dict[str, Any],
+                 checkpoint: str | None = None, manifest: dict[str, Any] | None = None, t_start: float | None = None):
         self.cfg, self.plan, self.ctx, self.launch = cfg, plan, ctx, launch
-        self.t_launch = float(launch.get("launched_at", time.time()))
-        self.device = torch.device("cpu")
+        self.checkpoint, self.manifest = checkpoint, manifest
+        self.t_start = t_start or time.time()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
         self.tracker = None
 
     # ------------------------------------------------------------------ setup
-    def _setup_distributed(self) -> None:
-        import deepspeed
-
-        backend = "nccl" if self.cfg.cluster.use_gpu else "gloo"
-        if self.cfg.cluster.use_gpu:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-
     def _setup_tracking(self) -> None:
         from rayspeed.tracking.logger import MlflowLogger, NullLogger
 
         run_id = self.launch.get("mlflow_run_id")
+        self.tracker = NullLogger()
         if self.ctx.is_rank0 and run_id:
             try:
                 self.tracker = MlflowLogger(self.launch["tracking_uri"], run_id)
             except Exception as e:  # tracking must never kill training
                 log.warning("MLflow unavailable (%s): training continues without tracking", e)
-                self.tracker = NullLogger()
-        else:
-            self.tracker = NullLogger()
 
-    def _build_data(self):
+    def _build_data(self) -> None:
         from rayspeed.data import RankBatches, build_token_file, make_schedule, val_batches
 
         c = self.cfg
-        cache = c.data.cache_dir if c.data.cache_dir != "auto" else str(Path(self.launch["storage_path"]) / ".cache" / "data")
+        cache = c.data.cache_dir if c.data.cache_dir != AUTO else str(Path(self.launch["storage_path"]) / ".cache" / "data")
         tf = build_token_file(c.data.source, c.data.path, c.data.tokenizer, cache)
         train, val = tf.split(c.data.val_fraction, c.model.seq_len)
         schedule = make_schedule(train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
         g = self.groups
+        self._train_split = train
         self.batches = RankBatches(
             train, c.model.seq_len, schedule, g.dp_rank, g.dp, c.parallel.micro_batch_size, c.parallel.grad_accum
         )
-        # Each rank evaluates its share of eval_batches global batches (same sequences for every layout),
-        # in micro-batches of the training size.
+        # Each rank evaluates its share of eval_batches global batches (the same sequences for every
+        # layout), in micro-batches of the training size.
         share = c.parallel.micro_batch_size * c.parallel.grad_accum
         self.val = val_batches(val, c.model.seq_len, share, c.train.eval_batches, g.dp_rank, g.dp)
-        self.token_file = tf
         if self.ctx.is_rank0:
             log.info("data: %s; %d training sequences of %d tokens", tf, schedule.num_sequences, c.model.seq_len)
+
+    def _restore_data_position(self, data_state: dict[str, Any]) -> None:
+        from rayspeed.data import GlobalBatchSchedule, RankBatches
+
+        step = int(data_state["step"])
+        if int(data_state.get("global_batch_size", -1)) == self.cfg.train.global_batch_size:
+            self.batches.load_state_dict(data_state)
+            return
+        # The global batch changed (playbook batch policy): the sample stream continues where it stopped.
+        c, g = self.cfg, self.groups
+        old = self.batches.schedule
+        schedule = GlobalBatchSchedule(old.num_sequences, c.train.global_batch_size, old.seed, start_step=step,
+                                       start_sample=int(data_state["consumed_samples"]))
+        self.batches = RankBatches(self._train_split, c.model.seq_len, schedule, g.dp_rank, g.dp,
+                                   c.parallel.micro_batch_size, c.parallel.grad_accum, start_step=step)
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, Any]:
         from rayspeed.engine.build import build_engine
         from rayspeed.engine.deepspeed_config import deepspeed_config
-
-        c, ctx = self.cfg, self.ctx
-        self._setup_distributed()
-        self._setup_tracking()
-        _seed_all(c.train.seed)
         from rayspeed.parallel.groups import ParallelGroups
 
+        c, ctx = self.cfg, self.ctx
+        self._setup_tracking()
+        _seed_all(c.train.seed)
         self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp)
+        self._check_topology()
         self._build_data()
         self.ds_config = deepspeed_config(c, self.plan.best)
+        tag = ckpt_resume.DS_TAG
+        if self.checkpoint and ckpt_resume.needs_universal(self.manifest or {}, ckpt_resume.layout_of(c)):
+            if ctx.is_rank0:
+                log.info("layout changed %s -> %s: converting %s to a universal checkpoint",
+                         (self.manifest or {}).get("layout"), ckpt_resume.layout_of(c), Path(self.checkpoint).name)
+                err = None
+                try:
+                    ckpt_resume.convert_to_universal(self.checkpoint)
+                except Exception as e:
+                    err = str(e)
+                _broadcast(err)
+            else:
+                err = _broadcast(None)
+            if err:
+                raise RuntimeError(err)
+            tag = ckpt_resume.UNIVERSAL_TAG
+            self.ds_config["checkpoint"] = {"load_universal": True}
         self.engine, self.pipelined = build_engine(c, self.ds_config, self.groups, self.device)
-        start_step, state = self._resume()
+        start_step, state = self._resume(tag)
         if ctx.is_rank0:
             self._log_start(state)
-        result = self._train(start_step, state)
-        return result
+        return self._train(start_step, state)
+
+    def _check_topology(self) -> None:
+        """tp groups must sit on one node: Ray Train places a node's workers on consecutive ranks (verified
+        here, not assumed)."""
+        if self.cfg.parallel.tp <= 1 or not self.ctx.under_ray:
+            return
+        from rayspeed.parallel.groups import check_tp_within_nodes
+
+        nodes: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(nodes, self.ctx.node_id)
+        check_tp_within_nodes(nodes, self.cfg.parallel.tp)
 
     def _log_start(self, state: dict[str, Any]) -> None:
-        c = self.cfg
-        t = self.tracker
+        c, t = self.cfg, self.tracker
         params = flatten(to_dict(c))
         params.update({f"plan.{k}": v for k, v in flatten(_plain(self.plan.best)).items()})
         params.update(_versions())
+        params["cluster.world_size_at_start"] = self.ctx.world_size
         t.log_params(params)
         t.set_tags({"rayspeed.job": c.name, "rayspeed.status": "running", "rayspeed.world_size": str(self.ctx.world_size)})
         t.log_text(to_yaml(c), "config/resolved.yaml")
         t.log_text(json.dumps(self.ds_config, indent=2, sort_keys=True), "config/deepspeed.json")
         t.log_text(json.dumps(_plain(self.plan.to_json()), indent=2, default=str), "plan/plan.json")
         t.log_text(self.plan.explain, "plan/explain.txt")
-        restarts = state.get("restarts", 0)
-        t.log_metrics({"resilience/world_size": self.ctx.world_size, "resilience/restarts": restarts}, step=state.get("step", 0))
+        t.log_metrics({"resilience/world_size": self.ctx.world_size, "resilience/restarts": state["restarts"]},
+                      step=state["step"])
         log.info(
-            "plan: dp=%s tp=%s pp=%s zero=%s micro=%s accum=%s ac=%s precision=%s (world %d)",
+            "plan: dp=%s tp=%s pp=%s zero=%s micro=%s accum=%s ac=%s precision=%s global_batch=%s (world %d)",
             c.parallel.dp, c.parallel.tp, c.parallel.pp, c.parallel.zero_stage, c.parallel.micro_batch_size,
-            c.parallel.grad_accum, c.parallel.activation_checkpointing, c.train.precision, self.ctx.world_size,
+            c.parallel.grad_accum, c.parallel.activation_checkpointing, c.train.precision, c.train.global_batch_size,
+            self.ctx.world_size,
         )
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_root(self) -> Path:
-        return Path(self.ctx.experiment_dir)
-
-    def _resume(self) -> tuple[int, dict[str, Any]]:
-        """Newest manifest-verified checkpoint: Ray's latest if it verifies, else a scan of the run folder."""
-        chosen = None
-        if self.ctx.is_rank0:
-            candidates = []
-            if self.ctx.under_ray:
-                import ray.train
-
-                ck = ray.train.get_checkpoint()
-                if ck is not None:
-                    candidates.append(Path(ck.path))
-            for p in candidates:
-                v = store.verify(p)
-                if v.ok:
-                    chosen = str(p)
-                    break
-                log.warning("checkpoint %s rejected: %s", p, v.reason)
-            if chosen is None:
-                found, skipped = store.latest_verified(self._checkpoint_root())
-                for s in skipped:
-                    log.warning("checkpoint rejected: %s", s)
-                chosen = str(found) if found else None
-        chosen = _broadcast(chosen)
-        if chosen is None:
+    def _resume(self, tag: str) -> tuple[int, dict[str, Any]]:
+        if self.checkpoint is None:
             return 0, {"step": 0, "restarts": 0}
-        manifest = store.read_manifest(chosen) or {}
-        load_path, tag = chosen, "ds"
-        _, client = self.engine.load_checkpoint(load_path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-        client = client or {}
-        rng_file = Path(chosen) / f"rng_rank{self.ctx.rank}.pt"
-        if rng_file.exists() and manifest.get("world_size") == self.ctx.world_size:
+        path = self.checkpoint
+        _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if client is None:
+            raise RuntimeError(f"DeepSpeed could not load {path} (tag {tag})")
+        rng_file = Path(path) / f"rng_rank{self.ctx.rank}.pt"
+        if rng_file.exists() and (self.manifest or {}).get("world_size") == self.ctx.world_size:
             _set_rng_state(torch.load(rng_file, weights_only=False))
-        self.batches.load_state_dict(client["data"])
+        self._restore_data_position(client["data"])
         step = int(client["step"])
-        state = {"step": step, "restarts": int(client.get("restarts", 0)) + 1, "resumed_from": chosen}
+        state = {"step": step, "restarts": int(client.get("restarts", 0)) + 1, "resumed_from": path}
         if self.ctx.is_rank0:
-            log.info("resumed from %s at step %d (restart %d)", Path(chosen).name, step, state["restarts"])
+            log.info("resumed from %s at step %d (restart %d, world %s -> %d)", Path(path).name, step,
+                     state["restarts"], (self.manifest or {}).get("world_size"), self.ctx.world_size)
         return step, state
 
     def _save_checkpoint(self, step: int, state: dict[str, Any]) -> float:
-        """Commit protocol (see rayspeed.checkpoint.store). Returns the stall in seconds."""
+        """Commit protocol (rayspeed.checkpoint.store): shards, then one verified manifest. Returns the stall."""
         t0 = time.perf_counter()
-        root = self._checkpoint_root()
+        root = Path(self.ctx.experiment_dir)
         d = root / store.dir_name(step)
         if self.ctx.is_rank0:
             d.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        client = {"step": step, "data": self.batches.state_dict(), "restarts": state.get("restarts", 0),
+        client = {"step": step, "data": self.batches.state_dict(), "restarts": state["restarts"],
                   "mlflow_run_id": self.launch.get("mlflow_run_id")}
-        self.engine.save_checkpoint(str(d), tag="ds", client_state=client, save_latest=False)
+        self.engine.save_checkpoint(str(d), tag=ckpt_resume.DS_TAG, client_state=client, save_latest=False)
         torch.save(_rng_state(), d / f"rng_rank{self.ctx.rank}.pt")
+        self._chaos_in_checkpoint(step)
         dist.barrier()
         if self.ctx.is_rank0:
-            store.write_manifest(d, step, self._manifest_meta(step))
+            store.write_manifest(d, step, self._manifest_meta())
         dist.barrier()
         if self.ctx.under_ray:
             import ray.train
@@ -236,7 +290,7 @@ class Trainer:
                 log.info("deleted old checkpoint %s", p.name)
         return time.perf_counter() - t0
 
-    def _manifest_meta(self, step: int) -> dict[str, Any]:
+    def _manifest_meta(self) -> dict[str, Any]:
         import deepspeed
 
         c = self.cfg
@@ -249,20 +303,40 @@ class Trainer:
             "config_hash": _config_hash(c),
         }
 
-    # ------------------------------------------------------------------ training
-    def _chaos(self, step: int) -> None:
-        k = self.cfg.chaos.kill_rank_at_step
-        if k is None or k.rank != self.ctx.rank or k.step != step:
-            return
-        marker = Path(self.launch["storage_path"]) / self.cfg.name / ".chaos" / f"killed_rank{k.rank}_step{k.step}"
+    # ------------------------------------------------------------------ chaos drills
+    def _chaos_marker(self, kind: str, rank: int, step: int) -> Path:
+        return Path(self.ctx.experiment_dir) / ".chaos" / f"{kind}_rank{rank}_step{step}"
+
+    def _once(self, kind: str, spec: Any, step: int) -> bool:
+        if spec is None or spec.rank != self.ctx.rank or spec.step != step:
+            return False
+        marker = self._chaos_marker(kind, spec.rank, spec.step)
         if marker.exists():
-            return
+            return False
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(time.time()))
-        log.warning("chaos: killing rank %d at step %d", k.rank, step)
-        logging.shutdown()
+        return True
+
+    def _die(self, why: str) -> None:
+        log.warning("chaos: %s", why)
+        for h in logging.getLogger("rayspeed").handlers:
+            h.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def _chaos_step(self, step: int) -> None:
+        ch = self.cfg.chaos
+        if self._once("kill", ch.kill_rank_at_step, step):
+            self._die(f"killing rank {self.ctx.rank} at step {step}")
+        if self._once("hang", ch.hang_rank_at_step, step):
+            log.warning("chaos: rank %d hangs at step %d", self.ctx.rank, step)
+            while True:  # the others' collectives time out; Ray then restarts the group
+                time.sleep(3600)
+
+    def _chaos_in_checkpoint(self, step: int) -> None:
+        if self._once("ckptkill", self.cfg.chaos.kill_rank_in_checkpoint, step):
+            self._die(f"killing rank {self.ctx.rank} inside the checkpoint write of step {step}")
+
+    # ------------------------------------------------------------------ training
     def _train_step(self, micro_batches: list) -> torch.Tensor:
         eng = self.engine
         if self.pipelined:
@@ -291,8 +365,7 @@ class Trainer:
                     total += eng(cx, cy).detach().double()
             n += len(chunks)
         eng.train()
-        value = total / max(1, n)
-        return self._dp_mean(value)
+        return self._dp_mean(total / max(1, n))
 
     def _dp_mean(self, t: torch.Tensor) -> float:
         t = t.detach().clone().to(self.device, dtype=torch.float64)
@@ -300,6 +373,31 @@ class Trainer:
             dist.all_reduce(t, group=self.groups.dp_group)
             t /= self.groups.dp
         return float(t.item())
+
+    def _lr(self) -> float:
+        return float(self.engine.optimizer.param_groups[0]["lr"]) if self.pipelined else float(self.engine.get_lr()[0])
+
+    def _after_first_step(self, step: int, state: dict[str, Any]) -> None:
+        now = time.time()
+        if not self.ctx.is_rank0:
+            return
+        log.info("first step done %.1f s after this attempt started", now - self.t_start)
+        event = resilience.pending_event(self.ctx.experiment_dir) if state["restarts"] else None
+        metrics: dict[str, float] = {"resilience/world_size": self.ctx.world_size, "resilience/restarts": state["restarts"]}
+        if event is not None:
+            recovery = now - event["time"]
+            progress = resilience.read_progress(self.ctx.experiment_dir)
+            lost = max(0, int(progress.get("step", state["step"])) - state["step"])
+            metrics.update({"resilience/recovery_s": recovery, "resilience/lost_steps": lost})
+            cause = event.get("kind", "restart")
+            if event.get("causes"):
+                cause += ": " + "; ".join(f"rank {r}: {c}" for r, c in event["causes"].items())
+            self.tracker.set_tags({f"rayspeed.restart.{state['restarts']}": cause[:4000]})
+            resilience.mark_recovered(self.ctx.experiment_dir, {"recovery_s": recovery, "lost_steps": lost, "step": step})
+            log.info("recovered in %.1f s from %s (%d steps lost; this attempt started %.1f s after it)",
+                     recovery, event.get("kind"), lost, self.t_start - event["time"])
+            self.recovery_s = recovery
+        self.tracker.log_metrics(metrics, step=step)
 
     def _train(self, start_step: int, state: dict[str, Any]) -> dict[str, Any]:
         c, ctx, t = self.cfg, self.ctx, self.tracker
@@ -309,35 +407,34 @@ class Trainer:
         self.engine.train()
         loss_acc = torch.zeros((), device=self.device)
         n_acc = 0
-        window_t0 = time.perf_counter()
-        window_steps = 0
-        first_step_done = None
-        last_loss = float("nan")
-        val_loss = None
-        stalls = []
+        window_t0, window_steps = time.perf_counter(), 0
+        first = True
+        last_loss, val_loss = float("nan"), None
+        stalls: list[float] = []
+        self.recovery_s = None
         for step, micro in self.batches.iterate(start_step, c.train.max_steps - start_step):
-            self._chaos(step + 1)
+            done = step + 1
+            self._chaos_step(done)
             loss = self._train_step(micro)
             loss_acc += loss.detach().float()
             n_acc += 1
             window_steps += 1
-            done = step + 1
-            if first_step_done is None:
-                first_step_done = time.time()
-                if ctx.is_rank0:
-                    log.info("first step done %.1f s after launch", first_step_done - self.t_launch)
+            if first:
+                first = False
+                self._after_first_step(done, state)
+            if ctx.is_rank0:
+                resilience.write_progress(ctx.experiment_dir, done)
             if done % log_every == 0 or done == c.train.max_steps:
-                # The only host sync of the step: the loss is read at log steps.
+                # The step's only host sync: the loss is read at log steps.
                 mean_loss = self._dp_mean(loss_acc / n_acc)
                 loss_acc.zero_()
                 n_acc = 0
-                elapsed = time.perf_counter() - window_t0
-                step_time = elapsed / window_steps
+                step_time = (time.perf_counter() - window_t0) / window_steps
                 window_t0, window_steps = time.perf_counter(), 0
                 last_loss = mean_loss
                 metrics = {
                     "train/loss": mean_loss,
-                    "train/lr": float(self.engine.get_lr()[0]) if not self.pipelined else float(self.engine.optimizer.param_groups[0]["lr"]),
+                    "train/lr": self._lr(),
                     "train/global_batch_size": c.train.global_batch_size,
                     "perf/step_time_s": step_time,
                     "perf/tokens_per_s": tokens_per_step / step_time,
@@ -348,12 +445,14 @@ class Trainer:
                     metrics["train/grad_norm"] = float(gn)
                 t.log_metrics(metrics, step=done)
                 if ctx.is_rank0:
-                    log.info("step %d/%d loss %.4f lr %.2e %.3f s/step", done, c.train.max_steps, mean_loss, metrics["train/lr"], step_time)
+                    log.info("step %d/%d loss %.4f lr %.2e %.3f s/step", done, c.train.max_steps, mean_loss,
+                             metrics["train/lr"], step_time)
             if (c.train.eval_every_steps and done % c.train.eval_every_steps == 0) or done == c.train.max_steps:
                 val_loss = self._evaluate()
                 t.log_metrics({"val/loss": val_loss}, step=done)
                 if ctx.is_rank0:
                     log.info("step %d val loss %.4f", done, val_loss)
+                window_t0 = time.perf_counter()
             if (ck_every and done % ck_every == 0) or done == c.train.max_steps:
                 stall = self._save_checkpoint(done, state)
                 stalls.append(stall)
@@ -364,8 +463,11 @@ class Trainer:
             "steps": c.train.max_steps,
             "final_loss": last_loss,
             "val_loss": val_loss,
-            "restarts": state.get("restarts", 0),
+            "restarts": state["restarts"],
             "world_size": ctx.world_size,
+            "global_batch_size": c.train.global_batch_size,
+            "recovery_s": self.recovery_s,
+            "checkpoint_stall_s": (sorted(stalls)[len(stalls) // 2] if stalls else None),
         }
         if ctx.is_rank0:
             t.set_tags({"rayspeed.status": "finished"})
@@ -374,14 +476,6 @@ class Trainer:
             with open(Path(ctx.experiment_dir) / "worker_result.json", "w") as fh:
                 json.dump(result, fh)
         return result
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _plain(obj: Any) -> Any:

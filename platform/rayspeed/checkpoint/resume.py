@@ -1,0 +1,82 @@
+"""Which checkpoint to resume from, and whether its ZeRO state must be converted for a new layout.
+
+DeepSpeed refuses to load ZeRO-1/2/3 optimizer partitions at a different data-parallel size. When the
+world changed (elastic shrink or grow), the verified checkpoint is converted once with DeepSpeed's
+universal-checkpoint tool and loaded with `checkpoint.load_universal`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rayspeed.checkpoint import store
+
+log = logging.getLogger(__name__)
+
+DS_TAG = "ds"
+UNIVERSAL_TAG = "ds_universal"
+_DONE = ".converted"
+
+
+def choose(root: str | Path, preferred: str | Path | None = None) -> Path | None:
+    """The checkpoint to resume from: `preferred` (Ray's latest) if it verifies, else the newest verified
+    one under root. Unverified candidates are logged with the reason and never loaded."""
+    if preferred is not None:
+        v = store.verify(preferred)
+        if v.ok:
+            newest, _ = store.latest_verified(root, deep=False)
+            # A resubmission may find a newer verified checkpoint than the one Ray remembers.
+            if newest is None or (store.step_of(newest) or 0) <= (store.step_of(preferred) or 0):
+                return Path(preferred)
+        else:
+            log.warning("checkpoint %s rejected: %s", preferred, v.reason)
+    found, skipped = store.latest_verified(root)
+    for s in skipped:
+        log.warning("checkpoint rejected: %s", s)
+    return found
+
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "zero_stage")
+
+
+def layout_of(cfg: Any) -> dict[str, int]:
+    return {k: int(getattr(cfg.parallel, k)) for k in LAYOUT_KEYS}
+
+
+def needs_universal(manifest: dict[str, Any], layout: dict[str, int]) -> bool:
+    """ZeRO partitions (stages 1-3) are tied to the data-parallel size they were written at."""
+    old = manifest.get("layout") or {}
+    if int(old.get("zero_stage", 0)) == 0 and int(layout.get("zero_stage", 0)) == 0:
+        return False
+    return any(int(old.get(k, -1)) != int(layout[k]) for k in LAYOUT_KEYS)
+
+
+def convert_to_universal(ckpt_dir: str | Path) -> str:
+    """Convert `<ckpt>/ds` into `<ckpt>/ds_universal` once (idempotent; rank 0 only). Returns the tag.
+
+    The conversion runs in a subprocess: DeepSpeed's tool uses worker pools and prints a lot."""
+    ckpt_dir = Path(ckpt_dir)
+    out = ckpt_dir / UNIVERSAL_TAG
+    if (out / _DONE).exists():
+        return UNIVERSAL_TAG
+    cmd = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", str(ckpt_dir / DS_TAG),
+        "--output_folder", str(out),
+        "--inject_missing_state",
+        "--num_extract_workers", "1",
+        "--num_merge_workers", "1",
+    ]
+    env = dict(os.environ)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        tail = (r.stdout + r.stderr)[-3000:]
+        raise RuntimeError(f"universal checkpoint conversion of {ckpt_dir.name} failed:\n{tail}")
+    (out / _DONE).write_text("ok")
+    log.info("converted %s to a universal checkpoint for the new layout", ckpt_dir.name)
+    return UNIVERSAL_TAG

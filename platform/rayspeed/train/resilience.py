@@ -1,0 +1,147 @@
+"""Failures and resizes: recorded where the controller sees them, measured where training resumes.
+
+The controller side (`ResilienceCallback`, running in Ray Train's controller actor) appends one line per
+event to `<storage>/<name>/.resilience/events.jsonl` the moment it sees a worker failure or decides to
+resize. The restarted rank 0 reads the newest unhandled event, and once its first step is done logs
+`resilience/recovery_s` (event -> first step done), lost steps, the world size and the cause.
+The batch policy for a changed world lives here too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+from rayspeed.config.schema import JobConfig
+
+log = logging.getLogger(__name__)
+
+EVENTS = "events.jsonl"
+HANDLED = "handled.jsonl"
+
+
+def resilience_dir(experiment_dir: str | Path) -> Path:
+    return Path(experiment_dir) / ".resilience"
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record) + "\n"
+    # One write() of a short line in append mode: lines from concurrent writers do not interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    try:
+        with open(path) as fh:
+            out = []
+            for line in fh:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue  # a torn last line from a crash
+            return out
+    except OSError:
+        return []
+
+
+class ResilienceCallback(ControllerCallback, WorkerGroupCallback):
+    """Runs in the Ray Train controller: timestamps failures and resize decisions as they happen."""
+
+    def __init__(self, experiment_dir: str):
+        self.dir = str(resilience_dir(experiment_dir))
+        self._failure_seen = False
+        self._group_started = False  # the first "resize" is the initial start, not an incident
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        try:
+            _append(Path(self.dir) / EVENTS, {"kind": kind, "time": time.time(), **fields})
+        except Exception as e:  # never break the controller
+            log.warning("rayspeed: could not record %s event: %s", kind, e)
+
+    def after_worker_group_poll_status(self, worker_group_status) -> None:
+        errors = getattr(worker_group_status, "errors", None)
+        if errors and not self._failure_seen:
+            self._failure_seen = True
+            causes = {str(r): f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}" for r, e in errors.items()}
+            self._record("failure", ranks=sorted(int(r) for r in errors), causes=causes)
+        elif not errors:
+            self._failure_seen = False
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        if self._group_started:
+            self._record("resize", num_workers=int(getattr(resize_decision, "num_workers", 0)))
+        self._group_started = True
+        self._failure_seen = False
+
+
+def pending_event(experiment_dir: str | Path) -> dict[str, Any] | None:
+    """The earliest failure/resize event not yet followed by a recovery: where the incident began (a
+    failed restart attempt adds events, but recovery is measured from the first)."""
+    d = resilience_dir(experiment_dir)
+    handled = {round(h["event_time"], 6) for h in _read(d / HANDLED) if "event_time" in h}
+    for e in _read(d / EVENTS):
+        if e.get("kind") in ("failure", "resize") and round(e["time"], 6) not in handled:
+            return e
+    return None
+
+
+def mark_recovered(experiment_dir: str | Path, record: dict[str, Any]) -> None:
+    """Every event recorded so far belongs to the incident that just recovered."""
+    d = resilience_dir(experiment_dir)
+    handled = {round(h["event_time"], 6) for h in _read(d / HANDLED) if "event_time" in h}
+    for e in _read(d / EVENTS):
+        if round(e["time"], 6) not in handled:
+            _append(d / HANDLED, {"event_time": e["time"], **record})
+
+
+def write_progress(experiment_dir: str | Path, step: int) -> None:
+    """Rank 0's last completed step (for lost-steps accounting); a tiny atomic file."""
+    d = resilience_dir(experiment_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / "progress.json.tmp"
+    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
+    os.replace(tmp, d / "progress.json")
+
+
+def read_progress(experiment_dir: str | Path) -> dict[str, Any]:
+    try:
+        return json.loads((resilience_dir(experiment_dir) / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def apply_batch_policy(job: JobConfig, world_size: int) -> tuple[JobConfig, str]:
+    """keep_global: the same global batch (accumulation absorbs the change). playbook: PLAYBOOK B.11,
+    new_batch = batch * (1 - lost/total) ** 0.8 with total = the requested workers, and the learning rate
+    scaled by sqrt(new/old) (the square-root rule the lr rule itself uses)."""
+    total = job.cluster.max_workers
+    policy = job.resilience.batch_policy
+    if policy == "keep_global" or world_size >= total:
+        return job, f"batch policy {policy}: global batch {job.train.global_batch_size} kept (world {world_size}/{total})"
+    lost = total - world_size
+    g0 = job.train.global_batch_size
+    want = g0 * (1 - lost / total) ** 0.8
+    g = max(1, int(round(want)))
+    # The planner needs G divisible by dp x micro-batch; round down to a multiple of the world size.
+    step = max(1, world_size)
+    g = max(step, (g // step) * step)
+    train = replace(job.train, global_batch_size=g)
+    if job.train.lr != "auto":
+        train = replace(train, lr=float(job.train.lr) * math.sqrt(g / g0), min_lr=job.train.min_lr * math.sqrt(g / g0))
+    line = (f"batch policy playbook: {lost} of {total} workers lost -> global batch {g0} x (1 - {lost}/{total})^0.8 "
+            f"= {want:.1f}, rounded to {g} (a multiple of the world size {world_size}); lr scaled by sqrt({g}/{g0})")
+    return replace(job, train=train), line
