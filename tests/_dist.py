@@ -4,8 +4,8 @@
 
 `fn` must be importable (defined at module level of a test module or here). What it returns
 is saved per rank and handed back as a list. An exception in any rank fails the call with
-that rank's traceback; a collective that one rank never joins fails after `timeout_s`
-instead of hanging the test run.
+that rank's traceback; a run that hangs (say, a collective one rank never joins) is killed
+after `deadline_s` instead of hanging the test run.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 import traceback
 
 import torch
@@ -38,16 +39,30 @@ def _worker(rank, fn, world_size, tmpdir, timeout_s, env, args):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 60.0, env: dict | None = None):
-    """fn(rank, world_size, *args) on world_size spawned processes; returns their results by rank."""
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 60.0, deadline_s: float | None = None,
+                    env: dict | None = None):
+    """fn(rank, world_size, *args) on world_size spawned processes; returns their results by rank.
+
+    timeout_s bounds each collective on the default group (groups made with new_group keep
+    torch's 30-minute default), so deadline_s (default 3 * timeout_s + 60) bounds the whole
+    run: past it the processes are killed and the call fails.
+    """
+    deadline_s = deadline_s or 3 * timeout_s + 60
     child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     child_env.update(env or {})
     with tempfile.TemporaryDirectory() as tmpdir:
-        mp.start_processes(
+        context = mp.start_processes(
             _worker,
             args=(fn, world_size, tmpdir, timeout_s, child_env, args),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        deadline = time.monotonic() + deadline_s
+        while not context.join(timeout=0.5):  # raises if a rank failed (and stops the others)
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {deadline_s:.0f}s")
         return [torch.load(os.path.join(tmpdir, f"result_{r}.pt"), weights_only=False) for r in range(world_size)]

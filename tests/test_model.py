@@ -186,3 +186,14 @@ def test_config_defaults_resolve():
     dims = ModelDims.from_config(cfg)
     assert (dims.num_kv_heads, dims.ffn_hidden_size, dims.rope_theta, dims.norm_eps, dims.init_std) == (
         4, 192, 10000.0, 1e-5, 0.02)
+
+
+def test_causal_attention_gqa_equals_expanded_heads():
+    from rayspeed.model.transformer import causal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, generator=gen)
+    k, v = torch.randn(2, 2, 8, 16, generator=gen), torch.randn(2, 2, 8, 16, generator=gen)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(causal_attention(q, k, v), expected)
+    torch.testing.assert_close(causal_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))

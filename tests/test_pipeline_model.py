@@ -49,12 +49,21 @@ def _reference_losses(tie_embeddings, lr=LR):
     return model, losses
 
 
-def _train_pipeline(rank, world_size, tie_options):
+# (name, tie_embeddings, tp, pp, sequence_parallel) -- all on the same 2-process world.
+CASES = [
+    ("pp2_tied", True, 1, 2, False),
+    ("pp2_untied", False, 1, 2, False),
+    ("tp2_sp_tied", True, 2, 1, True),  # vocab-parallel loss and sp inside the pipeline engine
+]
+
+
+def _train_pipeline(rank, world_size, cases):
     import deepspeed
 
     from rayspeed.model import Transformer
     from rayspeed.model.pipeline import build_pipeline_module, canonical_named_parameters
     from rayspeed.parallel.groups import ParallelGroups
+    from rayspeed.parallel.layers import gather_full
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # On the CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce op (only used
@@ -64,19 +73,20 @@ def _train_pipeline(rank, world_size, tie_options):
     if hasattr(ds_comm_torch, "build_shm_op"):
         ds_comm_torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    groups = ParallelGroups(dp=1, tp=1, pp=2)
 
     results = {}
-    for tie_embeddings in tie_options:  # one world for both: process start-up is the slow part
+    for name, tie_embeddings, tp, pp, sp in cases:  # one world for all: process start-up is the slow part
+        groups = ParallelGroups(dp=1, tp=tp, pp=pp)
         cfg = SimpleNamespace(**CFG, tie_embeddings=tie_embeddings)
-        module = build_pipeline_module(cfg, groups, num_stages=2, seed=SEED, partition_method="type:Block")
+        module = build_pipeline_module(cfg, groups, num_stages=pp, sequence_parallel=sp, seed=SEED,
+                                       partition_method="type:Block")
 
-        # Same weights as the non-pipelined model, name for name.
+        # Same weights as the non-pipelined, unsharded model, name for name.
         reference = dict(Transformer(cfg, seed=SEED).named_parameters())
         names = []
-        for name, p in canonical_named_parameters(module):
-            assert torch.equal(p.detach(), reference[name].detach()), name
-            names.append(name)
+        for param_name, p in canonical_named_parameters(module):
+            assert torch.equal(gather_full(p, p, groups.tp), reference[param_name].detach()), param_name
+            names.append(param_name)
 
         config = {
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -87,26 +97,34 @@ def _train_pipeline(rank, world_size, tie_options):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_optimizer(module.parameters()), config=config)
         data = iter(_micro_batches())
         losses = [engine.train_batch(data_iter=data).item() for _ in range(STEPS)]
-        results[tie_embeddings] = {"stage": groups.pp_rank, "names": names, "losses": losses}
+        results[name] = {"stage": groups.pp_rank, "names": names, "losses": losses}
     return results
 
 
-def test_two_stage_pipeline_matches_single_process():
-    ties = (True, False)
-    per_rank = run_distributed(_train_pipeline, 2, ties, timeout_s=120)
-    for tie_embeddings in ties:
-        _, expected = _reference_losses(tie_embeddings)
-        first, last = sorted((r[tie_embeddings] for r in per_rank), key=lambda r: r["stage"])
-        assert "embed.weight" in first["names"] and "layers.0.attn.wq.weight" in first["names"]
-        assert "layers.1.attn.wq.weight" not in first["names"]
-        assert "norm.weight" in last["names"] and "layers.1.mlp.w_down.weight" in last["names"]
-        assert ("embed.weight" in last["names"]) == tie_embeddings
-        assert ("head.weight" in last["names"]) != tie_embeddings
-        # The updates move the later losses well beyond the tolerance, so steps 2-3 check the gradients.
-        _, frozen = _reference_losses(tie_embeddings, lr=0.0)
-        assert frozen[1:] != pytest.approx(expected[1:], rel=1e-3)
-        for result in (first, last):
-            assert result["losses"] == pytest.approx(expected, rel=1e-4), (tie_embeddings, result["losses"], expected)
+def test_pipeline_engine_matches_single_process():
+    per_rank = run_distributed(_train_pipeline, 2, CASES, timeout_s=60)
+    references = {tie: _reference_losses(tie)[1] for tie in (True, False)}
+    for name, tie_embeddings, tp, pp, _ in CASES:
+        expected = references[tie_embeddings]
+        runs = sorted((r[name] for r in per_rank), key=lambda r: r["stage"])
+        if pp == 2:
+            first, last = runs
+            assert "embed.weight" in first["names"] and "layers.0.attn.wq.weight" in first["names"]
+            assert "layers.1.attn.wq.weight" not in first["names"]
+            assert "norm.weight" in last["names"] and "layers.1.mlp.w_down.weight" in last["names"]
+            assert ("embed.weight" in last["names"]) == tie_embeddings
+            assert ("head.weight" in last["names"]) != tie_embeddings
+        for run in runs:
+            assert run["losses"] == pytest.approx(expected, rel=1e-4), (name, run["losses"], expected)
+
+
+def test_reference_run_trains():
+    # The updates move the later losses well beyond the tolerance above, so steps 2-3 of the
+    # pipeline comparison check the gradients, not just the initial weights.
+    _, trained = _reference_losses(True)
+    _, frozen = _reference_losses(True, lr=0.0)
+    assert frozen[0] == trained[0]
+    assert frozen[1:] != pytest.approx(trained[1:], rel=1e-3)
 
 
 @pytest.mark.parametrize("dp,tp,pp", [(2, 2, 1), (1, 2, 2), (2, 1, 3), (3, 2, 2)])

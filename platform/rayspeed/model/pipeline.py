@@ -63,7 +63,7 @@ class HeadPipe(OutputHead):
 
 def tied_head_forward(embedding: EmbeddingPipe, x: torch.Tensor):
     """Last-stage use of the tied embedding: the head's input and weight, for the loss."""
-    return enter_tp_region(x, embedding.tp, embedding.sequence_parallel), embedding.weight.detach()
+    return enter_tp_region(x, embedding.tp, embedding.sequence_parallel), embedding.weight
 
 
 class PipelineLoss:
@@ -93,8 +93,10 @@ def build_pipeline_module(
 
     groups_or_topology: a ParallelGroups (its DeepSpeed topology and tp handle are used), a
     DeepSpeed ProcessTopology, or None (then num_stages is required and there is no tp).
-    partition_method: any DeepSpeed method: "parameters" (balance parameter counts),
-    "uniform" (same number of specs per stage) or "type:Block" (same number of blocks).
+    partition_method: any DeepSpeed method: "parameters" (balance parameter counts; DeepSpeed
+    builds, and so initialises, every layer on every rank to count them, which is slow for big
+    models), "uniform" (same number of specs per stage) or "type:Block" (same number of blocks,
+    embedding on the first stage and norm + head on the last; builds nothing extra).
     Activation checkpointing is done inside the blocks, not by DeepSpeed's interval.
     torch.distributed must be initialized (e.g. deepspeed.init_distributed()) and LOCAL_RANK set.
     """

@@ -151,6 +151,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotated * sin).type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA with is_causal; q [b, heads, s, d], k/v [b, kv_heads, s, d] with heads a multiple of kv_heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # The flash kernel indexes the shared kv heads itself: no expanded copy of k and v.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # Elsewhere (fp32, CPU) no fused kernel broadcasts kv heads and enable_gqa would silently
+    # fall back to the unfused math kernel; expanding k/v keeps a fused one.
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention; heads and kv-heads are split evenly over tp.
 
@@ -184,9 +199,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
-        )
+        out = causal_attention(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
 
@@ -243,6 +256,8 @@ class Block(nn.Module):
         self.mlp = MLP(dims, tp, sp, seed, name=f"{prefix}.mlp")
 
     def _checkpointed(self, fn, x):
+        if not torch.is_grad_enabled():  # nothing to recompute without a backward
+            return fn(x)
         return checkpoint(fn, x, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
 
     def _attn_branch(self, x):
@@ -259,7 +274,7 @@ class Block(nn.Module):
         return x + self._mlp_branch(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpointing == "full" and torch.is_grad_enabled():
+        if self.activation_checkpointing == "full":
             return self._checkpointed(self._block, x)
         return self._block(x)
 

@@ -17,6 +17,7 @@ ZeRO shards optimizer state over the data-parallel group only.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Sequence
 
@@ -95,10 +96,11 @@ class ParallelGroups:
     """The dp / tp / pp process groups of an initialized torch.distributed world.
 
     Construct it on every rank, in the same order relative to other group creation: each
-    `dist.new_group` call is collective over the whole world.
+    `dist.new_group` call is collective over the whole world. `timeout` bounds every collective
+    on these groups (torch's default for new groups is 30 minutes, whatever the world's is).
     """
 
-    def __init__(self, dp: int, tp: int, pp: int):
+    def __init__(self, dp: int, tp: int, pp: int, timeout: Optional[datetime.timedelta] = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups needs an initialized torch.distributed world")
         for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
@@ -109,6 +111,7 @@ class ParallelGroups:
             raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} but the world has {world} ranks")
 
         self.dp, self.tp_size, self.pp = dp, tp, pp
+        self.timeout = timeout
         self.world_size = world
         self.global_rank = dist.get_rank()
         self.pp_rank, self.dp_rank, self.tp_rank = coords_of(self.global_rank, dp, tp)
@@ -124,7 +127,7 @@ class ParallelGroups:
         # Every rank creates every group (new_group is collective) and keeps the one it is in.
         mine = None
         for ranks in rank_lists:
-            group = dist.new_group(ranks=ranks)
+            group = dist.new_group(ranks=ranks, timeout=self.timeout)
             if self.global_rank in ranks:
                 mine = (ranks, group)
         assert mine is not None

@@ -105,9 +105,9 @@ def chunked_linear_cross_entropy(
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Exact CE when each tp rank holds logits for a contiguous vocabulary slice.
 
-    Three all-reduces of per-token scalars over the tp group: the max (for a stable
-    log-sum-exp), the target logit (owned by one rank, zero elsewhere), and the sum of
-    exponentials. Backward is local: softmax minus one-hot on this rank's slice.
+    Two all-reduces of per-token scalars over the tp group: the max (for a stable
+    log-sum-exp), then the target logit (owned by one rank, zero elsewhere) together with
+    the sum of exponentials. Backward is local: softmax minus one-hot on this rank's slice.
     """
 
     @staticmethod
@@ -125,11 +125,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         owned = (local_target >= 0) & (local_target < vocab_local)
         local_target = local_target.masked_fill(~owned, 0)
         target_logit = shifted.gather(1, local_target[:, None]).squeeze(1).masked_fill(~owned, 0.0)
-        dist.all_reduce(target_logit, group=tp.group)
-
         exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=tp.group)
+        # One all-reduce for both sums: these are latency-bound, per-token scalars.
+        sums = torch.stack([target_logit, exp.sum(dim=-1)])
+        dist.all_reduce(sums, group=tp.group)
+        target_logit, sum_exp = sums[0], sums[1]
 
         valid = labels != ignore_index
         losses = (torch.log(sum_exp) - target_logit).masked_fill(~valid, 0.0)
