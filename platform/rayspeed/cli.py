@@ -12,6 +12,10 @@ commands:
   train --config FILE [--set K=V]... [--launcher ray|local] [--dry-run]
                       same as python jobs/train.py
   keys                every job-file key with its type and meaning
+  healthcheck [--workers N] [--json] [--config FILE]
+                      inventory, topology and all-reduce/all-gather bandwidth of the Ray cluster
+  doctor [LOGFILE|-|RAY_JOB_ID] [--env] [--json] [--config FILE]
+                      name the causes and fixes in a job's log; --env lints the environment
 """
 
 
@@ -39,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest)
     if cmd == "keys":
         return _keys()
+    if cmd == "healthcheck":
+        from rayspeed.health.healthcheck import main as healthcheck_main
+
+        return healthcheck_main(rest)
+    if cmd == "doctor":
+        from rayspeed.health.doctor import main as doctor_main
+
+        return doctor_main(rest)
     print(f"rayspeed: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -95,7 +95,10 @@ class TrainConfig:
     eval_every_steps: int = 25
     """Validation every N steps (0: only at the end)."""
     eval_batches: int = 4
-    """Validation micro-batches per evaluation."""
+    """Validation global batches per evaluation."""
+    compile: Union[bool, Auto] = AUTO
+    """torch.compile the model before DeepSpeed wraps it. auto: on GPUs for layouts without pipeline, ZeRO-3 or
+    tensor parallelism (falls back to eager on a compile error); eager on CPU."""
 
 
 @dataclass

@@ -1,1 +1,14 @@
-"""rayspeed.monitoring"""
+"""rayspeed.monitoring: what the worker measures besides the loss.
+
+- system.SystemSampler / gather_system_metrics: every rank's CPU, memory and GPU numbers, to rank 0.
+- comm.CommTimer: measured time in gradient collectives per step (comm/grad_sync_fraction).
+- landscape.loss_landscape: loss along filter-normalised random directions (Li et al. 2018).
+
+Each is cheap when idle, imports torch/deepspeed lazily, and never raises into the training loop.
+"""
+
+from .comm import CommTimer
+from .landscape import loss_landscape
+from .system import SystemSampler, gather_system_metrics, lineage_params
+
+__all__ = ["CommTimer", "SystemSampler", "gather_system_metrics", "lineage_params", "loss_landscape"]

@@ -27,7 +27,11 @@ def bytes_per_param(precision: str, grad_accum_dtype: str) -> dict:
 
 
 def model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zero_stage: int, dp: int) -> dict:
-    b = bytes_per_param(precision, grad_accum_dtype)
+    b = dict(bytes_per_param(precision, grad_accum_dtype))
+    if precision == "fp32" and zero_stage >= 1:
+        # DeepSpeed's ZeRO optimizers keep their own fp32 flat copy of the partition even when the model
+        # is fp32 (single_partition_of_fp32_groups / fp32_partitioned_groups_flat): measured on the engine.
+        b["master_weights"] = 4
     div = {
         "weights": dp if zero_stage >= 3 else 1,
         "gradients": dp if zero_stage >= 2 else 1,

@@ -233,6 +233,8 @@ class Estimate:
             fits=self.fits,
             memory_gib_per_gpu=round(self.memory_gib, 3),
             memory_breakdown_gib=to_gib(self.memory),
+            # Exact model-state bytes of the worst rank, for checking against the real engine.
+            model_state_bytes={k: int(self.memory.get(k, 0)) for k in ("weights", "gradients", "master_weights", "optimizer_states")},
             usable_memory_gib=round(self.ctx.usable_gib, 3),
             worst_stage=self.worst_stage,
             step_time_s=round(self.step_s, 6),

@@ -192,6 +192,8 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
         "global_batch_size": result.get("global_batch_size"),
         "recovery_s": result.get("recovery_s"),
         "checkpoint_stall_s": result.get("checkpoint_stall_s"),
+        "model_state_bytes": result.get("model_state_bytes"),
+        "layout": result.get("layout"),
         "launcher": launcher,
     }
     if error is not None:

@@ -340,7 +340,7 @@ class Trainer:
     def _train_step(self, micro_batches: list) -> torch.Tensor:
         eng = self.engine
         if self.pipelined:
-            return eng.train_batch(iter([(x.to(self.device), y.to(self.device)) for x, y in micro_batches]))
+            return eng.train_batch(iter([(x.to(self.device), y.to(self.device)) for x, y in micro_batches])).float().mean()
         total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
             loss = eng(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
@@ -359,7 +359,7 @@ class Trainer:
         for x, y in self.val:
             chunks = [(x[i : i + b].to(self.device), y[i : i + b].to(self.device)) for i in range(0, x.shape[0], b)]
             if self.pipelined:
-                total += eng.eval_batch(iter(chunks)).detach().double() * len(chunks)
+                total += eng.eval_batch(iter(chunks)).detach().double().mean() * len(chunks)
             else:
                 for cx, cy in chunks:
                     total += eng(cx, cy).detach().double()
@@ -379,8 +379,16 @@ class Trainer:
 
     def _after_first_step(self, step: int, state: dict[str, Any]) -> None:
         now = time.time()
+        from rayspeed.engine.memory import model_state_bytes
+
+        # Per-rank model-state bytes of the real engine (the optimizer state exists from the first step on).
+        mine = model_state_bytes(self.engine)
+        every: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(every, mine)
+        self.model_state_bytes = {k: max(int(r[k]) for r in every) for k in mine}
         if not self.ctx.is_rank0:
             return
+        self.tracker.log_metrics({f"memory/{k}_bytes": float(v) for k, v in self.model_state_bytes.items()}, step=step)
         log.info("first step done %.1f s after this attempt started", now - self.t_start)
         event = resilience.pending_event(self.ctx.experiment_dir) if state["restarts"] else None
         metrics: dict[str, float] = {"resilience/world_size": self.ctx.world_size, "resilience/restarts": state["restarts"]}
@@ -468,6 +476,8 @@ class Trainer:
             "global_batch_size": c.train.global_batch_size,
             "recovery_s": self.recovery_s,
             "checkpoint_stall_s": (sorted(stalls)[len(stalls) // 2] if stalls else None),
+            "model_state_bytes": getattr(self, "model_state_bytes", None),
+            "layout": {k: getattr(c.parallel, k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum")},
         }
         if ctx.is_rank0:
             t.set_tags({"rayspeed.status": "finished"})

@@ -1,0 +1,126 @@
+"""The knowledge file (knowledge.yaml, shipped as package data) and the Finding every check reports.
+
+One data file holds what the platform knows about failures (signature, category, cause, remedy, source) and
+about environment variables, so the doctor, the env lint, the preflight and the healthcheck say the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+CATEGORIES = ("nccl_timeout", "oom", "nan_loss", "grad_explosion", "hang", "slow_throughput", "checkpoint_corrupt",
+              "env_invalid", "slow_rank", "topology", "bandwidth", "rank_failed")
+SEVERITIES = ("error", "warn", "info")
+ENV_STATUSES = ("invented", "deprecated", "debug", "tuning", "known")
+
+
+@dataclass
+class Finding:
+    category: str
+    cause: str
+    remedy: str
+    severity: str = "error"
+    id: str = ""
+    source: str = ""
+    evidence: list[str] = field(default_factory=list)
+    """Log lines (with their line numbers) or measurements that triggered it."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything specific to the finding (the variable and its replacement, the planner's view, ...)."""
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"category": self.category, "cause": self.cause, "remedy": self.remedy, "severity": self.severity,
+             "id": self.id, "source": self.source, "evidence": list(self.evidence)}
+        d.update(self.extra)
+        return d
+
+    def line(self) -> str:
+        return f"[{self.severity}] {self.category}: {self.cause} -> {self.remedy}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    category: str
+    severity: str
+    cause: str
+    remedy: str
+    source: str
+    signature: tuple = ()
+    """Compiled regexes."""
+    detector: str | None = None
+
+    def finding(self, evidence: list[str] | None = None, cause: str | None = None, remedy: str | None = None,
+                **extra: Any) -> Finding:
+        return Finding(category=self.category, cause=cause or self.cause, remedy=remedy or self.remedy,
+                       severity=self.severity, id=self.id, source=self.source, evidence=list(evidence or []),
+                       extra=extra)
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    entries: tuple
+    env: dict
+    alloc_conf_keys: frozenset
+    lint_prefixes: tuple
+
+    def entry(self, entry_id: str) -> Entry:
+        for e in self.entries:
+            if e.id == entry_id:
+                return e
+        raise KeyError(entry_id)
+
+
+def _text() -> str:
+    return resources.files("rayspeed.health").joinpath("knowledge.yaml").read_text(encoding="utf-8")
+
+
+def parse(text: str) -> Knowledge:
+    """Parse and check the knowledge file; a malformed entry is a bug in the file, so it raises ValueError."""
+    # The C loader when PyYAML has it: the pure-Python one takes a fifth of a second on this file.
+    raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+    entries = []
+    seen = set()
+    for i, r in enumerate(raw.get("findings") or []):
+        missing = [k for k in ("id", "category", "cause", "remedy", "source") if not r.get(k)]
+        if missing:
+            raise ValueError(f"knowledge.yaml findings[{i}] ({r.get('id')}): missing {missing}")
+        if r["category"] not in CATEGORIES:
+            raise ValueError(f"knowledge.yaml {r['id']}: unknown category {r['category']!r}")
+        sev = r.get("severity", "error")
+        if sev not in SEVERITIES:
+            raise ValueError(f"knowledge.yaml {r['id']}: unknown severity {sev!r}")
+        if r["id"] in seen:
+            raise ValueError(f"knowledge.yaml: duplicate id {r['id']!r}")
+        seen.add(r["id"])
+        sigs = r.get("signature") or []
+        if isinstance(sigs, str):
+            sigs = [sigs]
+        if not sigs and not r.get("detector"):
+            raise ValueError(f"knowledge.yaml {r['id']}: needs a signature or a detector")
+        entries.append(Entry(
+            id=r["id"], category=r["category"], severity=sev, cause=" ".join(str(r["cause"]).split()),
+            remedy=" ".join(str(r["remedy"]).split()), source=str(r["source"]),
+            signature=tuple(re.compile(s, re.IGNORECASE) for s in sigs), detector=r.get("detector"),
+        ))
+    env = {}
+    for name, r in (raw.get("env") or {}).items():
+        r = dict(r or {})
+        if r.get("status") not in ENV_STATUSES:
+            raise ValueError(f"knowledge.yaml env {name}: unknown status {r.get('status')!r}")
+        if r["status"] in ("invented", "deprecated") and not r.get("use"):
+            raise ValueError(f"knowledge.yaml env {name}: an {r['status']} variable needs `use` (its replacement)")
+        r["bad"] = [str(v).upper() for v in r.get("bad") or []]
+        env[name] = r
+    return Knowledge(entries=tuple(entries), env=env, alloc_conf_keys=frozenset(raw.get("alloc_conf_keys") or ()),
+                     lint_prefixes=tuple(raw.get("lint_prefixes") or ()))
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Knowledge:
+    return parse(_text())

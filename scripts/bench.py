@@ -1,0 +1,379 @@
+"""`make bench`: one JSON line per benchmark, each side by side within the same run.
+
+    python scripts/bench.py [--reps 3] [--steps 150] [--log-every 10] [--skip-windows 3] [--zero auto,2]
+                            [--only cpu,resilience,planner,gpu] [--home DIR] [--keep]
+
+Lines (in this order; "bench" names each):
+  cpu_overhead  The platform (jobs/train.py under Ray Train + DeepSpeed, 2 CPU workers) against a bare
+                PyTorch DDP loop (scripts/bare_ddp.py: torchrun-style, one process per worker,
+                OMP_NUM_THREADS=1, gloo; Ray gives each worker one thread too), same model, data, global
+                batch, micro-batch, seq_len, fp32. Steady-state step time = median over the timing windows
+                after the first --skip-windows (the platform's perf/step_time_s from MLflow, the bare loop's
+                own windows, both timed the same way); runs alternate bare, platform, platform(ZeRO-2), ...
+                and overhead_ratio is the median of the per-repetition ratios. The headline layout is the
+                planner's own choice for the job (zero_stage auto: ZeRO-0 on 2 CPU workers, the same
+                algorithm as DDP); `zero2` repeats it with the demo config's fixed ZeRO-2.
+                startup_s: launch (process start) to the end of the first training step.
+                recovery_s / checkpoint_stall_s: from the resilience line.
+  resilience    The kill drill (rank 1 killed at step 12, checkpoints every 5 steps): recovery_s = kill to
+                the first step finished after the restart; checkpoint_stall_s = median stall of a save.
+                Read from summary.json when it carries them, else from MLflow, else derived (see `source`).
+  planner_512   The planner's layout search for a 512-GPU job (Llama-70B shape on 64 x 8 H100):
+                in-process search time (median of 7) and the `rayspeed plan --json` command end to end.
+  gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
+
+Everything runs in a scratch RAYSPEED_HOME (its own mlflow.db and runs/), deleted unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform as _platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+try:
+    import rayspeed  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT / "platform"))
+
+FIRST_STEP = re.compile(r"first step done ([0-9.]+) s after")
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _r(x: Optional[float], n: int = 4) -> Optional[float]:
+    return None if x is None else round(float(x), n)
+
+
+def _emit(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def _note(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the platform
+
+
+def _mlflow_client(home: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+
+
+def metric_history(home: Path, run_id: str, key: str) -> list[tuple[int, float, int]]:
+    """[(step, value, timestamp_ms)] of one MLflow metric, by step."""
+    hist = _mlflow_client(home).get_metric_history(run_id, key)
+    return sorted((m.step, m.value, m.timestamp) for m in hist)
+
+
+def steady_state(windows: list[float], skip: int) -> Optional[float]:
+    """Median step time over the windows after the first `skip` (warm-up); all of them if too few."""
+    if not windows:
+        return None
+    kept = windows[skip:] if len(windows) > skip else windows
+    return statistics.median(kept)
+
+
+def run_platform(home: Path, config: str, name: str, overrides: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run jobs/train.py in its own process; return the summary, the output's first-step lines and timings."""
+    env = dict(os.environ, RAYSPEED_HOME=str(home))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [PY, str(ROOT / "jobs" / "train.py"), "--config", config, "--set", f"name={name}"]
+    for o in overrides:
+        cmd += ["--set", o]
+    log_path = home / f"{name}.log"
+    first_steps: list[tuple[float, float]] = []  # (arrival time, seconds after launch as the worker said)
+    summary_line = None
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            now = time.time()
+            log.write(line)
+            m = FIRST_STEP.search(line)
+            if m:
+                first_steps.append((now, float(m.group(1))))
+            if line.startswith("{") and '"status"' in line:
+                summary_line = line
+            if now - t0 > timeout_s:
+                proc.kill()
+                break
+        rc = proc.wait()
+    t_end = time.time()
+    summary: dict[str, Any] = {}
+    try:
+        summary = json.loads((home / "runs" / name / "summary.json").read_text())
+    except (OSError, ValueError):
+        if summary_line:
+            summary = json.loads(summary_line)
+    out = {"rc": rc, "summary": summary, "first_steps": first_steps, "t_start": t0, "wall_s": t_end - t0,
+           "log": str(log_path), "name": name}
+    run_id = summary.get("mlflow_run_id")
+    if rc != 0 or summary.get("status") != "finished":
+        tail = "".join(open(log_path).readlines()[-15:])
+        raise RuntimeError(f"platform run {name} failed (exit {rc}); last lines of {log_path}:\n{tail}")
+    if run_id:
+        out["step_times"] = metric_history(home, run_id, "perf/step_time_s")
+        # The worker logs its first metrics right after its first step (stamped then, in ms).
+        firsts = [ts for st, _, ts in metric_history(home, run_id, "resilience/world_size") if st == 1]
+        out["first_metric_at"] = min(firsts) / 1000.0 if firsts else None
+    return out
+
+
+def platform_first_step_at(res: dict[str, Any], which: int = 0) -> Optional[float]:
+    """Epoch seconds at which attempt `which` finished its first step: the summary's own field if it has one,
+    else (first attempt) the MLflow stamp of the metrics logged at step 1, else the moment the worker's
+    "first step done" line reached this process (Ray forwards worker output within about a second)."""
+    s = res["summary"]
+    if which == 0 and s.get("first_step_at"):
+        return float(s["first_step_at"])
+    if which == 0 and res.get("first_metric_at"):
+        return float(res["first_metric_at"])
+    fs = res["first_steps"]
+    if len(fs) <= which:
+        return None
+    return fs[which][0]
+
+
+# ---------------------------------------------------------------- the bare loop
+
+
+def run_bare(home: Path, config: str, steps: int, log_every: int, timeout_s: float) -> dict[str, Any]:
+    env = dict(os.environ, RAYSPEED_HOME=str(home))
+    env.pop("OMP_NUM_THREADS", None)  # bare_ddp sets 1 per process, as torchrun does
+    out_file = home / "bare.json"
+    if out_file.exists():
+        out_file.unlink()
+    t0 = time.time()
+    env["RAYSPEED_BARE_LAUNCHED_AT"] = repr(t0)
+    cmd = [PY, str(ROOT / "scripts" / "bare_ddp.py"), "--config", config, "--steps", str(steps),
+           "--log-every", str(log_every), "--json-out", str(out_file)]
+    with open(home / "bare.log", "a") as log:
+        proc = subprocess.run(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if proc.returncode != 0 or not out_file.exists():
+        tail = "".join(open(home / "bare.log").readlines()[-15:])
+        raise RuntimeError(f"bare loop failed (exit {proc.returncode}):\n{tail}")
+    res = json.loads(out_file.read_text())["bare_ddp"]
+    res["t_start"] = t0
+    res["wall_s"] = time.time() - t0
+    return res
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def bench_cpu(args, home: Path) -> dict[str, Any]:
+    zeros = [z.strip() for z in args.zero.split(",") if z.strip()]
+    common = [f"train.max_steps={args.steps}", f"tracking.log_every_steps={args.log_every}",
+              "resilience.checkpoint_every_steps=0", "train.eval_every_steps=0"]
+    bare: list[dict] = []
+    plat: dict[str, list[dict]] = {z: [] for z in zeros}
+    for rep in range(args.reps):
+        _note(f"cpu rep {rep + 1}/{args.reps}: bare DDP")
+        bare.append(run_bare(home, args.config, args.steps, args.log_every, args.timeout))
+        for z in zeros:
+            _note(f"cpu rep {rep + 1}/{args.reps}: platform zero_stage={z}")
+            plat[z].append(run_platform(home, args.config, f"bench-cpu-z{z}-r{rep}",
+                                        common + [f"parallel.zero_stage={z}"], args.timeout))
+
+    bare_steady = [steady_state(b["window_step_s"], args.skip_windows) for b in bare]
+    bare_startup = [b["first_step_at"] - b["t_start"] for b in bare]
+
+    def layout_stats(z: str) -> dict[str, Any]:
+        runs = plat[z]
+        steady = [steady_state([v for _, v, _ in r["step_times"]], args.skip_windows) for r in runs]
+        ratios = [p / b for p, b in zip(steady, bare_steady) if p and b]
+        startup = [(platform_first_step_at(r) or float("nan")) - r["t_start"] for r in runs]
+        return {
+            "zero_stage_requested": z,
+            "platform_step_s": _r(_median(steady), 5),
+            "overhead_ratio": _r(_median(ratios)),
+            "overhead_ratios": [_r(x) for x in ratios],
+            "startup_s": _r(_median(startup), 2),
+            "run_wall_s": _r(_median([r["wall_s"] for r in runs]), 1),
+            "final_loss": runs[-1]["summary"].get("final_loss"),
+        }
+
+    by = {z: layout_stats(z) for z in zeros}
+    head = by[zeros[0]]
+    from rayspeed.config.load import load
+    from rayspeed.planner import resolve
+
+    cfg, _ = resolve(load(args.config, [f"parallel.zero_stage={zeros[0]}"]), world_size=None)
+    p = cfg.parallel
+    line = {
+        "bench": "cpu_overhead",
+        "config": os.path.relpath(args.config, ROOT) if os.path.isabs(args.config) else args.config,
+        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage, "micro_batch_size": p.micro_batch_size,
+                   "grad_accum": p.grad_accum},
+        "workers": cfg.cluster.max_workers, "threads_per_worker": 1, "dtype": cfg.train.precision,
+        "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.model.seq_len,
+        "steps": args.steps, "log_every": args.log_every, "skip_windows": args.skip_windows, "reps": args.reps,
+        "overhead_ratio": head["overhead_ratio"],
+        "platform_step_s": head["platform_step_s"],
+        "bare_step_s": _r(_median(bare_steady), 5),
+        "startup_s": head["startup_s"],
+        "bare_startup_s": _r(_median(bare_startup), 2),
+        "recovery_s": None,
+        "checkpoint_stall_s": None,
+        "overhead_ratios": head["overhead_ratios"],
+        "bare_step_s_runs": [_r(x, 5) for x in bare_steady],
+        "final_loss": head["final_loss"],
+        "bare_final_loss": bare[-1].get("final_loss"),
+    }
+    for z in zeros[1:]:
+        line[f"zero{z}"] = {k: v for k, v in by[z].items() if k != "zero_stage_requested"}
+    return line
+
+
+def bench_resilience(args, home: Path) -> dict[str, Any]:
+    name = "bench-kill"
+    kill_rank, kill_step, every = 1, 12, 5
+    _note(f"resilience: kill drill (rank {kill_rank} at step {kill_step}, checkpoints every {every})")
+    res = run_platform(home, args.config, name, [
+        "train.max_steps=20", "tracking.log_every_steps=5", f"resilience.checkpoint_every_steps={every}",
+        "train.eval_every_steps=0", f"chaos.kill_rank_at_step={{rank: {kill_rank}, step: {kill_step}}}",
+    ], args.timeout)
+    s = res["summary"]
+    out: dict[str, Any] = {"bench": "resilience", "config": args.config, "kill": {"rank": kill_rank, "step": kill_step},
+                           "checkpoint_every_steps": every, "restarts": s.get("restarts"),
+                           "lost_steps": (kill_step - 1) % every}
+    run_id = s.get("mlflow_run_id")
+    rec, rec_src = s.get("recovery_s"), "summary.json"
+    if rec is None and run_id:
+        hist = metric_history(home, run_id, "resilience/recovery_s")
+        if hist:
+            rec, rec_src = max(v for _, v, _ in hist), "mlflow resilience/recovery_s"
+    if rec is None:
+        marker = home / "runs" / name / ".chaos" / f"killed_rank{kill_rank}_step{kill_step}"
+        resumed = platform_first_step_at(res, which=1)
+        if marker.exists() and resumed is not None:
+            rec = resumed - float(marker.read_text().strip())
+            rec_src = "derived: chaos marker time to the first step finished by the restarted workers"
+        else:
+            rec_src = "unavailable: no restart observed"
+    stall, stall_src = s.get("checkpoint_stall_s"), "summary.json"
+    stalls: list[float] = []
+    if run_id:
+        stalls = [v for _, v, _ in metric_history(home, run_id, "perf/checkpoint_stall_s")]
+    if stall is None:
+        stall = _median(stalls)
+        stall_src = "mlflow perf/checkpoint_stall_s (median)" if stalls else "unavailable"
+    out.update({"recovery_s": _r(rec, 2), "recovery_source": rec_src, "checkpoint_stall_s": _r(stall, 3),
+                "checkpoint_stall_source": stall_src, "checkpoint_stalls_s": [_r(x, 3) for x in stalls],
+                "startup_s": _r((platform_first_step_at(res) or float("nan")) - res["t_start"], 2),
+                "run_wall_s": _r(res["wall_s"], 1)})
+    return out
+
+
+def bench_planner(args) -> dict[str, Any]:
+    from rayspeed.config.load import load
+    from rayspeed.planner import plan_job
+
+    config = str(ROOT / "configs" / "llama-70b-64xh100.yaml")
+    overrides = ["cluster.num_nodes=64", "cluster.num_workers=512"]
+    cfg = load(config, overrides)
+    times, res = [], None
+    for _ in range(7):
+        t0 = time.perf_counter()
+        res = plan_job(cfg)
+        times.append(time.perf_counter() - t0)
+    cli_times = []
+    cmd = [PY, "-m", "rayspeed", "plan", config, "--json"] + [a for o in overrides for a in ("--set", o)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "platform") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        cli_times.append(time.perf_counter() - t0)
+    b = res.best
+    return {
+        "bench": "planner_512", "config": "configs/llama-70b-64xh100.yaml", "set": overrides, "gpus": 512,
+        "search_s": _r(_median(times), 4), "search_s_max": _r(max(times), 4),
+        "cli_s": _r(_median(cli_times), 3),
+        "plan": {k: b.get(k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum",
+                                        "activation_checkpointing", "step_time_s", "mfu", "memory_gib_per_gpu")},
+    }
+
+
+def bench_gpu(args) -> list[dict[str, Any]]:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        return [{"bench": "gpu", "status": "skipped", "reason": "no CUDA device here; run scripts/bench_gpu.py on an H200"}]
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_gpu.py")], cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    return lines or [{"bench": "gpu", "status": "failed", "rc": proc.returncode}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/bench.py", description="rayspeed benchmarks: one JSON line each")
+    ap.add_argument("--config", default="configs/tiny-cpu.yaml")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each CPU run (medians are quoted)")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--log-every", type=int, default=10, help="steps per timing window")
+    ap.add_argument("--skip-windows", type=int, default=3, help="warm-up windows left out of the median")
+    ap.add_argument("--zero", default="auto,2", help="zero_stage values to run; the first is the headline")
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu")
+    ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
+    args = ap.parse_args(argv)
+    only = {s.strip() for s in args.only.split(",")}
+    home = Path(args.home).resolve() if args.home else Path(tempfile.mkdtemp(prefix="rayspeed-bench-"))
+    home.mkdir(parents=True, exist_ok=True)
+    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+             "host": {"cpus": os.cpu_count(), "machine": _platform.machine(), "python": _platform.python_version()}}
+    rc = 0
+    try:
+        lines: list[dict] = []
+        if "planner" in only:
+            lines.append(bench_planner(args))
+        cpu = bench_cpu(args, home) if "cpu" in only else None
+        resil = bench_resilience(args, home) if "resilience" in only else None
+        if cpu is not None:
+            if resil is not None:
+                cpu["recovery_s"], cpu["checkpoint_stall_s"] = resil["recovery_s"], resil["checkpoint_stall_s"]
+            lines.insert(0, cpu)
+        if resil is not None:
+            lines.insert(1 if cpu is not None else 0, resil)
+        if "gpu" in only:
+            lines += bench_gpu(args)
+        for line in lines:
+            _emit({**line, **stamp})
+    except Exception as e:  # one clear line, not a traceback
+        _note(f"failed: {type(e).__name__}: {e}")
+        rc = 1
+    finally:
+        if args.keep or rc:
+            _note(f"scratch folder kept: {home}")
+        else:
+            shutil.rmtree(home, ignore_errors=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
