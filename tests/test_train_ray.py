@@ -54,3 +54,19 @@ def test_zero2_two_workers_killed_and_resumed(ray_head, tmp_path):
     # Only verified checkpoints remain, at least two of them.
     ckpts = sorted(p.name for p in (tmp_path / "runs" / "kill-resume").glob("checkpoint_step*"))
     assert ckpts == ["checkpoint_step00000010", "checkpoint_step00000012"]
+
+
+def test_failed_preflight_fails_fast_with_the_reason(ray_head, tmp_path):
+    """An impossible bandwidth floor: the job stops before step 0, without burning its restarts."""
+    r, summary = run_job(
+        tmp_path,
+        ["--config", TINY, "--set", "name=preflight-fail", "--set", "health.preflight_min_busbw_gbps=100000"],
+        ray_head.address,
+    )
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert summary["status"] == "preflight_failed" and summary["steps"] == 0
+    assert "busbw" in summary["error"] and summary["restarts"] == 0
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FAILED" and run.data.tags["rayspeed.status"] == "preflight_failed"

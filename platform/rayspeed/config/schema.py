@@ -194,6 +194,10 @@ class TrackingConfig:
     """Metrics every N steps (loss is read from the device only then)."""
     system_metrics: bool = True
     """Log CPU/GPU/memory system metrics under system/."""
+    charts_every_checkpoints: int = 5
+    """Re-render the five dashboard charts (charts/*.png) every N checkpoints (0: only at the end)."""
+    loss_landscape: bool = True
+    """At the end, evaluate the loss around the final weights along random filter-normalised directions."""
     register_model: str = AUTO
     """Registered model name; auto: rayspeed-<name>."""
 

@@ -15,16 +15,28 @@ DeepSpeed's contract: the engine feeds `inputs` (token ids) to the first stage a
 `loss_fn(outputs, labels)` on the last. The last layer returns (hidden, head_weight) rather
 than logits, so the loss runs as the chunked (tp=1) or vocab-parallel (tp>1) cross-entropy
 and full logits never exist.
+
+Sequence parallelism (tp > 1): inside a stage the activations between blocks are sequence
+shards, different on every tp rank. DeepSpeed's pipeline engine assumes the tensor passed
+between stages is the same on every tp rank: with tp > 1 it splits the flattened activation
+into tp pieces, each tp rank sends its piece and the next stage all-gathers them back
+(`pipe_partitioned`, the same for gradients with `grad_partitioned`). Sequence shards fed to
+that machinery come out as a mix of different ranks' shards. So under sequence parallelism
+the stage output is all-gathered to the full, replicated sequence before it leaves the stage
+and split back to this rank's shard where the next stage starts (`_stage_input` /
+`_stage_output`); the point-to-point traffic stays 1/tp of the activation per rank.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
 
+from ..parallel.comm import gather_sequence_to_replicated, split_to_sequence
 from ..parallel.groups import ParallelGroups, TensorParallel
 from ..parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
 from ..parallel.loss import linear_cross_entropy
@@ -78,6 +90,45 @@ class PipelineLoss:
         return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens)
 
 
+@functools.lru_cache(maxsize=None)
+def _pipeline_module_class():
+    """deepspeed.pipe.PipelineModule whose stage boundaries carry replicated activations under sp.
+
+    Built on first use so importing this module does not import DeepSpeed.
+    """
+    from deepspeed.pipe import PipelineModule
+
+    class SequenceParallelPipelineModule(PipelineModule):
+        """A PipelineModule whose stages exchange full-sequence activations, identical on every tp rank.
+
+        Without sequence parallelism the activations between blocks are already replicated over
+        tp and this is a plain PipelineModule.
+        """
+
+        def __init__(self, *args, tp: TensorParallel = NO_TP, sequence_parallel: bool = False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sp_tp = tp
+            self.sequence_parallel = sequence_parallel and tp.enabled
+
+        def _stage_input(self, x):
+            # Stage > 0 receives the replicated full sequence; its layers expect this rank's shard.
+            if self.sequence_parallel and self.stage_id > 0:
+                return split_to_sequence(x, self.sp_tp)
+            return x
+
+        def _stage_output(self, x):
+            # Every stage but the last hands the full sequence to the engine, which (pipe_partitioned)
+            # sends 1/tp of it per tp rank and reassembles it on the next stage.
+            if self.sequence_parallel and self.stage_id < self.num_stages - 1:
+                return gather_sequence_to_replicated(x, self.sp_tp)
+            return x
+
+        def forward(self, forward_input):
+            return self._stage_output(super().forward(self._stage_input(forward_input)))
+
+    return SequenceParallelPipelineModule
+
+
 def build_pipeline_module(
     cfg,
     groups_or_topology: Union[ParallelGroups, "object", None] = None,
@@ -100,7 +151,7 @@ def build_pipeline_module(
     Activation checkpointing is done inside the blocks, not by DeepSpeed's interval.
     torch.distributed must be initialized (e.g. deepspeed.init_distributed()) and LOCAL_RANK set.
     """
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     topology = None
     if isinstance(groups_or_topology, ParallelGroups):
@@ -150,13 +201,15 @@ def build_pipeline_module(
     # PipelineModule broadcasts tied weights in place while it is built; under grad mode
     # autograd would record that broadcast into the tied parameter's history.
     with torch.no_grad():
-        return PipelineModule(
+        return _pipeline_module_class()(
             layers=specs,
             topology=topology,
             num_stages=None if topology is not None else num_stages,
             loss_fn=PipelineLoss(tp, dims.loss_chunk_tokens),
             partition_method=partition_method,
             activation_checkpoint_interval=0,
+            tp=tp,
+            sequence_parallel=sp,
         )
 
 

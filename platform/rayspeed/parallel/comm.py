@@ -90,35 +90,39 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
 
 class GatherFromTensorParallel(torch.autograd.Function):
-    """All-gather along the last (hidden) dim forward, keep this rank's slice backward.
+    """All-gather along `dim` (default the last, hidden dim) forward, keep this rank's slice backward.
 
     Turns a column-parallel output into the full tensor (ColumnParallelLinear(gather_output=True)).
+    Along the sequence dim it turns a sequence-parallel activation into a replicated one whose
+    consumers are replicated too (every rank then holds the same, full gradient): see
+    `gather_sequence_to_replicated`.
     """
 
     @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _all_gather(x, -1, tp)
+    def forward(ctx, x, tp, dim=-1):
+        ctx.tp, ctx.dim = tp, dim
+        return _all_gather(x, dim, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.tp), None
+        return _split(grad, ctx.dim, ctx.tp), None, None
 
 
 class ScatterToTensorParallel(torch.autograd.Function):
-    """Keep this rank's slice of the last dim forward, all-gather backward.
+    """Keep this rank's slice of `dim` (default the last dim) forward, all-gather backward.
 
-    Feeds a replicated input to RowParallelLinear(input_is_parallel=False).
+    Feeds a replicated input to RowParallelLinear(input_is_parallel=False), or (along the
+    sequence dim) a replicated activation to a sequence-parallel region: see `split_to_sequence`.
     """
 
     @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _split(x, -1, tp)
+    def forward(ctx, x, tp, dim=-1):
+        ctx.tp, ctx.dim = tp, dim
+        return _split(x, dim, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.tp), None
+        return _all_gather(grad, ctx.dim, ctx.tp), None, None
 
 
 class GatherFromSequenceParallel(torch.autograd.Function):
@@ -178,6 +182,26 @@ def gather_from_sequence(x: torch.Tensor, tp: TensorParallel, dim: int = SEQ_DIM
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel, dim: int = SEQ_DIM) -> torch.Tensor:
     return ReduceScatterToSequenceParallel.apply(x, tp, dim) if tp.enabled else x
+
+
+def gather_sequence_to_replicated(x: torch.Tensor, tp: TensorParallel, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Sequence shard -> the full sequence, replicated on every tp rank (all-gather; backward: keep own shard).
+
+    Unlike `gather_from_sequence` (whose backward reduce-scatters the partial gradients of a
+    tensor-parallel region), the gradient arriving here must already be the full, identical
+    gradient on every rank: the output is consumed redundantly, not sliced. Used where an
+    activation leaves sequence parallelism altogether, e.g. a pipeline stage boundary.
+    """
+    return GatherFromTensorParallel.apply(x, tp, dim) if tp.enabled else x
+
+
+def split_to_sequence(x: torch.Tensor, tp: TensorParallel, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Replicated full sequence -> this rank's sequence shard (backward: all-gather the shard gradients).
+
+    The inverse of `gather_sequence_to_replicated`: where a replicated activation enters a
+    sequence-parallel region, e.g. the input of a pipeline stage.
+    """
+    return ScatterToTensorParallel.apply(x, tp, dim) if tp.enabled else x
 
 
 def split_along(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:

@@ -93,10 +93,11 @@ def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None)
     return run.info.run_id, False
 
 
-def finish_run(cfg: JobConfig, run_id: str, status: str) -> None:
+def finish_run(cfg: JobConfig, run_id: str, status: str, label: str | None = None) -> None:
+    """Close the run: MLflow status FINISHED/FAILED, tag rayspeed.status = label (e.g. preflight_failed)."""
     try:
         client = _client(tracking_uri(cfg))
-        client.set_tag(run_id, "rayspeed.status", status.lower())
+        client.set_tag(run_id, "rayspeed.status", label or status.lower())
         client.set_terminated(run_id, status=status)
     except Exception as e:  # tracking must never fail the job
         log.warning("could not close MLflow run %s: %s", run_id, e)

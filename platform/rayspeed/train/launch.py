@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         from rayspeed.planner import resolve
 
         cfg, plan = resolve(job, world_size=world)
+        from rayspeed.health.checks import problems as health_problems
+
+        bad = health_problems(cfg)  # health keys and the linted cluster.env
+        if bad:
+            raise ConfigError(bad)
         if args.dry_run:
             print(to_yaml(cfg))
             print(plan.explain)
@@ -120,8 +125,13 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
     from rayspeed.train.resilience import ResilienceCallback
     from rayspeed.train.worker import train_loop
 
+    from rayspeed.health.envprofile import log_profile
+
     c = cfg.cluster
     workers = (c.min_workers, c.max_workers) if c.elastic else c.max_workers
+    # The communication profile for this cluster size (plus cluster.env), in every worker's environment
+    # before its process group exists.
+    env = log_profile(cfg, c.max_workers)
     # Ray Train waits this long for a worker group to start before calling the attempt failed; after a node
     # loss it first retries the old size, so the default 60 s is pure recovery delay. Read by the controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(cfg.resilience.worker_start_timeout_s))
@@ -143,6 +153,7 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
             # Retention is the manifest protocol's job (rayspeed.checkpoint.store.prune).
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             callbacks=[ResilienceCallback(str(Path(storage) / cfg.name))],
+            worker_runtime_env={"env_vars": env} if env else {},
         ),
     )
     return trainer.fit()
@@ -180,9 +191,11 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
     except Exception as e:
         status, error = "FAILED", e
         result = {}
+    if result.get("status") not in (None, "finished") and error is None:
+        status, error = "FAILED", RuntimeError(f"{result['status']}: {result.get('error', '')}")
     summary = {
         "name": cfg.name,
-        "status": "finished" if status == "FINISHED" else "failed",
+        "status": "finished" if status == "FINISHED" else result.get("status", "failed"),
         "steps": result.get("steps", 0),
         "final_loss": result.get("final_loss"),
         "val_loss": result.get("val_loss"),
@@ -201,7 +214,7 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
     with open(exp_dir / "summary.json", "w") as fh:
         json.dump(summary, fh, indent=2)
     if run_id:
-        finish_run(cfg, run_id, status)
+        finish_run(cfg, run_id, status, summary["status"])
     if error is not None:
         log.error("training failed: %s", summary["error"].splitlines()[0])
         print(json.dumps(summary), flush=True)
@@ -214,6 +227,10 @@ def _run_local(cfg: JobConfig, launch: dict[str, Any], exp_dir: str) -> dict[str
     from rayspeed.train.context import local_context
     from rayspeed.train.worker import run_worker
 
+    from rayspeed.health.envprofile import log_profile
+
+    for k, v in log_profile(cfg, 1).items():
+        os.environ.setdefault(k, v)
     backend = "nccl" if cfg.cluster.use_gpu else "gloo"
     ctx = local_context(exp_dir, backend, cfg.resilience.collective_timeout_s)
     return run_worker(launch, ctx)

@@ -203,20 +203,61 @@ class Trainer:
             self.ds_config["checkpoint"] = {"load_universal": True}
         self.engine, self.pipelined = build_engine(c, self.ds_config, self.groups, self.device)
         start_step, state = self._resume(tag)
+        if c.health.preflight:
+            failed = self._preflight()
+            if failed is not None:
+                return failed
+        self._start_monitors()
         if ctx.is_rank0:
             self._log_start(state)
         return self._train(start_step, state)
 
+    def _preflight(self) -> dict[str, Any] | None:
+        """Bandwidth and environment checks on the job's own workers before step 0. A failure ends the job
+        at once (no restarts: the same cluster would fail the same way), with the reason in the summary."""
+        from rayspeed.health.preflight import PreflightError, run_preflight
+
+        try:
+            report = run_preflight(self.cfg, self.groups, self.device)
+        except PreflightError as e:
+            result = {"status": "preflight_failed", "error": e.reason, "steps": 0, "world_size": self.ctx.world_size}
+            if self.ctx.is_rank0:
+                log.error("preflight failed: %s", e.reason)
+                self.tracker.set_tags({"rayspeed.status": "preflight_failed", "rayspeed.preflight": e.reason[:4000]})
+                self.tracker.close(timeout_s=60)
+                self._write_result(result)
+            return result
+        if self.ctx.is_rank0:
+            self.tracker.log_text(json.dumps(report.to_json(), indent=2, default=str), "health/preflight.json")
+        return None
+
+    def _start_monitors(self) -> None:
+        from rayspeed.health.watchdog import Watchdog
+        from rayspeed.monitoring.comm import CommTimer
+        from rayspeed.monitoring.system import SystemSampler
+
+        c = self.cfg
+        self.sampler = SystemSampler(self.ctx.rank, self.ctx.node_id, interval_s=5.0) if c.tracking.system_metrics else None
+        self.comm = CommTimer(enabled=True)
+        self.watchdog = Watchdog.from_config(c.health)
+        self.charts = None
+        if self.ctx.is_rank0 and self.launch.get("mlflow_run_id"):
+            from rayspeed.tracking.charts import ChartPublisher
+
+            self.charts = ChartPublisher(self.tracker, self.launch["tracking_uri"], self.launch["mlflow_run_id"])
+        self.flops_per_token, self.peak_flops = _mfu_terms(c, self.plan)
+
     def _check_topology(self) -> None:
         """tp groups must sit on one node: Ray Train places a node's workers on consecutive ranks (verified
         here, not assumed)."""
+        nodes: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(nodes, self.ctx.node_id)
+        self._node_ids = nodes
         if self.cfg.parallel.tp <= 1 or not self.ctx.under_ray:
             return
         from rayspeed.parallel.groups import check_tp_within_nodes
 
-        nodes: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(nodes, self.ctx.node_id)
-        check_tp_within_nodes(nodes, self.cfg.parallel.tp)
+        check_tp_within_nodes(self._node_ids, self.cfg.parallel.tp)
 
     def _log_start(self, state: dict[str, Any]) -> None:
         c, t = self.cfg, self.tracker
@@ -224,6 +265,12 @@ class Trainer:
         params.update({f"plan.{k}": v for k, v in flatten(_plain(self.plan.best)).items()})
         params.update(_versions())
         params["cluster.world_size_at_start"] = self.ctx.world_size
+        try:
+            from rayspeed.monitoring.system import lineage_params
+
+            params.update(lineage_params(self._node_ids, use_gpu=c.cluster.use_gpu))
+        except Exception as e:
+            log.warning("lineage params unavailable: %s", e)
         t.log_params(params)
         t.set_tags({"rayspeed.job": c.name, "rayspeed.status": "running", "rayspeed.world_size": str(self.ctx.world_size)})
         t.log_text(to_yaml(c), "config/resolved.yaml")
@@ -407,11 +454,68 @@ class Trainer:
             self.recovery_s = recovery
         self.tracker.log_metrics(metrics, step=step)
 
+    def _log_window(self, done: int, loss_acc: torch.Tensor, n_acc: int, step_time: float) -> tuple[float, dict[str, float]]:
+        """Metrics at a log step: the loss (the step's only host read), throughput, gradient-sync fraction,
+        MFU on GPU, and every rank's system metrics (a collective: all ranks call this)."""
+        c, ctx = self.cfg, self.ctx
+        mean_loss = self._dp_mean(loss_acc / max(1, n_acc))
+        tokens_per_s = c.train.global_batch_size * c.model.seq_len / step_time
+        metrics = {
+            "train/loss": mean_loss,
+            "train/lr": self._lr(),
+            "train/global_batch_size": c.train.global_batch_size,
+            "perf/step_time_s": step_time,
+            "perf/tokens_per_s": tokens_per_s,
+            "resilience/world_size": ctx.world_size,
+        }
+        gn = self.engine.get_global_grad_norm()
+        if gn is not None:
+            metrics["train/grad_norm"] = float(gn)
+        metrics.update(self.comm.metrics())
+        if self.peak_flops:
+            metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * ctx.world_size)
+        if self.sampler is not None:
+            snap = self.sampler.snapshot()
+            last = self.comm.last()
+            if last:
+                snap["comm_s"] = last["comm_s"]
+            from rayspeed.monitoring.system import gather_system_metrics
+
+            system = gather_system_metrics(snap, self.groups, node_id=ctx.node_id)
+            if system:
+                metrics.update(system)
+        return mean_loss, metrics
+
+    def _rollback(self, done: int, reason: str) -> bool:
+        """Watchdog: restore the newest verified checkpoint in place and continue with the data after the
+        bad window (replaying it would reproduce the same blow-up). False when there is nothing to restore."""
+        chosen = None
+        if self.ctx.is_rank0:
+            found, _ = store.latest_verified(self.ctx.experiment_dir)
+            chosen = str(found) if found else None
+        chosen = _broadcast(chosen)
+        if chosen is None:
+            if self.ctx.is_rank0:
+                log.warning("watchdog: %s, but no verified checkpoint to roll back to; continuing", reason)
+            return False
+        self.engine.load_checkpoint(chosen, tag=ckpt_resume.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        self.watchdog.reset()
+        if self.ctx.is_rank0:
+            log.warning("watchdog: %s -> rolled back to %s, skipping the data of steps %d..%d", reason,
+                        Path(chosen).name, (store.step_of(chosen) or 0) + 1, done)
+            self.tracker.set_tags({f"rayspeed.watchdog.step{done}": f"rollback to {Path(chosen).name}: {reason}"[:4000]})
+        return True
+
+    def _write_result(self, result: dict[str, Any]) -> None:
+        Path(self.ctx.experiment_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(self.ctx.experiment_dir) / "worker_result.json.tmp"
+        tmp.write_text(json.dumps(result, default=str))
+        os.replace(tmp, Path(self.ctx.experiment_dir) / "worker_result.json")
+
     def _train(self, start_step: int, state: dict[str, Any]) -> dict[str, Any]:
         c, ctx, t = self.cfg, self.ctx, self.tracker
         log_every = c.tracking.log_every_steps
         ck_every = c.resilience.checkpoint_every_steps
-        tokens_per_step = c.train.global_batch_size * c.model.seq_len
         self.engine.train()
         loss_acc = torch.zeros((), device=self.device)
         n_acc = 0
@@ -419,11 +523,14 @@ class Trainer:
         first = True
         last_loss, val_loss = float("nan"), None
         stalls: list[float] = []
+        checkpoints = 0
         self.recovery_s = None
         for step, micro in self.batches.iterate(start_step, c.train.max_steps - start_step):
             done = step + 1
             self._chaos_step(done)
-            loss = self._train_step(micro)
+            is_log = done % log_every == 0 or done == c.train.max_steps
+            with self.comm.step(measure=is_log):
+                loss = self._train_step(micro)
             loss_acc += loss.detach().float()
             n_acc += 1
             window_steps += 1
@@ -432,29 +539,19 @@ class Trainer:
                 self._after_first_step(done, state)
             if ctx.is_rank0:
                 resilience.write_progress(ctx.experiment_dir, done)
-            if done % log_every == 0 or done == c.train.max_steps:
-                # The step's only host sync: the loss is read at log steps.
-                mean_loss = self._dp_mean(loss_acc / n_acc)
+            if is_log:
+                step_time = (time.perf_counter() - window_t0) / window_steps
+                last_loss, metrics = self._log_window(done, loss_acc, n_acc, step_time)
                 loss_acc.zero_()
                 n_acc = 0
-                step_time = (time.perf_counter() - window_t0) / window_steps
-                window_t0, window_steps = time.perf_counter(), 0
-                last_loss = mean_loss
-                metrics = {
-                    "train/loss": mean_loss,
-                    "train/lr": self._lr(),
-                    "train/global_batch_size": c.train.global_batch_size,
-                    "perf/step_time_s": step_time,
-                    "perf/tokens_per_s": tokens_per_step / step_time,
-                    "resilience/world_size": ctx.world_size,
-                }
-                gn = self.engine.get_global_grad_norm()
-                if gn is not None:
-                    metrics["train/grad_norm"] = float(gn)
                 t.log_metrics(metrics, step=done)
                 if ctx.is_rank0:
-                    log.info("step %d/%d loss %.4f lr %.2e %.3f s/step", done, c.train.max_steps, mean_loss,
+                    log.info("step %d/%d loss %.4f lr %.2e %.3f s/step", done, c.train.max_steps, last_loss,
                              metrics["train/lr"], step_time)
+                decision = self.watchdog.check(done, last_loss, metrics.get("train/grad_norm"))
+                if not decision.ok:
+                    self._rollback(done, decision.reason)
+                window_t0, window_steps = time.perf_counter(), 0
             if (c.train.eval_every_steps and done % c.train.eval_every_steps == 0) or done == c.train.max_steps:
                 val_loss = self._evaluate()
                 t.log_metrics({"val/loss": val_loss}, step=done)
@@ -464,8 +561,13 @@ class Trainer:
             if (ck_every and done % ck_every == 0) or done == c.train.max_steps:
                 stall = self._save_checkpoint(done, state)
                 stalls.append(stall)
+                checkpoints += 1
                 t.log_metrics({"perf/checkpoint_stall_s": stall}, step=done)
+                n = c.tracking.charts_every_checkpoints
+                if self.charts is not None and n and checkpoints % n == 0 and done != c.train.max_steps:
+                    self.charts.publish()  # renders off the training thread
                 window_t0 = time.perf_counter()  # checkpoint time is not step time
+        self._finish_outputs(val_loss, last_loss)
         result = {
             "status": "finished",
             "steps": c.train.max_steps,
@@ -478,14 +580,70 @@ class Trainer:
             "checkpoint_stall_s": (sorted(stalls)[len(stalls) // 2] if stalls else None),
             "model_state_bytes": getattr(self, "model_state_bytes", None),
             "layout": {k: getattr(c.parallel, k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum")},
+            "registered_model_version": getattr(self, "model_version", None),
         }
+        if self.sampler is not None:
+            self.sampler.stop()
         if ctx.is_rank0:
             t.set_tags({"rayspeed.status": "finished"})
             t.close(timeout_s=120)
-            Path(ctx.experiment_dir).mkdir(parents=True, exist_ok=True)
-            with open(Path(ctx.experiment_dir) / "worker_result.json", "w") as fh:
-                json.dump(result, fh)
+            self._write_result(result)
         return result
+
+    def _finish_outputs(self, val_loss: float | None, last_loss: float) -> None:
+        """The end of a run: loss landscape (collective), the model exported (collective) and registered,
+        the five charts rendered from the run's history. None of it may fail the run."""
+        from rayspeed.tracking.model_export import export_model
+        from rayspeed.tracking.runs import registered_model_name
+
+        c, ctx = self.cfg, self.ctx
+        landscape = None
+        if c.tracking.loss_landscape:
+            try:
+                from rayspeed.monitoring.landscape import loss_landscape
+
+                batches = [(x[: c.parallel.micro_batch_size].to(self.device), y[: c.parallel.micro_batch_size].to(self.device))
+                           for x, y in self.val[:2]]
+                landscape = loss_landscape(self.engine, batches, None, seed=c.train.seed, steps=11,
+                                           group=self.groups.dp_group if self.groups.dp > 1 else None)
+            except Exception as e:
+                log.warning("loss landscape failed: %s", e)
+        out_dir = str(Path(ctx.experiment_dir) / "model")
+        try:
+            export_model(self.engine, c, out_dir, groups=self.groups)
+        except Exception as e:
+            log.warning("model export failed: %s", e)
+            out_dir = None
+        if not ctx.is_rank0 or not self.launch.get("mlflow_run_id"):
+            return
+        if out_dir:
+            from rayspeed.tracking.registry import log_and_register
+
+            self.tracker.flush(60)
+            metrics = {"train/loss": last_loss}
+            if val_loss is not None:
+                metrics["val/loss"] = val_loss
+            self.model_version = log_and_register(self.launch["tracking_uri"], self.launch["mlflow_run_id"], out_dir,
+                                                  registered_model_name(c), metrics)
+            if self.model_version:
+                log.info("model registered as %s version %s", registered_model_name(c), self.model_version)
+        if self.charts is not None:
+            self.charts.publish(landscape=landscape, wait_s=180)
+
+
+def _mfu_terms(cfg: JobConfig, plan: Any) -> tuple[float, float | None]:
+    """(model FLOPs per token = 6N + 12 L h s, peak FLOP/s of one GPU) from the planner's tables; no MFU on CPU."""
+    try:
+        from rayspeed.planner.hardware import get as hardware
+        from rayspeed.planner.model_math import Shape
+
+        flops = Shape.from_config(cfg.model).flops_per_token
+        if not cfg.cluster.use_gpu:
+            return float(flops), None
+        return float(flops), float(hardware(cfg.cluster.gpu, cfg.cluster.hardware).peak(cfg.train.precision))
+    except Exception as e:
+        log.warning("MFU unavailable: %s", e)
+        return 0.0, None
 
 
 def _plain(obj: Any) -> Any:
