@@ -65,8 +65,24 @@ mlflow-ui: setup
 bench: setup
 	$(BIN)/python scripts/bench.py
 
-retrain schedule unschedule:
-	@echo "make $@: scheduled retraining is not built yet (issue: scheduled retraining)" >&2; exit 2
+# One retraining cycle (warm start from the champion, train, evaluate, register, promote on improvement).
+# `rayspeed retrain` exits 0 promoted, 3 skipped, 4 rejected, 1 failed, 2 bad input (make reports it as "Error N").
+retrain: setup
+	$(BIN)/rayspeed retrain --config $(CONFIG) $(ARGS)
+
+# One crontab line (marker "# rayspeed-retrain <repo>:<config>") running `make retrain`, logs to runs/retrain.log.
+# Idempotent: re-running replaces the line for this repo + config. DRY_RUN=1 prints it only.
+CRON ?=
+DRY_RUN ?=
+RETRAIN_LOG ?= $(CURDIR)/runs/retrain.log
+schedule: setup
+	@$(BIN)/python -m rayspeed.retrain.cron install --cron "$(CRON)" --config $(CONFIG) --repo $(CURDIR) \
+	  --log $(RETRAIN_LOG) $(if $(strip $(ARGS)),--args '$(ARGS)') $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
+
+# Removes this repository's rayspeed-retrain lines (only CONFIG's when CONFIG is given on the command line).
+unschedule: setup
+	@$(BIN)/python -m rayspeed.retrain.cron remove --repo $(CURDIR) \
+	  $(if $(filter command line,$(origin CONFIG)),--config $(CONFIG)) $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
 
 clean:
 	rm -rf runs mlartifacts mlflow.db .pytest_cache

@@ -16,6 +16,9 @@ commands:
                       inventory, topology and all-reduce/all-gather bandwidth of the Ray cluster
   doctor [LOGFILE|-|RAY_JOB_ID] [--env] [--json] [--config FILE]
                       name the causes and fixes in a job's log; --env lints the environment
+  retrain --config FILE [--set K=V]... [--force] [--margin M] [--launcher ray|local] [--cold]
+                      one retraining cycle: warm start, train, evaluate, register, promote on improvement
+                      (exit 0 promoted, 3 skipped, 4 rejected, 1 failed, 2 bad input)
 """
 
 
@@ -51,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from rayspeed.health.doctor import main as doctor_main
 
         return doctor_main(rest)
+    if cmd == "retrain":
+        from rayspeed.retrain.cli import main as retrain_main
+
+        return retrain_main(rest)
     print(f"rayspeed: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -96,6 +96,9 @@ class TrainConfig:
     """Validation every N steps (0: only at the end)."""
     eval_batches: int = 4
     """Validation global batches per evaluation."""
+    init_from: Optional[str] = None
+    """A reloadable model directory (rayspeed export) or models:/<name>@<alias> / models:/<name>/<version>: initial
+    weights for a warm start; the optimizer starts fresh."""
     compile: Union[bool, Auto] = AUTO
     """torch.compile the model before DeepSpeed wraps it. auto: on GPUs for layouts without pipeline, ZeRO-3 or
     tensor parallelism (falls back to eager on a compile error); eager on CPU."""

@@ -97,6 +97,10 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     model = build_model(cfg, groups)
+    if getattr(cfg.train, "init_from", None):  # warm start: initial weights from an exported model
+        from rayspeed.model.warm_start import warm_start
+
+        warm_start(model, cfg, groups)
     if not on_gpu:
         model = model.to(device)
     do_compile, why = compile_decision(cfg, on_gpu)

@@ -206,6 +206,7 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
         "recovery_s": result.get("recovery_s"),
         "checkpoint_stall_s": result.get("checkpoint_stall_s"),
         "model_state_bytes": result.get("model_state_bytes"),
+        "registered_model_version": result.get("registered_model_version"),
         "layout": result.get("layout"),
         "launcher": launcher,
     }

@@ -1,0 +1,350 @@
+"""Warm start: initial weights from an exported rayspeed model (train.init_from); the optimizer starts fresh.
+
+    model_dir = resolve_init_from("models:/rayspeed-tiny@champion", tracking_uri)   # local directory
+    load_initial_weights(model, model_dir, tp=groups.tp, model_cfg=cfg.model)         # right after build_model
+
+or, in one call from the engine builder (what build.py does):
+
+    warm_start(model, cfg, groups)
+
+`train.init_from` is one of
+  * a local directory written by rayspeed.tracking.model_export.export_model (weights.pt + model_config.json);
+  * models:/<name>@<alias> or models:/<name>/<version>: a registered version, downloaded with MLflow's artifact
+    download into a per-version cache (versions are immutable, so a cached copy is reused; an alias is resolved
+    to its version first). Several ranks on one machine download once (fcntl lock);
+  * any other URI MLflow can download (runs:/<run_id>/model, s3://..., file://...).
+
+weights.pt holds the full fp32 state_dict of rayspeed.model.transformer.Transformer. Each parameter of the
+freshly built model (a whole Transformer, or one pipeline stage under the Transformer's canonical names) is
+copied from it; under tensor parallelism each tensor is first cut to this rank's slice along the parameter's
+`partition_dim` (the same chunking the layers' initialisation uses, so any tp degree loads any export).
+model_config.json must describe the same architecture as the job's model section (seq_len and init_std may
+differ: they do not shape the weights); otherwise a WarmStartError names the keys that differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "weights.pt"
+CONFIG = "model_config.json"
+COMPLETE = ".rayspeed-complete"
+
+# Model keys that decide the weights or the function they compute; seq_len and init_std may change between a
+# champion and its warm-started successor (RoPE tables are built per call, the init is overwritten).
+ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+             "tie_embeddings", "rope_theta", "norm_eps")
+
+_MODELS_RE = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))/?$")
+
+
+class WarmStartError(ValueError):
+    """train.init_from cannot be used: missing, unreadable, or a different model."""
+
+
+# ---------------------------------------------------------------- locating the model
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rayspeed", "models")
+
+
+def parse_models_uri(spec: str) -> Optional[tuple[str, Optional[str], Optional[str]]]:
+    """models:/name@alias -> (name, alias, None); models:/name/3 -> (name, None, "3"); anything else -> None."""
+    m = _MODELS_RE.match(spec.strip())
+    if not m:
+        return None
+    return m.group("name"), m.group("alias"), m.group("version")
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s)[:80]
+
+
+def _find_model_dir(root: Path) -> Optional[Path]:
+    """The directory holding model_config.json: root itself, or the one folder below it that does."""
+    if (root / CONFIG).is_file():
+        return root
+    found = sorted(p.parent for p in root.rglob(CONFIG))
+    return found[0] if found else None
+
+
+def resolve_alias(spec: str, tracking_uri: Optional[str]) -> str:
+    """models:/name@alias -> models:/name/<version> (unchanged for every other spec)."""
+    parsed = parse_models_uri(spec)
+    if not parsed or not parsed[1]:
+        return spec
+    name, alias, _ = parsed
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        mv = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri).get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        raise WarmStartError(f"train.init_from: {spec}: no version of {name!r} carries the alias {alias!r} in "
+                             f"{tracking_uri or 'the default MLflow store'} ({str(e).splitlines()[0][:200]})") from None
+    return f"models:/{name}/{mv.version}"
+
+
+def resolve_init_from(spec: str, tracking_uri: Optional[str] = None, cache_dir: Optional[str] = None) -> str:
+    """The local directory of the model `spec` names (see the module doc); downloads it if needed.
+
+    Raises WarmStartError with the reason (no such directory, no such alias/version, download failed, no
+    model_config.json in what was downloaded)."""
+    if not spec or not str(spec).strip():
+        raise WarmStartError("train.init_from: empty")
+    spec = str(spec).strip()
+    if "://" not in spec and not spec.startswith(("models:/", "runs:/")):
+        p = Path(spec).expanduser()
+        if not p.is_dir():
+            raise WarmStartError(f"train.init_from: {spec}: no such directory (expected an exported rayspeed model "
+                                 "with weights.pt and model_config.json, or a models:/ URI)")
+        found = _find_model_dir(p)
+        if found is None:
+            raise WarmStartError(f"train.init_from: {spec}: no {CONFIG} in it (not a rayspeed model export)")
+        return str(found.resolve())
+
+    concrete = resolve_alias(spec, tracking_uri)
+    parsed = parse_models_uri(concrete)
+    if parsed:
+        key = f"{_safe(parsed[0])}/v{parsed[2]}"
+    else:
+        key = f"uri/{hashlib.sha256(concrete.encode()).hexdigest()[:24]}"
+    # The store the name lives in is part of the key: two stores can both have a version 1 of a name.
+    store = hashlib.sha256(str(tracking_uri or "").encode()).hexdigest()[:12]
+    root = Path(cache_dir or default_cache_dir()).expanduser() / store
+    final = root / key
+    if (final / COMPLETE).exists():
+        found = _find_model_dir(final)
+        if found is not None:
+            return str(found)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(final) + ".lock", "a") as lf:  # ranks on one machine: one downloads, the others wait
+        fcntl.flock(lf.fileno(), fcntl.LOCK_EX)
+        try:
+            if not (final / COMPLETE).exists():
+                _download(concrete, spec, tracking_uri, final)
+        finally:
+            fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
+    found = _find_model_dir(final)
+    if found is None:
+        raise WarmStartError(f"train.init_from: {spec}: the download holds no {CONFIG} (not a rayspeed model)")
+    return str(found)
+
+
+def _download(uri: str, spec: str, tracking_uri: Optional[str], final: Path) -> None:
+    import mlflow.artifacts
+
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=str(final.parent)))
+    try:
+        try:
+            source = uri
+            parsed = parse_models_uri(uri)
+            if parsed:
+                # MLflow resolves models:/ URIs against the process-wide registry URI, not the one passed to
+                # download_artifacts: look the version's files up in *this* store, then download those.
+                from mlflow.tracking import MlflowClient
+
+                client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+                source = client.get_model_version_download_uri(parsed[0], parsed[2])
+            mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri,
+                                                registry_uri=tracking_uri)
+        except Exception as e:
+            raise WarmStartError(f"train.init_from: {spec}: download of {uri} failed "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
+        if _find_model_dir(tmp) is None:
+            raise WarmStartError(f"train.init_from: {spec}: {uri} holds no {CONFIG} (not a rayspeed model export)")
+        (tmp / COMPLETE).write_text(uri + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        log.info("warm start: downloaded %s to %s", uri, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- checking and loading
+
+
+def _model_dict(model_cfg: Any) -> dict[str, Any]:
+    """A model section (ModelConfig, a namespace or a mapping) with the optional sizes made concrete."""
+    if dataclasses.is_dataclass(model_cfg):
+        d = dataclasses.asdict(model_cfg)
+    elif isinstance(model_cfg, Mapping):
+        d = dict(model_cfg)
+    else:
+        d = dict(vars(model_cfg))
+    from rayspeed.model.transformer import ModelDims
+
+    dims = dataclasses.asdict(ModelDims.from_config(_NS(d)))
+    return {k: dims.get(k, d.get(k)) for k in ARCH_KEYS}
+
+
+class _NS:
+    def __init__(self, d: dict[str, Any]):
+        self.__dict__.update(d)
+
+
+def read_model_config(model_dir: str) -> dict[str, Any]:
+    try:
+        with open(Path(model_dir) / CONFIG) as fh:
+            spec = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise WarmStartError(f"train.init_from: cannot read {Path(model_dir) / CONFIG} ({e})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise WarmStartError(f"train.init_from: {Path(model_dir) / CONFIG} has no 'model' section")
+    return spec["model"]
+
+
+def config_mismatches(saved_model: Mapping[str, Any], job_model: Any) -> list[str]:
+    """'key: saved X, job Y' for every architecture key that differs (empty when compatible)."""
+    a, b = _model_dict(saved_model), _model_dict(job_model)
+    out = []
+    for k in ARCH_KEYS:
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool):
+            same = float(va) == float(vb)
+        else:
+            same = va == vb
+        if not same:
+            out.append(f"model.{k}: saved {va!r}, job {vb!r}")
+    return out
+
+
+def check_compatible(model_dir: str, job_model: Any, spec: Optional[str] = None) -> None:
+    bad = config_mismatches(read_model_config(model_dir), job_model)
+    if bad:
+        raise WarmStartError(f"train.init_from: {spec or model_dir} is a different model than this job's model section "
+                             f"({'; '.join(bad)}); make the model section match it, or drop train.init_from to "
+                             "train from scratch")
+
+
+def _named_params(model: Any) -> tuple[list[tuple[str, Any]], bool]:
+    """(Transformer name, parameter) for this rank's part of the model, and whether it is a pipeline stage."""
+    from rayspeed.tracking.model_export import _is_pipeline
+
+    if _is_pipeline(model):
+        from rayspeed.model.pipeline import canonical_named_parameters
+
+        seen, out = set(), []
+        for name, p in canonical_named_parameters(model):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out, True
+    return list(model.named_parameters()), False
+
+
+def _slice_for_rank(full: Any, param: Any, tp: Any, name: str) -> Any:
+    ws = int(getattr(tp, "world_size", 1) or 1) if tp is not None else 1
+    if ws <= 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = getattr(param, "partition_dim", None)
+    if dim is None:
+        raise WarmStartError(f"train.init_from: parameter {name} is tensor-parallel but carries no partition_dim; "
+                             "cannot cut the saved full tensor for this tp rank")
+    if full.shape[dim] % ws:
+        raise WarmStartError(f"train.init_from: {name}: dim {dim} of the saved tensor ({tuple(full.shape)}) does not "
+                             f"divide by tp={ws}")
+    return full.chunk(ws, dim=dim)[int(tp.rank)]
+
+
+def load_initial_weights(model: Any, model_dir: str, tp: Any = None, model_cfg: Any = None) -> dict[str, Any]:
+    """Copy weights.pt of model_dir into the freshly built `model` in place (before DeepSpeed wraps it).
+
+    model: a rayspeed Transformer (tp shards included) or a pipeline stage. tp: the TensorParallel handle the
+    model was built with (None or world_size 1: unsharded). model_cfg: the job's model section; when given,
+    model_config.json must match it (WarmStartError naming the keys otherwise). Returns a small report
+    {"model_dir", "parameters", "elements"}. Raises WarmStartError on a missing file, a missing or unexpected
+    parameter, or a shape that does not fit.
+    """
+    import torch
+
+    path = Path(model_dir)
+    if model_cfg is not None:
+        check_compatible(model_dir, model_cfg)
+    wfile = path / WEIGHTS
+    if not wfile.is_file():
+        note = ""
+        meta = path / "export.json"
+        if meta.is_file():
+            try:
+                note = "; ".join(json.loads(meta.read_text()).get("limitations", []))
+            except ValueError:
+                pass
+        raise WarmStartError(f"train.init_from: {wfile} missing{': ' + note if note else ''} (an incomplete export "
+                             "cannot seed a warm start)")
+    try:
+        state = torch.load(wfile, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise WarmStartError(f"train.init_from: cannot load {wfile} ({type(e).__name__}: {e})") from None
+    named, pipelined = _named_params(model)
+    missing, bad_shape = [], []
+    used: set[str] = set()
+    pending = []
+    for name, p in named:
+        src_name = name
+        if src_name not in state and src_name == "head.weight" and "embed.weight" in state:
+            src_name = "embed.weight"  # a tied head saved only under the embedding's name
+        if src_name not in state:
+            missing.append(name)
+            continue
+        value = _slice_for_rank(state[src_name], p, tp, name)
+        if tuple(value.shape) != tuple(p.shape):
+            bad_shape.append(f"{name}: saved {tuple(value.shape)} (for this rank), model {tuple(p.shape)}")
+            continue
+        used.add(src_name)
+        pending.append((p, value))
+    problems = []
+    if missing:
+        problems.append(f"missing in {WEIGHTS}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if bad_shape:
+        problems.append("shape mismatch: " + "; ".join(bad_shape[:5]) + (" ..." if len(bad_shape) > 5 else ""))
+    if not pipelined:
+        tied = {"head.weight"} if "embed.weight" in used else set()
+        unexpected = [k for k in state if k not in used and k not in tied]
+        if unexpected:
+            problems.append(f"in {WEIGHTS} but not in the model: {', '.join(unexpected[:8])}"
+                            f"{' ...' if len(unexpected) > 8 else ''}")
+    if problems:
+        raise WarmStartError(f"train.init_from: {model_dir} does not fit this model ({'; '.join(problems)})")
+    elements = 0
+    with torch.no_grad():
+        for p, value in pending:
+            p.copy_(value.to(device=p.device, dtype=p.dtype))
+            elements += p.numel()
+    return {"model_dir": str(path), "parameters": len(pending), "elements": elements}
+
+
+def warm_start(model: Any, cfg: Any, groups: Any = None, tracking_uri: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """build.py's hook: when cfg.train.init_from is set, resolve it (download once per machine into
+    <storage>/.cache/models) and load it into the freshly built model. None when init_from is unset."""
+    spec = getattr(cfg.train, "init_from", None)
+    if not spec:
+        return None
+    from rayspeed.tracking.runs import storage_path
+    from rayspeed.tracking.runs import tracking_uri as job_tracking_uri
+
+    uri = tracking_uri or job_tracking_uri(cfg)
+    storage = storage_path(cfg)
+    cache = str(Path(storage) / ".cache" / "models") if "://" not in storage else None
+    tp = groups.tp if (groups is not None and int(getattr(cfg.parallel, "tp", 1)) > 1) else None
+    model_dir = resolve_init_from(spec, uri, cache)
+    report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)
+    report["init_from"] = spec
+    log.info("warm start from %s (%s): %d parameters, %d elements loaded; optimizer starts fresh",
+             spec, model_dir, report["parameters"], report["elements"])
+    return report

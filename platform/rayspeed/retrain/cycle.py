@@ -1,0 +1,495 @@
+"""One retraining cycle: lock, data check, warm-started training job, evaluation, registration, promotion.
+
+    result = run_cycle("configs/tiny-cpu.yaml", ["train.max_steps=20"], margin=0.01)
+    result.exit_code   # 0 promoted, 3 skipped, 4 rejected, 1 failed, 2 bad input
+
+What a cycle does, in order:
+  1. Loads the job (with the --set overrides); a wrong job is exit 2 before anything is written.
+  2. Takes the lock <storage>/.retrain/<name>.lock (fcntl, non-blocking): a cycle that finds it held is
+     "skipped: locked" (exit 3). The kernel drops the lock when a holder dies.
+  3. Builds (or reuses) the job's token file (the cache the workers then read) for its content hash.
+  4. Finds the champion (alias `champion` of the registered model: tracking.register_model or
+     rayspeed-<name>). Without one the cycle always trains (from scratch). With one, unchanged data -- the
+     hash of the last cycle that trained (<storage>/.retrain/<name>.json, for this MLflow store and model;
+     else the champion's tag rayspeed.data_hash) -- is "skipped" (exit 3) unless forced; otherwise the job
+     warm-starts from that exact version (train.init_from = models:/<name>/<version>, downloaded once into
+     <storage>/.cache/models and checked against the job's model section first: a different architecture is
+     exit 2, or pass --cold to train from scratch).
+  5. Runs the training job as a subprocess (`python -m rayspeed train`, i.e. jobs/train.py) under its own
+     name <name>-cycle-<UTC timestamp>, so each cycle is its own MLflow run, registering a new version of the
+     SAME registered model; RAY_ADDRESS (or an embedded local Ray, or --launcher local) decides where.
+  6. Reads the job's summary.json (val_loss, MLflow run) and the version it registered; tags the version with
+     the data hash and the warm-start source.
+  7. Compares with the champion's val/loss: promotes (moves `champion`) only when
+     new < champion * (1 - margin); otherwise tags the version rejected=<reason> (exit 4). When the data
+     changed since the champion was trained, its recorded val/loss was measured on another held-out split, so
+     the champion is re-evaluated on the current split first (on the CPU, when that is cheap enough:
+     `reeval_max_gflop`); otherwise the recorded value is used and the tags say so.
+  8. Records the cycle in <storage>/.retrain/<name>.json and prunes old cycle folders (keep_cycles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+log = logging.getLogger("rayspeed.retrain")
+
+EXIT_DONE = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_SKIPPED = 3
+EXIT_REJECTED = 4
+
+OUTCOME_CODES = {"promoted": EXIT_DONE, "failed": EXIT_FAILED, "bad_input": EXIT_BAD_INPUT,
+                 "skipped": EXIT_SKIPPED, "rejected": EXIT_REJECTED}
+
+CHAMPION = "champion"
+TAG_DATA_HASH = "rayspeed.data_hash"
+TAG_DECISION = "rayspeed.retrain.decision"
+TAG_WARM_START = "rayspeed.retrain.warm_start_from"
+TAG_JOB = "rayspeed.retrain.cycle_job"
+TAG_BASELINE = "rayspeed.retrain.baseline"
+HISTORY_KEEP = 50
+
+
+@dataclasses.dataclass
+class CycleResult:
+    outcome: str  # promoted | skipped | rejected | failed | bad_input
+    reason: str
+    job: Optional[str] = None
+    registered_model: Optional[str] = None
+    version: Optional[str] = None
+    champion_before: Optional[str] = None
+    champion_after: Optional[str] = None
+    val_loss: Optional[float] = None
+    champion_val_loss: Optional[float] = None
+    baseline: Optional[str] = None
+    data_hash: Optional[str] = None
+    warm_start_from: Optional[str] = None
+    mlflow_run_id: Optional[str] = None
+    seconds: Optional[float] = None
+
+    @property
+    def exit_code(self) -> int:
+        return OUTCOME_CODES[self.outcome]
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["exit_code"] = self.exit_code
+        d["retrain"] = d.pop("outcome")
+        return {"retrain": d["retrain"], **{k: v for k, v in d.items() if k != "retrain"}}
+
+
+class _Stop(Exception):
+    def __init__(self, outcome: str, reason: str):
+        super().__init__(reason)
+        self.outcome, self.reason = outcome, reason
+
+
+# ---------------------------------------------------------------- decision
+
+
+def decide(new_val: Optional[float], champion_val: Optional[float], margin: float,
+           has_champion: bool = True) -> tuple[bool, str]:
+    """(promote?, why). Promote when new < champion * (1 - margin); no champion (or one without a finite
+    val/loss) promotes; a missing or non-finite new val/loss never does."""
+    if new_val is None or not math.isfinite(new_val):
+        return False, f"val/loss {new_val} is not a finite number"
+    if not has_champion:
+        return True, f"first version (no champion yet), val/loss {new_val:.6g}"
+    if champion_val is None or not math.isfinite(champion_val):
+        return True, f"the champion has no finite val/loss ({champion_val}) to beat; val/loss {new_val:.6g}"
+    need = champion_val * (1.0 - margin)
+    if new_val < need:
+        return True, (f"val/loss {new_val:.6g} < champion {champion_val:.6g}"
+                      + (f" * (1 - {margin:g}) = {need:.6g}" if margin else ""))
+    return False, (f"val/loss {new_val:.6g} does not improve on champion {champion_val:.6g}"
+                   + (f" by the margin {margin:g} (needs < {need:.6g})" if margin else ""))
+
+
+# ---------------------------------------------------------------- state
+
+
+def state_dir(storage: str) -> Path:
+    if "://" in storage:  # remote storage: the cycle's bookkeeping stays with the repository
+        from rayspeed.tracking.runs import home
+
+        return home() / "runs" / ".retrain"
+    return Path(storage) / ".retrain"
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            d = json.load(fh)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _record(state_file: Path, result: CycleResult, started: float, trained: bool, uri: str) -> None:
+    """History for every cycle; last_data_hash only for cycles that trained and decided (a failed cycle retries
+    the same data next time)."""
+    state = read_state(state_file)
+    entry = {k: v for k, v in result.to_json().items() if v is not None}
+    entry["started"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+    hist = state.get("history") or []
+    hist.append(entry)
+    state["history"] = hist[-HISTORY_KEEP:]
+    if trained and result.outcome in ("promoted", "rejected"):
+        state["last_data_hash"] = result.data_hash
+        state["tracking_uri"], state["registered_model"] = uri, result.registered_model
+        state["last_cycle"] = entry
+    if result.champion_after is not None:
+        state["champion"] = result.champion_after
+    try:
+        write_state(state_file, state)
+    except OSError as e:
+        log.warning("could not write %s: %s", state_file, e)
+
+
+# ---------------------------------------------------------------- MLflow
+
+
+def _client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def champion_version(uri: str, name: str, alias: str = CHAMPION) -> Optional[Any]:
+    """The ModelVersion the alias points at; None when the model or the alias does not exist. Raises when the
+    store cannot be read (a cycle must not train from scratch because the server is down)."""
+    from mlflow.exceptions import MlflowException
+
+    c = _client(uri)
+    try:
+        model = c.get_registered_model(name)
+    except MlflowException as e:
+        if getattr(e, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
+            return None
+        raise
+    aliases = getattr(model, "aliases", None) or {}
+    version = aliases.get(alias)
+    if version is None:
+        return None
+    return c.get_model_version(name, str(version))
+
+
+def _metric(tags: dict[str, str], key: str = "val/loss") -> Optional[float]:
+    try:
+        return float(tags[f"metric.{key}"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _version_of_run(uri: str, name: str, run_id: str) -> Optional[str]:
+    found = [mv for mv in _client(uri).search_model_versions(f"run_id = '{run_id}'") if mv.name == name]
+    if not found:
+        return None
+    return str(max(int(mv.version) for mv in found))
+
+
+# ---------------------------------------------------------------- data and evaluation
+
+
+def _token_file(cfg: Any, storage: str) -> Any:
+    from rayspeed.config.schema import AUTO
+    from rayspeed.data import build_token_file
+
+    c = cfg.data
+    cache = c.cache_dir if c.cache_dir != AUTO else str(Path(storage) / ".cache" / "data")  # as the workers do
+    return build_token_file(c.source, c.path, c.tokenizer, cache)
+
+
+def evaluate_model_dir(model_dir: str, cfg: Any, token_file: Any) -> float:
+    """Mean validation loss of an exported model on the job's held-out split: the same sequences the job's
+    workers evaluate (eval_batches global batches of the val split), fp32 on the CPU."""
+    import torch
+
+    from rayspeed.data import val_batches
+    from rayspeed.tracking.model_export import load_model
+
+    model = load_model(model_dir)
+    _, val = token_file.split(cfg.data.val_fraction, cfg.model.seq_len)
+    batches = val_batches(val, cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, 0, 1)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            total += float(model(x, y).double())
+            n += 1
+    return total / max(1, n)
+
+
+def _eval_gflop(model_cfg: dict[str, Any], cfg: Any) -> float:
+    from types import SimpleNamespace
+
+    from rayspeed.model.transformer import count_parameters
+
+    params = count_parameters(SimpleNamespace(**model_cfg))
+    tokens = cfg.train.eval_batches * cfg.train.global_batch_size * cfg.model.seq_len
+    return 2.0 * params * tokens / 1e9
+
+
+# ---------------------------------------------------------------- the cycle
+
+
+def _quote(value: str) -> str:
+    return json.dumps(value)  # a YAML double-quoted scalar: --set values stay strings
+
+
+def _job_name(base: str, storage: str) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    name = f"{base}-cycle-{stamp}"
+    if "://" not in storage:
+        i = 2
+        while (Path(storage) / name).exists():
+            name = f"{base}-cycle-{stamp}-{i}"
+            i += 1
+    return name
+
+
+def prune_cycles(storage: str, base: str, keep: int, current: Optional[str] = None) -> list[str]:
+    """Delete all but the newest `keep` cycle folders <storage>/<base>-cycle-* (checkpoints of finished cycles;
+    their models live in MLflow). keep <= 0 keeps everything."""
+    if keep <= 0 or "://" in storage or not Path(storage).is_dir():
+        return []
+    dirs = sorted(p for p in Path(storage).glob(f"{base}-cycle-*") if p.is_dir())
+    gone = []
+    for p in dirs[:-keep]:
+        if p.name == current:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p.name)
+    return gone
+
+
+def run_cycle(config: str, overrides: Sequence[str] = (), *, force: bool = False, margin: float = 0.0,
+              launcher: str = "ray", cold: bool = False, keep_cycles: int = 3, reeval_max_gflop: float = 2000.0,
+              job_cmd: Optional[Sequence[str]] = None, env: Optional[dict[str, str]] = None) -> CycleResult:
+    """One cycle (see the module doc). Never raises for expected failures: the result carries the outcome.
+
+    job_cmd: the training command the job arguments are appended to (default: this Python, -m rayspeed train).
+    """
+    t0 = time.time()
+    try:
+        return _cycle(config, list(overrides), force, margin, launcher, cold, keep_cycles, reeval_max_gflop,
+                      job_cmd, env, t0)
+    except _Stop as s:
+        return CycleResult(s.outcome, s.reason, seconds=round(time.time() - t0, 1))
+
+
+def _cycle(config: str, overrides: list[str], force: bool, margin: float, launcher: str, cold: bool,
+           keep_cycles: int, reeval_max_gflop: float, job_cmd: Optional[Sequence[str]],
+           env: Optional[dict[str, str]], t0: float) -> CycleResult:
+    from rayspeed.config.load import load
+    from rayspeed.errors import ConfigError
+    from rayspeed.retrain.lock import CycleLock, Locked
+    from rayspeed.tracking.runs import registered_model_name, storage_path, tracking_uri
+
+    if not 0.0 <= margin < 1.0:
+        raise _Stop("bad_input", f"--margin: must be in [0, 1) (a relative improvement), got {margin}")
+    if launcher not in ("ray", "local"):
+        raise _Stop("bad_input", f"--launcher: ray or local, got {launcher!r}")
+    try:
+        cfg = load(config, overrides)
+    except ConfigError as e:
+        raise _Stop("bad_input", e.render()) from None
+    base, reg, uri, storage = cfg.name, registered_model_name(cfg), tracking_uri(cfg), storage_path(cfg)
+    sdir = state_dir(storage)
+    state_file = sdir / f"{base}.json"
+    lock = CycleLock(sdir / f"{base}.lock")
+    try:
+        lock.acquire()
+    except Locked as e:
+        raise _Stop("skipped", f"locked: {e}") from None
+    except OSError as e:
+        raise _Stop("failed", f"cannot take the cycle lock in {sdir}: {e}") from None
+    result = CycleResult("failed", "", registered_model=reg)
+    trained = False
+    try:
+        trained = _locked_cycle(cfg, config, overrides, force, margin, launcher, cold, reeval_max_gflop, job_cmd,
+                                env, base, reg, uri, storage, state_file, result)
+    except _Stop as s:
+        result.outcome, result.reason = s.outcome, s.reason
+    except Exception as e:  # anything unexpected: a failed cycle, with the reason, never a traceback to cron
+        log.exception("retrain cycle failed")
+        result.outcome, result.reason = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        result.seconds = round(time.time() - t0, 1)
+        if result.outcome != "skipped" or not result.reason.startswith("locked"):
+            _record(state_file, result, t0, trained, uri)
+        if result.job and result.outcome in ("promoted", "rejected"):
+            for name in prune_cycles(storage, base, keep_cycles, current=result.job):
+                log.info("pruned old cycle folder %s", name)
+        lock.release()
+    return result
+
+
+def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, margin: float, launcher: str,
+                  cold: bool, reeval_max_gflop: float, job_cmd: Optional[Sequence[str]],
+                  env: Optional[dict[str, str]], base: str, reg: str, uri: str, storage: str, state_file: Path,
+                  result: CycleResult) -> bool:
+    """Steps 3-7 under the lock; fills `result`. True when a training job ran to a decision."""
+    from rayspeed.errors import ConfigError
+
+    # 3. data
+    try:
+        tf = _token_file(cfg, storage)
+    except ConfigError as e:
+        raise _Stop("bad_input", e.render()) from None
+    data_hash = result.data_hash = tf.content_hash
+    log.info("data: %s", tf)
+
+    # 4. the champion, and whether the data changed since the last cycle that trained (no champion: always train)
+    try:
+        champ = champion_version(uri, reg)
+    except Exception as e:
+        raise _Stop("failed", f"MLflow at {uri} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    champ_tags = dict(getattr(champ, "tags", None) or {}) if champ is not None else {}
+    result.champion_before = result.champion_after = str(champ.version) if champ is not None else None
+    if champ is not None and not force:
+        state = read_state(state_file)
+        last = state.get("last_cycle") or {}
+        if state.get("last_data_hash") and state.get("tracking_uri") == uri and state.get("registered_model") == reg:
+            last_hash = state["last_data_hash"]
+            where = (f"the last cycle ({last.get('job')} -> version {last.get('version')} {last.get('retrain')})"
+                     if last else "the last cycle")
+        else:  # no state here (new storage folder): the champion's own record
+            last_hash, where = champ_tags.get(TAG_DATA_HASH), f"the champion (version {champ.version}) was trained"
+        if last_hash == data_hash:
+            raise _Stop("skipped", f"data unchanged since {where} (sha256 {data_hash[:12]}); "
+                                   "pass --force to retrain anyway")
+
+    init_spec = cfg.train.init_from
+    model_dir = None
+    if init_spec:
+        log.info("train.init_from is set in the job (%s): warm start from it, not from the champion", init_spec)
+    elif champ is not None and not cold:
+        init_spec = f"models:/{reg}/{champ.version}"
+    if init_spec:
+        from rayspeed.model.warm_start import WarmStartError, check_compatible, resolve_init_from
+
+        cache = str(Path(storage) / ".cache" / "models") if "://" not in storage else None
+        try:
+            model_dir = resolve_init_from(init_spec, uri, cache)  # the workers reuse this download
+            check_compatible(model_dir, cfg.model, init_spec)
+        except WarmStartError as e:
+            hint = "" if cfg.train.init_from else "; or pass --cold to train from scratch"
+            raise _Stop("bad_input", f"{e}{hint}") from None
+    result.warm_start_from = init_spec
+
+    # 5. the training job
+    job = result.job = _job_name(base, storage)
+    sets = list(overrides) + [f"name={job}", f"tracking.register_model={_quote(reg)}", f"tracking.uri={_quote(uri)}"]
+    if init_spec and not cfg.train.init_from:
+        sets.append(f"train.init_from={_quote(init_spec)}")
+    cmd = list(job_cmd or [sys.executable, "-m", "rayspeed", "train"]) + ["--config", config]
+    for s in sets:
+        cmd += ["--set", s]
+    cmd += ["--launcher", launcher]
+    log.info("cycle %s: %s from %s", job, "warm start" if init_spec else "from scratch", init_spec or "random init")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    rc = subprocess.call(cmd, env={**os.environ, **(env or {})})
+    summary = _read_json(Path(storage) / job / "summary.json") if "://" not in storage else {}
+    result.mlflow_run_id = summary.get("mlflow_run_id")
+    if rc == EXIT_BAD_INPUT:
+        raise _Stop("bad_input", "the training job rejected its input (exit 2; see its message above)")
+    if rc != 0 or summary.get("status") != "finished":
+        why = summary.get("error") or summary.get("status") or f"exit {rc}"
+        raise _Stop("failed", f"training job {job} failed: {str(why).splitlines()[0][:500]}")
+    trained_val = summary.get("val_loss")
+
+    # 6. the registered version
+    version = summary.get("registered_model_version")
+    if version is None:
+        version = _read_json(Path(storage) / job / "worker_result.json").get("registered_model_version")
+    if version is None and result.mlflow_run_id:
+        version = _version_of_run(uri, reg, result.mlflow_run_id)
+    if version is None:
+        raise _Stop("failed", f"training job {job} finished but registered no version of {reg} (see its log)")
+    version = result.version = str(version)
+    c = _client(uri)
+    mv = c.get_model_version(reg, version)
+    new_val = _metric(dict(mv.tags or {}))
+    if new_val is None and trained_val is not None:
+        new_val = float(trained_val)
+    result.val_loss = new_val
+    tags = {TAG_DATA_HASH: data_hash, TAG_JOB: job, TAG_WARM_START: init_spec or "scratch"}
+
+    # 7. compare and decide
+    champ_val, baseline = None, None
+    if champ is not None:
+        champ_val = _metric(champ_tags)
+        baseline = f"version {champ.version}: recorded val/loss"
+        if champ_tags.get(TAG_DATA_HASH) != data_hash:
+            champ_val, baseline = _rebaseline(champ, champ_val, cfg, tf, uri, storage, reeval_max_gflop)
+    result.champion_val_loss, result.baseline = champ_val, baseline
+    promote, why = decide(new_val, champ_val, margin, has_champion=champ is not None)
+    if baseline:
+        tags[TAG_BASELINE] = f"{baseline} = {champ_val}"
+    if promote:
+        c.set_registered_model_alias(reg, CHAMPION, version)
+        result.champion_after = version
+        tags.update({TAG_DECISION: "promoted", "promoted": why})
+        result.outcome, result.reason = "promoted", f"version {version} is the champion: {why}"
+    else:
+        tags.update({TAG_DECISION: "rejected", "rejected": why})
+        result.outcome, result.reason = "rejected", f"version {version} not promoted: {why}"
+    for k, v in tags.items():
+        c.set_model_version_tag(reg, version, k, str(v)[:5000])
+    if result.mlflow_run_id:
+        try:
+            c.set_tag(result.mlflow_run_id, TAG_DECISION, tags[TAG_DECISION])
+        except Exception as e:
+            log.warning("could not tag run %s: %s", result.mlflow_run_id, e)
+    return True
+
+
+def _rebaseline(champ: Any, recorded: Optional[float], cfg: Any, tf: Any, uri: str, storage: str,
+                max_gflop: float) -> tuple[Optional[float], str]:
+    """The champion's val/loss on the current held-out split (its recorded one was measured on other data)."""
+    from rayspeed.model.warm_start import read_model_config, resolve_init_from
+
+    label = f"version {champ.version}"
+    try:
+        cache = str(Path(storage) / ".cache" / "models") if "://" not in storage else None
+        model_dir = resolve_init_from(f"models:/{champ.name}/{champ.version}", uri, cache)  # cached after warm start
+        gflop = _eval_gflop(read_model_config(model_dir), cfg)
+        if gflop > max_gflop:
+            return recorded, (f"{label}: recorded val/loss (on other data; re-evaluating it on this data would take "
+                              f"~{gflop:.0f} GFLOP on the CPU > {max_gflop:g})")
+        value = evaluate_model_dir(model_dir, cfg, tf)
+        log.info("champion %s re-evaluated on the current held-out split: val/loss %.6g (recorded %s)",
+                 label, value, recorded)
+        return value, f"{label}: re-evaluated on the current held-out split (recorded {recorded})"
+    except Exception as e:
+        log.warning("could not re-evaluate the champion on the current data (%s); using its recorded val/loss", e)
+        return recorded, f"{label}: recorded val/loss (on other data; re-evaluation failed: {str(e)[:200]})"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            d = json.load(fh)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
