@@ -39,6 +39,7 @@ up: setup
 	@mkdir -p $(SERVICES)/mlflow
 	@if [ -f $(SERVICES)/ray.pid ] && kill -0 $$(cat $(SERVICES)/ray.pid) 2>/dev/null; then echo "ray head already up"; else \
 	  RAY_AUTH_MODE=token setsid $(BIN)/ray start --head --block --dashboard-host 127.0.0.1 --dashboard-port 8265 \
+	    --dashboard-agent-listen-port $$($(BIN)/python scripts/wait_services.py --free-port) \
 	    --num-cpus $(RAY_NUM_CPUS) --disable-usage-stats > $(SERVICES)/ray.log 2>&1 & echo $$! > $(SERVICES)/ray.pid; fi
 	@if [ -f $(SERVICES)/mlflow.pid ] && kill -0 $$(cat $(SERVICES)/mlflow.pid) 2>/dev/null; then echo "mlflow server already up"; else \
 	  setsid $(BIN)/mlflow server --host 127.0.0.1 --port $(MLFLOW_PORT) \

@@ -38,6 +38,8 @@ class RayHead:
         self.proc = subprocess.Popen(
             [str(ray_bin), "start", "--head", "--block", "--port", str(self.port), "--num-cpus", str(num_cpus),
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()),
+             # Non-default ports: other Ray clusters on this machine (make up, other tests) keep theirs.
+             "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
              "--disable-usage-stats"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env=dict(os.environ, RAY_AUTH_MODE="token"),
