@@ -85,16 +85,36 @@ def _pin_model_parallel(job: JobConfig, manifest: dict[str, Any] | None) -> JobC
     return dataclasses.replace(job, parallel=dataclasses.replace(par, **pinned)) if pinned else job
 
 
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (used by its inference all-reduce,
+    not by training's gloo collectives) at init_distributed: a C++ build on every fresh machine (measured
+    ~60 s) and a lock every worker waits on. Marking the op incompatible skips it."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    except Exception as e:  # an older/newer DeepSpeed without it: nothing to skip
+        log.debug("shm comm op not skipped: %s", e)
+
+
 def run_worker(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
+    t_start = time.time()
     import deepspeed
 
     from rayspeed.planner import resolve
 
     _setup_logging(ctx.rank)
-    t_start = time.time()
+    phases = {"imports": time.time() - t_start}
     job = parse(config["job"])
     backend = "nccl" if job.cluster.use_gpu else "gloo"
+    if not job.cluster.use_gpu:
+        _skip_shm_comm_op()
+    t = time.time()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    phases["init_distributed"] = time.time() - t
     chosen = None
     if ctx.is_rank0:
         preferred = None
@@ -112,7 +132,9 @@ def run_worker(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     cfg, plan = resolve(job, world_size=ctx.world_size)
     if ctx.is_rank0:
         log.info(policy_line)
-    return Trainer(cfg, plan, ctx, config, chosen, manifest, t_start).run()
+    trainer = Trainer(cfg, plan, ctx, config, chosen, manifest, t_start)
+    trainer.phases = phases
+    return trainer.run()
 
 
 class Trainer:
@@ -178,11 +200,15 @@ class Trainer:
         from rayspeed.parallel.groups import ParallelGroups
 
         c, ctx = self.cfg, self.ctx
+        phases = getattr(self, "phases", {})
+        t = time.time()
         self._setup_tracking()
         _seed_all(c.train.seed)
         self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp)
         self._check_topology()
         self._build_data()
+        phases["groups_and_data"] = time.time() - t
+        t = time.time()
         self.ds_config = deepspeed_config(c, self.plan.best)
         tag = ckpt_resume.DS_TAG
         if self.checkpoint and ckpt_resume.needs_universal(self.manifest or {}, ckpt_resume.layout_of(c)):
@@ -202,12 +228,19 @@ class Trainer:
             tag = ckpt_resume.UNIVERSAL_TAG
             self.ds_config["checkpoint"] = {"load_universal": True}
         self.engine, self.pipelined = build_engine(c, self.ds_config, self.groups, self.device)
+        phases["engine"] = time.time() - t
+        t = time.time()
         start_step, state = self._resume(tag)
+        phases["resume"] = time.time() - t
+        t = time.time()
         if c.health.preflight:
             failed = self._preflight()
             if failed is not None:
                 return failed
+        phases["preflight"] = time.time() - t
         self._start_monitors()
+        if ctx.is_rank0:
+            log.info("startup: %s", ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         if ctx.is_rank0:
             self._log_start(state)
         return self._train(start_step, state)
