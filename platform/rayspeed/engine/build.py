@@ -105,7 +105,7 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         model = model.to(device)
     do_compile, why = compile_decision(cfg, on_gpu)
     if do_compile:
-        compile_model(model, fallback_to_eager=getattr(cfg.train, "compile", False) == "auto")
+        compile_model(model, fallback_to_eager=True)
         log.info("torch.compile on: %s", why)
     else:
         log.debug("torch.compile off: %s", why)

@@ -188,6 +188,11 @@ def resolve(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, P
                                 lr=cfg.train.lr if cfg.train.lr != AUTO else res.best["lr"])
     if train.min_lr > train.lr:
         train = dataclasses.replace(train, min_lr=train.lr * 0.1)
+    if getattr(train, "compile", False) == AUTO:
+        # torch.compile before DeepSpeed keeps part of its gain (H200 anchor) where the engine allows it:
+        # GPUs, no pipeline engine, no ZeRO-3 parameter gathers, no collectives inside tp layers.
+        train = dataclasses.replace(train, compile=bool(cfg.cluster.use_gpu and ctx.hw.is_gpu and lay.pp == 1
+                                                        and lay.zero_stage < 3 and lay.tp == 1))
     cluster = cfg.cluster
     if cluster.gpu == AUTO:
         cluster = dataclasses.replace(cluster, gpu=ctx.hw.name)
