@@ -14,7 +14,7 @@ SERVICES := $(CURDIR)/.services
 export RAYSPEED_HOME := $(CURDIR)
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup train test up down submit plan mlflow-ui bench retrain schedule unschedule clean
+.PHONY: setup train test test-multinode up down submit plan mlflow-ui bench retrain schedule unschedule clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,7 +28,11 @@ train: setup
 	$(BIN)/python jobs/train.py --config $(CONFIG) $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/test_multinode.py tests
+
+# The multi-host drill (CI runs it after `make test`): three Ray nodes in network namespaces (root, ip netns).
+test-multinode: setup
+	$(BIN)/python -m pytest -q -s tests/test_multinode.py
 
 plan: setup
 	$(BIN)/rayspeed plan $(CONFIG) $(ARGS)

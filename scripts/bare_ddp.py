@@ -12,7 +12,7 @@ no MLflow.
 
 Like the platform's worker loop it reads the loss on the host only at log steps and times each window of
 --log-every steps with perf_counter (the platform's perf/step_time_s). Rank 0 prints one JSON line:
-{"bare_ddp": {..., "window_step_s": [...], "first_step_at": <epoch s>, "started_at": <epoch s>}}.
+{"bare_ddp": {..., "window_step_s": [...], "window_end_at": [...], "first_step_at": <epoch s>, "started_at": ...}}.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def _worker(args: argparse.Namespace) -> int:
     accum = par.grad_accum
     loss_acc = torch.zeros(())
     windows: list[float] = []
+    window_end_at: list[float] = []
     losses: list[float] = []
     first_step_at = None
     model.train()
@@ -130,6 +131,7 @@ def _worker(args: argparse.Namespace) -> int:
             dist.all_reduce(mean)
             losses.append(float(mean) / world)
             windows.append((time.perf_counter() - t0) / n)
+            window_end_at.append(time.time())
             loss_acc.zero_()
             n = 0
             t0 = time.perf_counter()
@@ -146,6 +148,7 @@ def _worker(args: argparse.Namespace) -> int:
             "global_batch_size": t.global_batch_size,
             "seq_len": m.seq_len,
             "window_step_s": windows,
+            "window_end_at": window_end_at,
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
             "first_step_at": first_step_at,

@@ -1,23 +1,27 @@
 """`make bench`: one JSON line per benchmark, each side by side within the same run.
 
-    python scripts/bench.py [--reps 3] [--steps 150] [--log-every 10] [--skip-windows 3] [--zero auto,2]
+    python scripts/bench.py [--reps 3] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--only cpu,resilience,planner,gpu] [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
   cpu_overhead  The platform (jobs/train.py under Ray Train + DeepSpeed, 2 CPU workers) against a bare
                 PyTorch DDP loop (scripts/bare_ddp.py: torchrun-style, one process per worker,
                 OMP_NUM_THREADS=1, gloo; Ray gives each worker one thread too), same model, data, global
-                batch, micro-batch, seq_len, fp32. Steady-state step time = median over the timing windows
-                after the first --skip-windows (the platform's perf/step_time_s from MLflow, the bare loop's
-                own windows, both timed the same way); runs alternate bare, platform, platform(ZeRO-2), ...
-                and overhead_ratio is the median of the per-repetition ratios. The headline layout is the
-                planner's own choice for the job (zero_stage auto: ZeRO-0 on 2 CPU workers, the same
-                algorithm as DDP); `zero2` repeats it with the demo config's fixed ZeRO-2.
-                startup_s: launch (process start) to the end of the first training step.
-                recovery_s / checkpoint_stall_s: from the resilience line.
-  resilience    The kill drill (rank 1 killed at step 12, checkpoints every 5 steps): recovery_s = kill to
+                batch, micro-batch, seq_len, fp32, fused AdamW on both sides. Steady-state step time = median
+                of the timing windows after the first --skip-windows (the platform's perf/step_time_s from
+                MLflow, the bare loop's own windows, both timed the same way: perf_counter over --log-every
+                steps, the loss read on the host at the window's end). Each repetition runs both, in
+                alternating order; overhead_ratio is the median of the per-repetition ratios.
+                The headline layout is the planner's choice for the job (zero_stage auto: ZeRO-0 on 2 CPU
+                workers, the same algorithm as DDP); --zero auto,2 adds the demo config's ZeRO-2 as `zero2`.
+                cpu_cost_ratio: CPU seconds per steady-state step of each side's whole process tree (platform:
+                driver, Ray's daemons and actors, workers; bare: torchrun's agent and workers), a companion
+                that a neighbour's burst on a shared machine moves far less than wall-clock windows.
+                startup_s: process start to the end of the first training step.
+                recovery_s / checkpoint_stall_s: copied from the resilience line.
+  resilience    The kill drill (rank 1 killed at step 12, checkpoints every 5 steps): recovery_s = failure to
                 the first step finished after the restart; checkpoint_stall_s = median stall of a save.
-                Read from summary.json when it carries them, else from MLflow, else derived (see `source`).
+                Read from summary.json when it carries them, else from MLflow, else derived (see `*_source`).
   planner_512   The planner's layout search for a 512-GPU job (Llama-70B shape on 64 x 8 H100):
                 in-process search time (median of 7) and the `rayspeed plan --json` command end to end.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
@@ -69,6 +73,119 @@ def _note(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+# ---------------------------------------------------------------- CPU accounting
+
+
+class TreeCPU:
+    """CPU seconds (user + system) used by a process and all its descendants, sampled on a thread.
+
+    The machines these run on are shared: another job's burst stretches wall-clock windows by tens of percent,
+    but barely changes the CPU time a step costs. So next to the step time, each run gets the CPU seconds its
+    whole process tree (for the platform: driver, Ray's daemons and actors, workers; for the bare loop:
+    torchrun's agent and the workers) spends per training step in the steady state. Exited processes keep
+    their last reading, so the total only grows."""
+
+    def __init__(self, pid: int, interval_s: float = 0.2, rescan_s: float = 2.0):
+        import threading
+
+        import psutil
+
+        self._psutil = psutil
+        self.root = psutil.Process(pid)
+        self.interval_s, self.rescan_s = interval_s, rescan_s
+        self.samples: list[tuple[float, float]] = []
+        self._procs: dict[tuple[int, float], Any] = {}
+        self._last: dict[tuple[int, float], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-treecpu", daemon=True)
+        self._thread.start()
+
+    def _rescan(self) -> None:
+        ps = self._psutil
+        try:
+            found = [self.root] + self.root.children(recursive=True)
+        except ps.Error:
+            return
+        for p in found:
+            try:
+                self._procs.setdefault((p.pid, p.create_time()), p)
+            except ps.Error:
+                pass
+
+    def _loop(self) -> None:
+        next_scan = 0.0
+        while not self._stop.is_set():
+            now = time.time()
+            if now >= next_scan:
+                self._rescan()
+                next_scan = now + self.rescan_s
+            for key, p in list(self._procs.items()):
+                try:
+                    ct = p.cpu_times()
+                    self._last[key] = ct.user + ct.system
+                except self._psutil.Error:
+                    self._procs.pop(key, None)
+            self.samples.append((time.time(), dict(self._last)))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def at(self, t: float, keys: Optional[set] = None) -> Optional[float]:
+        """CPU seconds used by time t (linear between samples), by all processes or those in `keys`."""
+        xs = self.samples
+        if len(xs) < 2 or t < xs[0][0] or t > xs[-1][0]:
+            return None
+        lo, hi = 0, len(xs) - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if xs[mid][0] <= t:
+                lo = mid
+            else:
+                hi = mid
+
+        def total(d: dict) -> float:
+            return sum(v for k, v in d.items() if keys is None or k in keys)
+
+        (t0, d0), (t1, d1) = xs[lo], xs[hi]
+        c0, c1 = total(d0), total(d1)
+        return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c0
+
+    def busiest(self, t0: float, t1: float, n: int) -> set:
+        """The n processes that used the most CPU between t0 and t1 (the training processes)."""
+        first = next((d for t, d in self.samples if t >= t0), {})
+        last = next((d for t, d in reversed(self.samples) if t <= t1), {})
+        use = sorted(((v - first.get(k, 0.0), k) for k, v in last.items()), reverse=True)
+        return {k for _, k in use[:n]}
+
+
+def cpu_split(tree: TreeCPU, ends: list[tuple[int, float]], skip: int, workers: int) -> Optional[dict[str, float]]:
+    """Steady-state CPU between the end of window `skip` and the end of the last window (ends = [(step, epoch s at
+    the window's end)]): the training processes' CPU seconds per step, the rest of the tree in cores (it runs
+    by the second, not by the step), and the whole tree per step."""
+    if len(ends) <= skip + 1:
+        return None
+    (s0, t0), (s1, t1) = ends[max(0, skip - 1)], ends[-1]
+    if s1 <= s0 or t1 <= t0:
+        return None
+    w = tree.busiest(t0, t1, workers)
+    vals = [tree.at(t0), tree.at(t1), tree.at(t0, w), tree.at(t1, w)]
+    if any(v is None for v in vals):
+        return None
+    a0, a1, w0, w1 = vals
+    return {"worker_cpu_s_per_step": (w1 - w0) / (s1 - s0) / workers,
+            "background_cores": ((a1 - a0) - (w1 - w0)) / (t1 - t0),
+            "tree_cpu_s_per_step": (a1 - a0) / (s1 - s0)}
+
+
+def projected_ratio(p: dict[str, float], b: dict[str, float], cores: int) -> float:
+    """Step-time ratio on an otherwise idle machine whose `cores` cores the workers fill (one each): each
+    side's per-worker CPU per step, stretched by the share of the cores its background takes."""
+    return (p["worker_cpu_s_per_step"] / max(1e-9, cores - p["background_cores"])) / (
+        b["worker_cpu_s_per_step"] / max(1e-9, cores - b["background_cores"]))
+
+
 # ---------------------------------------------------------------- the platform
 
 
@@ -106,6 +223,7 @@ def run_platform(home: Path, config: str, name: str, overrides: list[str], timeo
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1)
+        tree = TreeCPU(proc.pid)
         assert proc.stdout is not None
         for line in proc.stdout:
             now = time.time()
@@ -119,6 +237,7 @@ def run_platform(home: Path, config: str, name: str, overrides: list[str], timeo
                 proc.kill()
                 break
         rc = proc.wait()
+        tree.stop()
     t_end = time.time()
     summary: dict[str, Any] = {}
     try:
@@ -127,7 +246,7 @@ def run_platform(home: Path, config: str, name: str, overrides: list[str], timeo
         if summary_line:
             summary = json.loads(summary_line)
     out = {"rc": rc, "summary": summary, "first_steps": first_steps, "t_start": t0, "wall_s": t_end - t0,
-           "log": str(log_path), "name": name}
+           "log": str(log_path), "name": name, "tree": tree}
     run_id = summary.get("mlflow_run_id")
     if rc != 0 or summary.get("status") != "finished":
         tail = "".join(open(log_path).readlines()[-15:])
@@ -169,13 +288,21 @@ def run_bare(home: Path, config: str, steps: int, log_every: int, timeout_s: flo
     cmd = [PY, str(ROOT / "scripts" / "bare_ddp.py"), "--config", config, "--steps", str(steps),
            "--log-every", str(log_every), "--json-out", str(out_file)]
     with open(home / "bare.log", "a") as log:
-        proc = subprocess.run(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-    if proc.returncode != 0 or not out_file.exists():
+        proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
+        tree = TreeCPU(proc.pid)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        finally:
+            tree.stop()
+            if proc.poll() is None:
+                proc.kill()
+    if rc != 0 or not out_file.exists():
         tail = "".join(open(home / "bare.log").readlines()[-15:])
-        raise RuntimeError(f"bare loop failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"bare loop failed (exit {rc}):\n{tail}")
     res = json.loads(out_file.read_text())["bare_ddp"]
     res["t_start"] = t0
     res["wall_s"] = time.time() - t0
+    res["tree"] = tree
     return res
 
 
@@ -189,26 +316,53 @@ def bench_cpu(args, home: Path) -> dict[str, Any]:
     bare: list[dict] = []
     plat: dict[str, list[dict]] = {z: [] for z in zeros}
     for rep in range(args.reps):
-        _note(f"cpu rep {rep + 1}/{args.reps}: bare DDP")
-        bare.append(run_bare(home, args.config, args.steps, args.log_every, args.timeout))
-        for z in zeros:
-            _note(f"cpu rep {rep + 1}/{args.reps}: platform zero_stage={z}")
-            plat[z].append(run_platform(home, args.config, f"bench-cpu-z{z}-r{rep}",
-                                        common + [f"parallel.zero_stage={z}"], args.timeout))
+        # Alternate the order (bare first, then the platform first) so a drift in the machine's speed does not
+        # always favour the same side.
+        order = ["bare", *zeros] if rep % 2 == 0 else [*zeros, "bare"]
+        for what in order:
+            _note(f"cpu rep {rep + 1}/{args.reps}: {'bare DDP' if what == 'bare' else f'platform zero_stage={what}'}")
+            if what == "bare":
+                bare.append(run_bare(home, args.config, args.steps, args.log_every, args.timeout))
+            else:
+                plat[what].append(run_platform(home, args.config, f"bench-cpu-z{what}-r{rep}",
+                                               common + [f"parallel.zero_stage={what}"], args.timeout))
 
     bare_steady = [steady_state(b["window_step_s"], args.skip_windows) for b in bare]
     bare_startup = [b["first_step_at"] - b["t_start"] for b in bare]
+    workers = bare[0]["world_size"]
+    cores = os.cpu_count() or workers
+    bare_cpu = []
+    for b in bare:
+        steps_at = [min(args.steps, (i + 1) * args.log_every) for i in range(len(b["window_end_at"]))]
+        bare_cpu.append(cpu_split(b["tree"], list(zip(steps_at, b["window_end_at"])), args.skip_windows, workers))
+
+    def pair_ratios(xs: list, ys: list) -> list[float]:
+        return [x / y for x, y in zip(xs, ys) if x and y]
 
     def layout_stats(z: str) -> dict[str, Any]:
         runs = plat[z]
         steady = [steady_state([v for _, v, _ in r["step_times"]], args.skip_windows) for r in runs]
-        ratios = [p / b for p, b in zip(steady, bare_steady) if p and b]
+        cpu = [cpu_split(r["tree"], [(st, ts / 1000.0) for st, _, ts in r["step_times"]], args.skip_windows, workers)
+               for r in runs]
+        ratios = pair_ratios(steady, bare_steady)
+        cpu_ratios = pair_ratios([c and c["tree_cpu_s_per_step"] for c in cpu],
+                                 [c and c["tree_cpu_s_per_step"] for c in bare_cpu])
+        worker_ratios = pair_ratios([c and c["worker_cpu_s_per_step"] for c in cpu],
+                                    [c and c["worker_cpu_s_per_step"] for c in bare_cpu])
+        projected = [projected_ratio(c, d, cores) for c, d in zip(cpu, bare_cpu) if c and d]
         startup = [(platform_first_step_at(r) or float("nan")) - r["t_start"] for r in runs]
         return {
             "zero_stage_requested": z,
             "platform_step_s": _r(_median(steady), 5),
             "overhead_ratio": _r(_median(ratios)),
             "overhead_ratios": [_r(x) for x in ratios],
+            "projected_idle_ratio": _r(_median(projected)),
+            "projected_idle_ratios": [_r(x) for x in projected],
+            "worker_cpu_ratio": _r(_median(worker_ratios)),
+            "background_cores": _r(_median([c["background_cores"] for c in cpu if c]), 3),
+            "platform_cpu_s_per_step": _r(_median([c["tree_cpu_s_per_step"] for c in cpu if c]), 5),
+            "cpu_cost_ratio": _r(_median(cpu_ratios)),
+            "cpu_cost_ratios": [_r(x) for x in cpu_ratios],
             "startup_s": _r(_median(startup), 2),
             "run_wall_s": _r(_median([r["wall_s"] for r in runs]), 1),
             "final_loss": runs[-1]["summary"].get("final_loss"),
@@ -238,6 +392,15 @@ def bench_cpu(args, home: Path) -> dict[str, Any]:
         "checkpoint_stall_s": None,
         "overhead_ratios": head["overhead_ratios"],
         "bare_step_s_runs": [_r(x, 5) for x in bare_steady],
+        "projected_idle_ratio": head["projected_idle_ratio"],
+        "worker_cpu_ratio": head["worker_cpu_ratio"],
+        "background_cores": head["background_cores"],
+        "bare_background_cores": _r(_median([c["background_cores"] for c in bare_cpu if c]), 3),
+        "cpu_cost_ratio": head["cpu_cost_ratio"],
+        "platform_cpu_s_per_step": head["platform_cpu_s_per_step"],
+        "bare_cpu_s_per_step": _r(_median([c["tree_cpu_s_per_step"] for c in bare_cpu if c]), 5),
+        "cpu_cost_ratios": head["cpu_cost_ratios"],
+        "projected_idle_ratios": head["projected_idle_ratios"],
         "final_loss": head["final_loss"],
         "bare_final_loss": bare[-1].get("final_loss"),
     }
@@ -333,10 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench.py", description="rayspeed benchmarks: one JSON line each")
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each CPU run (medians are quoted)")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--log-every", type=int, default=10, help="steps per timing window")
     ap.add_argument("--skip-windows", type=int, default=3, help="warm-up windows left out of the median")
-    ap.add_argument("--zero", default="auto,2", help="zero_stage values to run; the first is the headline")
+    ap.add_argument("--zero", default="auto", help="zero_stage values to run, comma-separated (e.g. auto,2); the "
+                    "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--only", default="cpu,resilience,planner,gpu")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")

@@ -5,6 +5,16 @@ world and layout, every file with its size and sha256, versions, config hash) to
 fsyncs it and renames it into place. A checkpoint without a manifest that verifies does not exist:
 it is never resumed from (DeepSpeed unpickles what it loads, so only files this platform wrote and
 verified are ever loaded), and older checkpoints are deleted only after a newer one verified.
+
+Where checkpoints live: a local (or NFS) path, as a str or Path, takes the plain filesystem code path below
+(unchanged). A URI that Ray Train's storage accepts (s3://bucket/prefix, gs://..., any scheme pyarrow's
+`FileSystem.from_uri` resolves, e.g. mock:// in tests) goes through a pyarrow filesystem, resolved once per
+root and reused for everything under it; every function also takes `filesystem=` (a pyarrow FileSystem, e.g.
+Ray Train's `storage_filesystem`) with a path inside it (`experiment_fs_path`). On such storage the functions
+return str paths in the form they were given (URIs stay URIs), where local calls return Path. The commit is
+the same protocol: shards first, the manifest last. Object stores (S3, GCS, Azure) have no rename, but a
+single object PUT is atomic (readers see the whole manifest or none), so the manifest is written in one PUT;
+other filesystems write manifest.json.tmp and move it into place.
 """
 
 from __future__ import annotations
@@ -26,6 +36,115 @@ MANIFEST = "manifest.json"
 PREFIX = "checkpoint_step"
 _DIR_RE = re.compile(rf"^{PREFIX}(\d+)$")
 FORMAT_VERSION = 1
+_OBJECT_STORES = ("s3", "gcs", "azure", "abfs")  # pyarrow FileSystem.type_name: a PUT is atomic, no rename
+
+
+# ---------------------------------------------------------------- where: local path or pyarrow filesystem
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A path on a pyarrow filesystem: `fs_path` inside `fs`, `public` the form callers gave (and get back)."""
+
+    fs: Any
+    fs_path: str
+    public: str
+
+    def child(self, rel: str) -> "_Remote":
+        rel = str(rel).strip("/")
+        if not rel:
+            return self
+        return _Remote(self.fs, f"{self.fs_path.rstrip('/')}/{rel}", f"{self.public.rstrip('/')}/{rel}")
+
+
+# Filesystems resolved from URIs, by the URI they were resolved for: a URI under one of them reuses its
+# filesystem (one S3 region lookup per root; one in-memory filesystem for every mock:// path under a root).
+_RESOLVED: dict[str, tuple[Any, str]] = {}
+
+
+def is_uri(path: Any) -> bool:
+    """True for 'scheme://...' other than file:// (those are local paths)."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def _local(path: Any) -> Path:
+    if isinstance(path, str) and path.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return Path(unquote(urlparse(path).path))
+    return Path(path)
+
+
+def _resolve_uri(uri: str) -> _Remote:
+    scheme, sep, rest = uri.partition("://")
+    uri = scheme + sep + rest.rstrip("/")
+    best = None
+    for known in _RESOLVED:
+        if (uri == known or uri.startswith(known.rstrip("/") + "/")) and (best is None or len(known) > len(best)):
+            best = known
+    if best is not None:
+        fs, fs_path = _RESOLVED[best]
+        return _Remote(fs, fs_path, best).child(uri[len(best):])
+    from pyarrow import fs as pafs
+
+    fs, fs_path = pafs.FileSystem.from_uri(uri)
+    _RESOLVED[uri] = (fs, fs_path)
+    return _Remote(fs, fs_path, uri)
+
+
+def _where(path: Any, filesystem: Any = None) -> _Remote | None:
+    """None for a local path (the plain code path), else where the path is on its pyarrow filesystem."""
+    if filesystem is not None:
+        p = str(path)
+        return _Remote(filesystem, p, p)
+    if is_uri(path):
+        return _resolve_uri(path)
+    return None
+
+
+def resolve(path: str | Path, filesystem: Any = None) -> tuple[Any, str] | None:
+    """(pyarrow filesystem, path inside it) for a URI (or a path with `filesystem`), the same filesystem this
+    module uses for it (write shards through it); None for a local path."""
+    r = _where(path, filesystem)
+    return (r.fs, r.fs_path) if r is not None else None
+
+
+def _remote_sha256(r: _Remote, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with r.fs.open_input_stream(r.fs_path) as fh:
+        while True:
+            b = fh.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _remote_files(r: _Remote) -> list[tuple[str, int]]:
+    """(relative path, size) of every file under r, recursively."""
+    from pyarrow import fs as pafs
+
+    base = r.fs_path.rstrip("/") + "/"
+    out = []
+    for info in r.fs.get_file_info(pafs.FileSelector(r.fs_path, recursive=True, allow_not_found=True)):
+        if info.type == pafs.FileType.File and info.path.startswith(base):
+            out.append((info.path[len(base):], int(info.size)))
+    return sorted(out)
+
+
+def _remote_write(r: _Remote, data: bytes) -> None:
+    """Commit `data` at r: one atomic PUT on object stores, write-then-move elsewhere."""
+    if r.fs.type_name in _OBJECT_STORES:
+        with r.fs.open_output_stream(r.fs_path) as fh:
+            fh.write(data)
+        return
+    parent = r.fs_path.rstrip("/").rsplit("/", 1)[0] if "/" in r.fs_path.strip("/") else ""
+    if parent:
+        r.fs.create_dir(parent, recursive=True)
+    tmp = r.fs_path + ".tmp"
+    with r.fs.open_output_stream(tmp) as fh:
+        fh.write(data)
+    r.fs.move(tmp, r.fs_path)
 
 
 def dir_name(step: int) -> str:
@@ -33,7 +152,8 @@ def dir_name(step: int) -> str:
 
 
 def step_of(path: str | Path) -> int | None:
-    m = _DIR_RE.match(Path(path).name)
+    name = str(path).rstrip("/").rsplit("/", 1)[-1] if is_uri(path) else Path(path).name
+    m = _DIR_RE.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -61,7 +181,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def list_files(ckpt_dir: Path) -> list[Path]:
+def list_files(ckpt_dir: Path, *, filesystem: Any = None) -> list[Path]:
+    r = _where(ckpt_dir, filesystem)
+    if r is not None:  # relative paths as str (posix)
+        return [rel for rel, _ in _remote_files(r)  # type: ignore[misc]
+                if rel != MANIFEST and not rel.rsplit("/", 1)[-1].endswith(".tmp")]
+    ckpt_dir = _local(ckpt_dir)
     out = []
     for root, _, files in os.walk(ckpt_dir):
         for f in files:
@@ -73,8 +198,16 @@ def list_files(ckpt_dir: Path) -> list[Path]:
     return sorted(out)
 
 
-def file_entries(ckpt_dir: Path, rels: list[Path]) -> dict[str, dict[str, Any]]:
+def file_entries(ckpt_dir: Path, rels: list[Path], *, filesystem: Any = None) -> dict[str, dict[str, Any]]:
     """Size and sha256 of files (each rank hashes the files it wrote, in parallel across ranks)."""
+    r = _where(ckpt_dir, filesystem)
+    if r is not None:
+        out = {}
+        for rel in rels:
+            f = r.child(str(rel))
+            out[str(rel)] = {"bytes": int(f.fs.get_file_info(f.fs_path).size), "sha256": _remote_sha256(f)}
+        return out
+    ckpt_dir = _local(ckpt_dir)
     entries = {}
     for rel in rels:
         p = ckpt_dir / rel
@@ -82,9 +215,14 @@ def file_entries(ckpt_dir: Path, rels: list[Path]) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Commit: hash every file (unless given), write manifest.json.tmp, fsync, rename, fsync the folder."""
-    ckpt_dir = Path(ckpt_dir)
+def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None = None,
+                   *, filesystem: Any = None) -> Path:
+    """Commit: hash every file (unless given), write manifest.json.tmp, fsync, rename, fsync the folder.
+    (On a pyarrow filesystem: the manifest in one PUT on object stores, tmp + move elsewhere; returns a str.)"""
+    r = _where(ckpt_dir, filesystem)
+    if r is not None:
+        return _remote_write_manifest(r, step, meta, files)  # type: ignore[return-value]
+    ckpt_dir = _local(ckpt_dir)
     if files is None:
         files = file_entries(ckpt_dir, list_files(ckpt_dir))
     missing = [f for f in list_files(ckpt_dir) if str(f) not in files]
@@ -107,8 +245,27 @@ def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any], files:
     return ckpt_dir / MANIFEST
 
 
-def read_manifest(ckpt_dir: str | Path) -> dict[str, Any] | None:
-    p = Path(ckpt_dir) / MANIFEST
+def _remote_write_manifest(r: _Remote, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None) -> str:
+    listed = list_files(r.fs_path, filesystem=r.fs)
+    files = dict(files) if files is not None else file_entries(r.fs_path, listed, filesystem=r.fs)
+    missing = [f for f in listed if str(f) not in files]
+    if missing:
+        files.update(file_entries(r.fs_path, missing, filesystem=r.fs))
+    manifest = {"format": FORMAT_VERSION, "step": step, "written_at": time.time(), "files": files, **meta}
+    target = r.child(MANIFEST)
+    _remote_write(target, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return target.public
+
+
+def read_manifest(ckpt_dir: str | Path, *, filesystem: Any = None) -> dict[str, Any] | None:
+    r = _where(ckpt_dir, filesystem)
+    if r is not None:
+        try:
+            with r.fs.open_input_stream(r.child(MANIFEST).fs_path) as fh:
+                return json.loads(fh.read())
+        except (OSError, ValueError):  # FileNotFoundError is an OSError
+            return None
+    p = _local(ckpt_dir) / MANIFEST
     try:
         with open(p) as fh:
             return json.load(fh)
@@ -122,10 +279,13 @@ class Verdict:
     reason: str = ""
 
 
-def verify(ckpt_dir: str | Path, deep: bool = True) -> Verdict:
+def verify(ckpt_dir: str | Path, deep: bool = True, *, filesystem: Any = None) -> Verdict:
     """A checkpoint is valid when its manifest parses and every file it lists exists with the recorded
     size and (deep) sha256."""
-    ckpt_dir = Path(ckpt_dir)
+    r = _where(ckpt_dir, filesystem)
+    if r is not None:
+        return _remote_verify(r, deep)
+    ckpt_dir = _local(ckpt_dir)
     m = read_manifest(ckpt_dir)
     if m is None:
         return Verdict(False, "no readable manifest (incomplete write)")
@@ -145,27 +305,66 @@ def verify(ckpt_dir: str | Path, deep: bool = True) -> Verdict:
     return Verdict(True)
 
 
-def candidates(root: str | Path) -> list[Path]:
+def _remote_verify(r: _Remote, deep: bool) -> Verdict:
+    from pyarrow import fs as pafs
+
+    m = read_manifest(r.fs_path, filesystem=r.fs)
+    if m is None:
+        return Verdict(False, "no readable manifest (incomplete write)")
+    if m.get("format") != FORMAT_VERSION:
+        return Verdict(False, f"manifest format {m.get('format')} is not {FORMAT_VERSION}")
+    files = m.get("files") or {}
+    if not files:
+        return Verdict(False, "manifest lists no files")
+    rels = list(files)
+    infos = r.fs.get_file_info([r.child(rel).fs_path for rel in rels])
+    for rel, info in zip(rels, infos):
+        e = files[rel]
+        if info.type != pafs.FileType.File:
+            return Verdict(False, f"{rel} is missing")
+        if int(info.size) != e["bytes"]:
+            return Verdict(False, f"{rel} has {info.size} bytes, manifest says {e['bytes']}")
+        if deep and _remote_sha256(r.child(rel)) != e["sha256"]:
+            return Verdict(False, f"{rel} does not match its sha256")
+    return Verdict(True)
+
+
+def candidates(root: str | Path, *, filesystem: Any = None) -> list[Path]:
     """Checkpoint folders under root, newest step first."""
-    root = Path(root)
+    r = _where(root, filesystem)
+    if r is not None:
+        from pyarrow import fs as pafs
+
+        found = []
+        for info in r.fs.get_file_info(pafs.FileSelector(r.fs_path, allow_not_found=True)):
+            name = info.path.rstrip("/").rsplit("/", 1)[-1]
+            m = _DIR_RE.match(name)
+            if info.type == pafs.FileType.Directory and m:
+                found.append((int(m.group(1)), r.child(name).public))
+        return [p for _, p in sorted(found, reverse=True)]  # type: ignore[misc]
+    root = _local(root)
     if not root.is_dir():
         return []
     found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def latest_verified(root: str | Path, deep: bool = True) -> tuple[Path | None, list[str]]:
+def latest_verified(root: str | Path, deep: bool = True, *, filesystem: Any = None) -> tuple[Path | None, list[str]]:
     """The newest checkpoint that verifies, and one line per newer one that was skipped and why."""
     skipped = []
-    for p in candidates(root):
-        v = verify(p, deep=deep)
+    for p in candidates(root, filesystem=filesystem):
+        v = verify(p, deep=deep, filesystem=filesystem)
         if v.ok:
             return p, skipped
-        skipped.append(f"{p.name}: {v.reason}")
+        skipped.append(f"{_name(p)}: {v.reason}")
     return None, skipped
 
 
-def prune(root: str | Path, keep: int) -> list[Path]:
+def _name(p: str | Path) -> str:
+    return p.name if isinstance(p, Path) else str(p).rstrip("/").rsplit("/", 1)[-1]
+
+
+def prune(root: str | Path, keep: int, *, filesystem: Any = None) -> list[Path]:
     """Delete what is no longer needed: verified checkpoints beyond the newest `keep`, and unverified
     (partial) ones older than the newest verified. Never touches anything newer than the newest verified
     checkpoint (it may be being written)."""
@@ -173,8 +372,8 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     removed = []
     verified_seen = 0
     newest_verified_step = None
-    for p in candidates(root):
-        v = verify(p, deep=False)
+    for p in candidates(root, filesystem=filesystem):
+        v = verify(p, deep=False, filesystem=filesystem)
         if newest_verified_step is None:
             if v.ok:
                 newest_verified_step = step_of(p)
@@ -184,6 +383,14 @@ def prune(root: str | Path, keep: int) -> list[Path]:
             verified_seen += 1
             if verified_seen <= keep:
                 continue
-        shutil.rmtree(p, ignore_errors=True)
+        r = _where(p, filesystem)
+        if r is None:
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                r.fs.delete_dir(r.fs_path)
+            except OSError as e:
+                log.warning("could not delete %s: %s", p, e)
+                continue
         removed.append(p)
     return removed
