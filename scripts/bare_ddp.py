@@ -76,7 +76,8 @@ def _worker(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # The same resolved job the platform's workers run for this world size (planner: pure Python, ~10 ms).
-    cfg, _ = resolve(load(args.config, args.set), world_size=world)
+    # train.max_steps follows --steps, as bench.py sets it for the platform (the LR schedule spans the run).
+    cfg, _ = resolve(load(args.config, [*args.set, f"train.max_steps={args.steps}"]), world_size=world)
     par, t, m = cfg.parallel, cfg.train, cfg.model
     if par.tp != 1 or par.pp != 1:
         raise SystemExit(f"bare_ddp compares pure data parallelism; the plan has tp={par.tp} pp={par.pp}")

@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -86,8 +87,6 @@ class TreeCPU:
     their last reading, so the total only grows."""
 
     def __init__(self, pid: int, interval_s: float = 0.2, rescan_s: float = 2.0):
-        import threading
-
         import psutil
 
         self._psutil = psutil
@@ -224,20 +223,22 @@ def run_platform(home: Path, config: str, name: str, overrides: list[str], timeo
         proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1)
         tree = TreeCPU(proc.pid)
+        killer = threading.Timer(timeout_s, proc.kill)  # a silent hang must not hang the benchmark
+        killer.start()
         assert proc.stdout is not None
-        for line in proc.stdout:
-            now = time.time()
-            log.write(line)
-            m = FIRST_STEP.search(line)
-            if m:
-                first_steps.append((now, float(m.group(1))))
-            if line.startswith("{") and '"status"' in line:
-                summary_line = line
-            if now - t0 > timeout_s:
-                proc.kill()
-                break
-        rc = proc.wait()
-        tree.stop()
+        try:
+            for line in proc.stdout:
+                now = time.time()
+                log.write(line)
+                m = FIRST_STEP.search(line)
+                if m:
+                    first_steps.append((now, float(m.group(1))))
+                if line.startswith("{") and '"status"' in line:
+                    summary_line = line
+            rc = proc.wait()
+        finally:
+            killer.cancel()
+            tree.stop()
     t_end = time.time()
     summary: dict[str, Any] = {}
     try:
@@ -324,7 +325,7 @@ def bench_cpu(args, home: Path) -> dict[str, Any]:
             if what == "bare":
                 bare.append(run_bare(home, args.config, args.steps, args.log_every, args.timeout))
             else:
-                plat[what].append(run_platform(home, args.config, f"bench-cpu-z{what}-r{rep}",
+                plat[what].append(run_platform(home, args.config, f"bench-cpu-z{what}-r{rep}-{args.tag}",
                                                common + [f"parallel.zero_stage={what}"], args.timeout))
 
     bare_steady = [steady_state(b["window_step_s"], args.skip_windows) for b in bare]
@@ -410,7 +411,7 @@ def bench_cpu(args, home: Path) -> dict[str, Any]:
 
 
 def bench_resilience(args, home: Path) -> dict[str, Any]:
-    name = "bench-kill"
+    name = f"bench-kill-{args.tag}"  # a new job name per call: a reused --home must not resume an old run
     kill_rank, kill_step, every = 1, 12, 5
     _note(f"resilience: kill drill (rank {kill_rank} at step {kill_step}, checkpoints every {every})")
     res = run_platform(home, args.config, name, [
@@ -428,10 +429,10 @@ def bench_resilience(args, home: Path) -> dict[str, Any]:
         if hist:
             rec, rec_src = max(v for _, v, _ in hist), "mlflow resilience/recovery_s"
     if rec is None:
-        marker = home / "runs" / name / ".chaos" / f"killed_rank{kill_rank}_step{kill_step}"
+        markers = sorted((home / "runs" / name / ".chaos").glob(f"kill*_rank{kill_rank}_step{kill_step}"))
         resumed = platform_first_step_at(res, which=1)
-        if marker.exists() and resumed is not None:
-            rec = resumed - float(marker.read_text().strip())
+        if markers and resumed is not None:
+            rec = resumed - float(markers[0].read_text().strip())
             rec_src = "derived: chaos marker time to the first step finished by the restarted workers"
         else:
             rec_src = "unavailable: no restart observed"
@@ -506,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
     args = ap.parse_args(argv)
+    args.tag = time.strftime("%Y%m%d%H%M%S")
     only = {s.strip() for s in args.only.split(",")}
     home = Path(args.home).resolve() if args.home else Path(tempfile.mkdtemp(prefix="rayspeed-bench-"))
     home.mkdir(parents=True, exist_ok=True)

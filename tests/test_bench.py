@@ -39,6 +39,20 @@ def test_steady_state_skips_warmup_windows(bench):
     assert bench.steady_state([], skip=1) is None
 
 
+def test_cpu_split_and_idle_projection(bench):
+    """Two workers at one core each, 10 steps/s, plus 0.1 core of background (fake samples, no process)."""
+    tree = bench.TreeCPU.__new__(bench.TreeCPU)
+    tree.samples = [(float(t), {"w1": 1.0 * t, "w2": 1.0 * t, "bg": 0.1 * t}) for t in range(5)]
+    ends = [(10 * t, float(t)) for t in range(5)]
+    c = bench.cpu_split(tree, ends, skip=1, workers=2)
+    assert c["worker_cpu_s_per_step"] == pytest.approx(0.1)
+    assert c["background_cores"] == pytest.approx(0.1)
+    assert c["tree_cpu_s_per_step"] == pytest.approx(0.21)
+    bare = {"worker_cpu_s_per_step": 0.1, "background_cores": 0.0}
+    assert bench.projected_ratio(c, bare, cores=2) == pytest.approx(2 / 1.9)
+    assert bench.cpu_split(tree, ends[:2], skip=1, workers=2) is None  # nothing after the warm-up
+
+
 def test_first_step_time_sources(bench):
     res = {"summary": {}, "first_steps": [(1000.0, 4.0), (1100.0, 9.0)], "first_metric_at": None}
     assert bench.platform_first_step_at(res) == 1000.0  # arrival of the worker's line
