@@ -1,7 +1,7 @@
 """`make bench`: one JSON line per benchmark, each side by side within the same run.
 
     python scripts/bench.py [--reps 3] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
-                            [--only cpu,resilience,planner,gpu] [--home DIR] [--keep]
+                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu] [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
   cpu_overhead  The platform (jobs/train.py under Ray Train + DeepSpeed, 2 CPU workers) against a bare
@@ -313,7 +313,7 @@ def run_bare(home: Path, config: str, steps: int, log_every: int, timeout_s: flo
 def bench_cpu(args, home: Path) -> dict[str, Any]:
     zeros = [z.strip() for z in args.zero.split(",") if z.strip()]
     common = [f"train.max_steps={args.steps}", f"tracking.log_every_steps={args.log_every}",
-              "resilience.checkpoint_every_steps=0", "train.eval_every_steps=0"]
+              "resilience.checkpoint_every_steps=0", "train.eval_every_steps=0", *args.platform_set]
     bare: list[dict] = []
     plat: dict[str, list[dict]] = {z: [] for z in zeros}
     for rep in range(args.reps):
@@ -384,6 +384,7 @@ def bench_cpu(args, home: Path) -> dict[str, Any]:
         "workers": cfg.cluster.max_workers, "threads_per_worker": 1, "dtype": cfg.train.precision,
         "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.model.seq_len,
         "steps": args.steps, "log_every": args.log_every, "skip_windows": args.skip_windows, "reps": args.reps,
+        **({"platform_set": args.platform_set} if args.platform_set else {}),
         "overhead_ratio": head["overhead_ratio"],
         "platform_step_s": head["platform_step_s"],
         "bare_step_s": _r(_median(bare_steady), 5),
@@ -502,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-windows", type=int, default=3, help="warm-up windows left out of the median")
     ap.add_argument("--zero", default="auto", help="zero_stage values to run, comma-separated (e.g. auto,2); the "
                     "first is the headline, the others are reported as zero<N> in the same line")
+    ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
     ap.add_argument("--only", default="cpu,resilience,planner,gpu")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
