@@ -48,6 +48,19 @@ def test_each_zero_stage(stage):
     assert ("stage3_prefetch_bucket_size" in z) == (stage == 3)
 
 
+
+def test_clipping_owner():
+    """ZeRO-0 fp32 without a pipeline: the worker clips (DeepSpeed's clipping off); everywhere else DeepSpeed."""
+    from rayspeed.engine.deepspeed_config import rayspeed_clips
+
+    z0 = resolved(zero_stage=0)
+    assert rayspeed_clips(z0) and deepspeed_config(z0)["gradient_clipping"] == 0.0
+    for other in (resolved(zero_stage=1), resolved(zero_stage=0, pp=2, dp=1, grad_accum=4),
+                  dataclasses.replace(z0, train=dataclasses.replace(z0.train, precision="bf16"))):
+        assert not rayspeed_clips(other) and deepspeed_config(other)["gradient_clipping"] == 0.5
+    no_clip = dataclasses.replace(z0, train=dataclasses.replace(z0.train, grad_clip=0.0))
+    assert not rayspeed_clips(no_clip) and deepspeed_config(no_clip)["gradient_clipping"] == 0.0
+
 def test_bf16_and_grad_accum_dtype_and_planner_buckets():
     cfg = resolved(zero_stage=3)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="bf16", grad_accum_dtype="bf16"),

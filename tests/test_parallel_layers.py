@@ -197,6 +197,26 @@ def check_transformer(tp, sequence_parallel, tie_embeddings, activation_checkpoi
     _close(model(ids).detach(), ref_logits, "transformer logits")
 
 
+
+def check_grad_clip(tp):
+    """The platform's clip on tp-sharded gradients equals torch's clip on the unsharded model."""
+    from rayspeed.engine.clip import GradClipper
+
+    cfg = SimpleNamespace(**CFG, tie_embeddings=True)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(21))
+    labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(22))
+    ref = Transformer(cfg, seed=SEED)
+    (ref(ids, labels) * 50).backward()  # large enough that clipping bites
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    model = Transformer(cfg, tp=tp, sequence_parallel=True, seed=SEED)
+    (model(ids, labels) * 50).backward()
+    norm = GradClipper(model.parameters(), 0.5, tp.group)()
+    assert ref_norm > 0.5
+    _close(norm, ref_norm, "clip norm")
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        _close(gather_full(p.grad, p, tp), ref_params[name].grad, f"clipped grad {name}")
+
 CHECKS = {
     "column": check_column,
     "row": check_row,
@@ -205,6 +225,7 @@ CHECKS = {
     "transformer_tp": lambda tp: check_transformer(tp, False, True, "none"),
     "transformer_tp_sp": lambda tp: check_transformer(tp, True, False, "none"),
     "transformer_tp_sp_tied_selective": lambda tp: check_transformer(tp, True, True, "selective"),
+    "grad_clip": check_grad_clip,
 }
 
 

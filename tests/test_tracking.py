@@ -63,6 +63,38 @@ def test_logger_delivers_metrics_params_and_artifacts(home):
     assert [a.path for a in c.list_artifacts(rid, "config")] == ["config/resolved.yaml"]
 
 
+
+def test_logger_coalesces_metrics_into_few_requests(home):
+    """Records logged faster than metrics_every_s leave in one request, in order with the params after them;
+    flush() does not wait out the interval."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = parse({"name": "coalesced"})
+    rid, _ = find_or_create_run(cfg)
+    lg = MlflowLogger(tracking_uri(cfg), rid, metrics_every_s=30.0)
+    batches = []
+    real = lg.client.log_batch
+
+    def counting(run_id, metrics=(), params=(), tags=()):
+        batches.append((len(metrics), len(params), len(tags)))
+        return real(run_id, metrics=metrics, params=params, tags=tags)
+
+    lg.client.log_batch = counting
+    lg.log_metrics({"train/loss": 9.0}, step=0)  # the first record goes at once
+    for s in range(1, 41):
+        lg.log_metrics({"train/loss": 10.0 - s * 0.1, "train/lr": 1e-3}, step=s)
+    lg.log_params({"after": 1})
+    t0 = time.monotonic()
+    assert lg.flush(20)
+    assert time.monotonic() - t0 < 10  # flush cut the 30 s coalescing wait short
+    lg.close()
+    metric_batches = [b for b in batches if b[0]]
+    assert len(metric_batches) <= 3 and sum(b[0] for b in metric_batches) == 81, batches
+    assert batches[-1] == (0, 1, 0)  # the params record kept its place after the metrics
+    hist = MlflowClient(tracking_uri(cfg)).get_metric_history(rid, "train/loss")
+    assert sorted(m.step for m in hist) == list(range(41))
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

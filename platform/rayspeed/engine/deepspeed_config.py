@@ -31,6 +31,15 @@ def batch_arithmetic_problems(cfg: JobConfig) -> list[str]:
     return []
 
 
+def rayspeed_clips(cfg: JobConfig) -> bool:
+    """True when the worker clips gradients itself (rayspeed.engine.clip) and DeepSpeed's `gradient_clipping`
+    is 0: ZeRO-0, fp32, no pipeline, where DeepSpeed's clip adds a data-parallel all-reduce of norms every
+    rank already shares. Other layouts keep DeepSpeed's clipping: its ZeRO and bf16/fp16 optimizers clip their
+    own flat fp32 partitions."""
+    p, t = cfg.parallel, cfg.train
+    return t.grad_clip > 0 and p.zero_stage == 0 and p.pp == 1 and t.precision == "fp32"
+
+
 def deepspeed_config(cfg: JobConfig, plan: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed JSON for a resolved job. `plan` is the planner's chosen layout (bucket sizes)."""
     problems = batch_arithmetic_problems(cfg)
@@ -75,7 +84,8 @@ def deepspeed_config(cfg: JobConfig, plan: dict[str, Any] | None = None) -> dict
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": int(par.micro_batch_size),
         "gradient_accumulation_steps": int(par.grad_accum),
-        "gradient_clipping": float(train.grad_clip),
+        # ZeRO-0 fp32: the worker clips (rayspeed.engine.clip), without DeepSpeed's extra all-reduce.
+        "gradient_clipping": 0.0 if rayspeed_clips(cfg) else float(train.grad_clip),
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},

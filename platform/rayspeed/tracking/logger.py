@@ -20,6 +20,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _MAX_BATCH = 500  # MLflow's log_batch limit is 1000 metrics; stay well under.
+# Metrics leave in one request at most this often. One log_batch per log step (twice a second on the CPU
+# demo) kept rank 0's logger thread at 3% of a core in SQLAlchemy commits, time the other ranks then wait
+# for at the next all-reduce; a server shared by many jobs prefers fewer, larger requests too. The worker
+# flushes when training raises (a peer died), so only a hard kill of rank 0 itself can lose the last
+# interval's metrics, and those steps are re-run and re-logged after the restart.
+METRICS_EVERY_S = 2.0
 
 
 class NullLogger:
@@ -51,7 +57,8 @@ class NullLogger:
 
 
 class MlflowLogger(NullLogger):
-    def __init__(self, tracking_uri: str, run_id: str, retry_max_s: float = 30.0):
+    def __init__(self, tracking_uri: str, run_id: str, retry_max_s: float = 30.0,
+                 metrics_every_s: float = METRICS_EVERY_S):
         # Short HTTP retries inside mlflow: our own loop retries forever without blocking the caller.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -66,6 +73,8 @@ class MlflowLogger(NullLogger):
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
+        self._flush_now = threading.Event()  # cuts the metrics coalescing wait short
+        self._metrics_every_s = metrics_every_s
         self._stop = False
         self._thread = threading.Thread(target=self._drain, name="rayspeed-mlflow", daemon=True)
         self._thread.start()
@@ -98,6 +107,7 @@ class MlflowLogger(NullLogger):
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until everything queued so far reached the server (or the timeout passed)."""
+        self._flush_now.set()
         return self._idle.wait(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -138,10 +148,30 @@ class MlflowLogger(NullLogger):
             self.client.log_artifacts(self.run_id, path, artifact_path)
 
     def _drain(self) -> None:
+        carry = None
+        last_metrics = 0.0
         while True:
-            kind, payload = self._q.get()
+            kind, payload = carry if carry is not None else self._q.get()
+            carry = None
             if kind == "stop":
                 return
+            taken = 1
+            if kind == "metrics":
+                wait = last_metrics + self._metrics_every_s - time.monotonic()
+                if wait > 0:
+                    self._flush_now.wait(wait)
+                payload = list(payload)
+                while True:  # every metrics record queued meanwhile rides in the same request
+                    try:
+                        nxt = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt[0] != "metrics":
+                        carry = nxt  # keeps order: params/tags/artifacts go after these metrics
+                        break
+                    payload.extend(nxt[1])
+                    taken += 1
+                last_metrics = time.monotonic()
             delay = 0.5
             while True:
                 try:
@@ -159,8 +189,9 @@ class MlflowLogger(NullLogger):
                     time.sleep(delay)
                     delay = min(delay * 2, self._retry_max_s)
             with self._lock:
-                self._pending -= 1
+                self._pending -= taken
                 if self._pending == 0:
+                    self._flush_now.clear()
                     self._idle.set()
 
 

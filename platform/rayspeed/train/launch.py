@@ -70,6 +70,46 @@ def _local_cpus(cfg: JobConfig) -> int:
     return max(os.cpu_count() or 1, need)
 
 
+# The cluster this driver starts for itself lives and dies with the job, on one machine: what a shared
+# cluster needs is overhead here. Measured on the 2-core CPU demo, every idle Ray actor's core worker costs
+# ~0.009 cores (its main thread wakes every 10 ms) and the dashboard with its module processes ~0.035, all
+# taken from the training processes (docs/BENCHMARKS.md). So: no dashboard (nothing to browse on a random
+# port; the job's record is MLflow), no preemption watcher (a local machine is not a spot instance), no
+# Prometheus metrics from Ray Train (the job's metrics go to MLflow); and in `_embedded_trainer` no
+# placement-group cleaner (the placement group dies with the cluster) and no dataset manager (no Ray Data).
+EMBEDDED_RAY_ENV = {
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_enable_metrics_collection": "0",
+    # The worker Ray prestarts for the driver sat idle through the run (the controller got its own).
+    "RAY_prestart_worker_first_driver": "0",
+}
+_EMBEDDED_SKIP = ("PlacementGroupCleanerCallback",)
+
+
+def _trainer_class(embedded: bool):
+    """TorchTrainer, without the callbacks that do nothing for this job (each one an idle actor).
+
+    DatasetsCallback is skipped on every cluster when no Ray Dataset is passed (rayspeed reads its own token
+    memmaps): it would start a DatasetManager actor per attempt. The controller builds its callbacks in
+    `_create_default_callbacks` (Ray 2.60); if that method goes away the plain trainer is used.
+    """
+    from ray.train.torch import TorchTrainer
+
+    skip = {"DatasetsCallback", *(_EMBEDDED_SKIP if embedded else ())}
+
+    class RayspeedTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [cb for cb in callbacks if type(cb).__name__ not in skip]
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return TorchTrainer
+    return RayspeedTrainer
+
+
 def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
     address = cfg.cluster.address if cfg.cluster.address != AUTO else os.environ.get("RAY_ADDRESS")
     # Ray reads RAY_AUTH_MODE when it is imported, so it is decided before the import. Token auth is on for
@@ -93,9 +133,9 @@ def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
         started = False
     else:
         # "local" starts a fresh cluster explicitly: a stale /tmp/ray/ray_current_cluster must not be joined.
-        # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
-        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=0, logging_level=logging.WARNING)
+        for k, v in EMBEDDED_RAY_ENV.items():
+            os.environ.setdefault(k, v)
+        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=False, logging_level=logging.WARNING)
         started = True
     total = ray.cluster_resources()
     c = cfg.cluster
@@ -118,9 +158,9 @@ def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
     return {"address": address or "local", "started": started, "resources": total}
 
 
-def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
+def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, embedded: bool):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from rayspeed.train.resilience import ResilienceCallback
     from rayspeed.train.worker import train_loop
@@ -135,7 +175,7 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str):
     # Ray Train waits this long for a worker group to start before calling the attempt failed; after a node
     # loss it first retries the old size, so the default 60 s is pure recovery delay. Read by the controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(cfg.resilience.worker_start_timeout_s))
-    trainer = TorchTrainer(
+    trainer = _trainer_class(embedded)(
         train_loop_per_worker=train_loop,
         train_loop_config=launch,
         scaling_config=ScalingConfig(
@@ -186,7 +226,7 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
         if launcher == "local":
             result = _run_local(cfg, launch, str(exp_dir))
         else:
-            _ray_train(cfg, launch, storage)
+            _ray_train(cfg, launch, storage, embedded=bool(ray_info and ray_info.get("started")))
             result = _read_json(exp_dir / "worker_result.json")
     except Exception as e:
         status, error = "FAILED", e

@@ -159,6 +159,50 @@ def read_progress(experiment_dir: str | Path) -> dict[str, Any]:
         return {}
 
 
+class ProgressRecorder:
+    """Rank 0's last completed step, published by a daemon thread at most every `interval_s`.
+
+    The training thread only stores an int. Writing the file on every step cost 2.5% of rank 0's training
+    thread on the CPU demo (py-spy, 45 ms steps), and every other rank waits for rank 0 at the next
+    all-reduce; on an object store it would be one request per step. When a peer dies, rank 0 sits in a
+    collective for seconds, so the thread still publishes the last step; only a hard kill of rank 0 itself
+    can leave the record up to `interval_s` behind (lost_steps then reads low by those steps).
+    """
+
+    def __init__(self, experiment_dir: str | Path, interval_s: float = 1.0):
+        import threading
+
+        self._dir = experiment_dir
+        self._step = 0
+        self._written = -1
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = interval_s
+        self._thread = threading.Thread(target=self._run, name="rayspeed-progress", daemon=True)
+        self._thread.start()
+
+    def update(self, step: int) -> None:
+        self._step = step
+
+    def flush(self) -> None:
+        with self._lock:
+            step = self._step
+            if step != self._written:
+                try:
+                    write_progress(self._dir, step)
+                    self._written = step
+                except OSError as e:  # accounting only: never fail training over it
+                    log.debug("progress not written: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()
+
+
 def apply_batch_policy(job: JobConfig, world_size: int) -> tuple[JobConfig, str]:
     """keep_global: the same global batch (accumulation absorbs the change). playbook: PLAYBOOK B.11,
     new_batch = batch * (1 - lost/total) ** 0.8 with total = the requested workers, and the learning rate

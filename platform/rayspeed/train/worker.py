@@ -196,7 +196,7 @@ class Trainer:
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, Any]:
         from rayspeed.engine.build import build_engine
-        from rayspeed.engine.deepspeed_config import deepspeed_config
+        from rayspeed.engine.deepspeed_config import deepspeed_config, rayspeed_clips
         from rayspeed.parallel.groups import ParallelGroups
 
         c, ctx = self.cfg, self.ctx
@@ -228,6 +228,11 @@ class Trainer:
             tag = ckpt_resume.UNIVERSAL_TAG
             self.ds_config["checkpoint"] = {"load_universal": True}
         self.engine, self.pipelined = build_engine(c, self.ds_config, self.groups, self.device)
+        self.clipper, self.grad_norm = None, None
+        if rayspeed_clips(c):
+            from rayspeed.engine.clip import GradClipper
+
+            self.clipper = GradClipper(self.engine.module.parameters(), c.train.grad_clip, self.groups.tp_group)
         phases["engine"] = time.time() - t
         t = time.time()
         start_step, state = self._resume(tag)
@@ -425,6 +430,8 @@ class Trainer:
         for x, y in micro_batches:
             loss = eng(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
             eng.backward(loss)
+            if self.clipper is not None and eng.is_gradient_accumulation_boundary():
+                self.grad_norm = self.clipper()  # gradients are all-reduced by now
             eng.step()
             total += loss.detach().float()
         return total / len(micro_batches)
@@ -501,7 +508,7 @@ class Trainer:
             "perf/tokens_per_s": tokens_per_s,
             "resilience/world_size": ctx.world_size,
         }
-        gn = self.engine.get_global_grad_norm()
+        gn = self.grad_norm if self.clipper is not None else self.engine.get_global_grad_norm()
         if gn is not None:
             metrics["train/grad_norm"] = float(gn)
         metrics.update(self.comm.metrics())
@@ -546,10 +553,26 @@ class Trainer:
         os.replace(tmp, Path(self.ctx.experiment_dir) / "worker_result.json")
 
     def _train(self, start_step: int, state: dict[str, Any]) -> dict[str, Any]:
+        ctx = self.ctx
+        self.engine.train()
+        self.recovery_s = None
+        progress = resilience.ProgressRecorder(ctx.experiment_dir) if ctx.is_rank0 else None
+        try:
+            return self._train_loop(start_step, state, progress)
+        except BaseException:
+            # A peer died or a collective timed out: the metrics of the steps done so far are still in the
+            # logger's queue (it coalesces them); deliver them before Ray tears the group down.
+            if ctx.is_rank0:
+                self.tracker.flush(5.0)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def _train_loop(self, start_step: int, state: dict[str, Any], progress: Any) -> dict[str, Any]:
         c, ctx, t = self.cfg, self.ctx, self.tracker
         log_every = c.tracking.log_every_steps
         ck_every = c.resilience.checkpoint_every_steps
-        self.engine.train()
         loss_acc = torch.zeros((), device=self.device)
         n_acc = 0
         window_t0, window_steps = time.perf_counter(), 0
@@ -557,7 +580,6 @@ class Trainer:
         last_loss, val_loss = float("nan"), None
         stalls: list[float] = []
         checkpoints = 0
-        self.recovery_s = None
         for step, micro in self.batches.iterate(start_step, c.train.max_steps - start_step):
             done = step + 1
             self._chaos_step(done)
@@ -570,8 +592,8 @@ class Trainer:
             if first:
                 first = False
                 self._after_first_step(done, state)
-            if ctx.is_rank0:
-                resilience.write_progress(ctx.experiment_dir, done)
+            if progress is not None:
+                progress.update(done)
             if is_log:
                 step_time = (time.perf_counter() - window_t0) / window_steps
                 last_loss, metrics = self._log_window(done, loss_acc, n_acc, step_time)

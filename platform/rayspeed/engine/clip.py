@@ -1,0 +1,53 @@
+"""Gradient clipping for the layouts where DeepSpeed would clip fp32 gradients itself (ZeRO-0, fp32, no pipeline).
+
+DeepSpeed's fp32 path (`runtime.utils.clip_grad_norm_`) takes one norm per parameter in a Python loop, then
+all-reduces the total over the model-parallel group and again over the data-parallel group, where every
+rank already holds the same reduced gradients: one extra synchronising collective per step that
+DistributedDataParallel does not have. Here the norm is one foreach kernel over replicated gradients plus
+one over tensor-parallel shards, with a single all-reduce over the tensor-parallel group only when shards
+exist. The result is the same: every shard counted once on its own rank, every replicated parameter once,
+and the coefficient min(1, max_norm / (norm + 1e-6)).
+
+The norm stays a tensor: the training loop reads it on the host at log steps only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class GradClipper:
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, tp_group: Any = None):
+        params = [p for p in parameters if p.requires_grad]
+        tp_sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
+        self.sharded = [p for p in params if tp_sharded and getattr(p, "tensor_model_parallel", False)]
+        ids = {id(p) for p in self.sharded}
+        self.replicated = [p for p in params if id(p) not in ids]
+        self.params = params
+        self.max_norm = float(max_norm)
+        self.tp_group = tp_group if tp_sharded else None
+
+    @staticmethod
+    def _sq(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return None
+        return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float().square()
+
+    def __call__(self) -> torch.Tensor:
+        """Clip every gradient in place; return the global L2 norm before clipping (a 0-d tensor)."""
+        sq = self._sq(self.replicated)
+        if self.tp_group is not None:
+            shard = self._sq(self.sharded)
+            if shard is None:
+                shard = torch.zeros((), device=self.params[0].device)
+            dist.all_reduce(shard, group=self.tp_group)
+            sq = shard if sq is None else sq + shard
+        if sq is None:
+            return torch.zeros(())
+        norm = sq.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm, foreach=True)
+        return norm
