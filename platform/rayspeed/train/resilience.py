@@ -5,14 +5,16 @@ event to `<storage>/<name>/.resilience/events.jsonl` the moment it sees a worker
 resize. The restarted rank 0 reads the newest unhandled event, and once its first step is done logs
 `resilience/recovery_s` (event -> first step done), lost steps, the world size and the cause.
 The batch policy for a changed world lives here too.
+
+All of it goes through rayspeed.checkpoint.storage, so the experiment may live on an object store (each file
+then has one writer: events.jsonl the controller, handled.jsonl and progress.json rank 0).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
+from rayspeed.checkpoint.storage import Location, locate
 from rayspeed.config.schema import JobConfig
 
 log = logging.getLogger(__name__)
@@ -28,34 +31,8 @@ EVENTS = "events.jsonl"
 HANDLED = "handled.jsonl"
 
 
-def resilience_dir(experiment_dir: str | Path) -> Path:
-    return Path(experiment_dir) / ".resilience"
-
-
-def _append(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record) + "\n"
-    # One write() of a short line in append mode: lines from concurrent writers do not interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read(path: Path) -> list[dict[str, Any]]:
-    try:
-        with open(path) as fh:
-            out = []
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue  # a torn last line from a crash
-            return out
-    except OSError:
-        return []
+def resilience_dir(experiment_dir: str | Path | Location) -> Location:
+    return locate(experiment_dir).child(".resilience")
 
 
 def count_live_workers_only() -> None:
@@ -97,13 +74,13 @@ class ResilienceCallback(ControllerCallback, WorkerGroupCallback):
         count_live_workers_only()
 
     def __init__(self, experiment_dir: str):
-        self.dir = str(resilience_dir(experiment_dir))
+        self.dir = str(resilience_dir(experiment_dir))  # a str: the callback is pickled to the controller
         self._failure_seen = False
         self._group_started = False  # the first "resize" is the initial start, not an incident
 
     def _record(self, kind: str, **fields: Any) -> None:
         try:
-            _append(Path(self.dir) / EVENTS, {"kind": kind, "time": time.time(), **fields})
+            locate(self.dir).append_jsonl(EVENTS, {"kind": kind, "time": time.time(), **fields})
         except Exception as e:  # never break the controller
             log.warning("rayspeed: could not record %s event: %s", kind, e)
 
@@ -127,8 +104,8 @@ def pending_event(experiment_dir: str | Path) -> dict[str, Any] | None:
     """The earliest failure/resize event not yet followed by a recovery: where the incident began (a
     failed restart attempt adds events, but recovery is measured from the first)."""
     d = resilience_dir(experiment_dir)
-    handled = {round(h["event_time"], 6) for h in _read(d / HANDLED) if "event_time" in h}
-    for e in _read(d / EVENTS):
+    handled = {round(h["event_time"], 6) for h in d.read_jsonl(HANDLED) if "event_time" in h}
+    for e in d.read_jsonl(EVENTS):
         if e.get("kind") in ("failure", "resize") and round(e["time"], 6) not in handled:
             return e
     return None
@@ -137,26 +114,58 @@ def pending_event(experiment_dir: str | Path) -> dict[str, Any] | None:
 def mark_recovered(experiment_dir: str | Path, record: dict[str, Any]) -> None:
     """Every event recorded so far belongs to the incident that just recovered."""
     d = resilience_dir(experiment_dir)
-    handled = {round(h["event_time"], 6) for h in _read(d / HANDLED) if "event_time" in h}
-    for e in _read(d / EVENTS):
+    handled = {round(h["event_time"], 6) for h in d.read_jsonl(HANDLED) if "event_time" in h}
+    for e in d.read_jsonl(EVENTS):
         if round(e["time"], 6) not in handled:
-            _append(d / HANDLED, {"event_time": e["time"], **record})
+            d.append_jsonl(HANDLED, {"event_time": e["time"], **record})
 
 
 def write_progress(experiment_dir: str | Path, step: int) -> None:
-    """Rank 0's last completed step (for lost-steps accounting); a tiny atomic file."""
+    """Rank 0's last completed step (for lost-steps accounting); a tiny atomic file. On an object store every
+    write is a request, so the newest step is written by a background thread instead of in the step."""
     d = resilience_dir(experiment_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / "progress.json.tmp"
-    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
-    os.replace(tmp, d / "progress.json")
+    record = {"step": step, "time": time.time()}
+    if d.is_local:
+        d.write_json("progress.json", record)
+        return
+    _progress_writer(d).submit(record)
+
+
+class _ProgressWriter:
+    """Writes the newest submitted record, one PUT at a time; records submitted meanwhile are coalesced."""
+
+    def __init__(self, d: Location):
+        self.d, self._next, self._cv = d, None, threading.Condition()
+        threading.Thread(target=self._loop, name="rayspeed-progress", daemon=True).start()
+
+    def submit(self, record: dict[str, Any]) -> None:
+        with self._cv:
+            self._next = record
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._next is None:
+                    self._cv.wait()
+                record, self._next = self._next, None
+            try:
+                self.d.write_json("progress.json", record)
+            except Exception as e:  # progress is bookkeeping: never fail training over it
+                log.warning("could not write progress to %s: %s", self.d, e)
+
+
+_WRITERS: dict[str, _ProgressWriter] = {}
+
+
+def _progress_writer(d: Location) -> _ProgressWriter:
+    if str(d) not in _WRITERS:
+        _WRITERS[str(d)] = _ProgressWriter(d)
+    return _WRITERS[str(d)]
 
 
 def read_progress(experiment_dir: str | Path) -> dict[str, Any]:
-    try:
-        return json.loads((resilience_dir(experiment_dir) / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return resilience_dir(experiment_dir).read_json("progress.json")
 
 
 def apply_batch_policy(job: JobConfig, world_size: int) -> tuple[JobConfig, str]:
