@@ -708,6 +708,16 @@ class Trainer:
         except Exception as e:
             log.warning("model export failed: %s", e)
             out_dir = None
+        try:
+            self._register(out_dir, val_loss, last_loss, landscape)
+        finally:
+            if out_dir and not self.exp.is_local and ctx.is_rank0:
+                staging.clean(Path(out_dir))  # MLflow holds the model now; staging is for transfers only
+
+    def _register(self, out_dir: str | None, val_loss: float | None, last_loss: float, landscape: Any) -> None:
+        from rayspeed.tracking.runs import registered_model_name
+
+        c, ctx = self.cfg, self.ctx
         if not ctx.is_rank0 or not self.launch.get("mlflow_run_id"):
             return
         if out_dir:
