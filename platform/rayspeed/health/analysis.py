@@ -144,7 +144,7 @@ def hardware_for(device_name: str | None, configured: str = "auto", use_gpu: boo
 
 
 # What each per-node measurement is called in findings and output.
-NODE_METRICS = {"intra_busbw_gbps": "intra-node all-reduce busbw GB/s", "link_gbps": "link to the other nodes GB/s"}
+NODE_METRICS = {"intra_busbw_gbps": "intra-node all-reduce busbw", "link_gbps": "link to the other nodes"}
 
 
 def per_node(measured: Mapping[str, Mapping[str, Any]], factor: float,
@@ -165,8 +165,8 @@ def per_node(measured: Mapping[str, Mapping[str, Any]], factor: float,
         for node, v, med in outliers(vals, factor):
             rows[node]["slow"].append(metric)
             found.append(kb.entry("slow_node").finding(
-                evidence=[f"node {node} (ranks {','.join(map(str, rows[node]['ranks']))}): {label} {v:.3g} vs the "
-                          f"other nodes' median {med:.3g}"],
+                evidence=[f"node {node} (ranks {','.join(map(str, rows[node]['ranks']))}): {label} {v:.3g} GB/s vs the "
+                          f"other nodes' median {med:.3g} GB/s"],
                 node=node, metric=metric, value=v, median_others=med))
     return list(rows.values()), found
 
@@ -181,7 +181,7 @@ def per_node_lines(table: list[dict[str, Any]]) -> list[str]:
         if not r["ranks"]:
             lines.append(f"node {r['node']}: no ranks")
             continue
-        slow = f"  SLOW ({', '.join(NODE_METRICS[m].split(' GB/s')[0] for m in r['slow'])})" if r["slow"] else ""
+        slow = f"  SLOW ({', '.join(NODE_METRICS[m] for m in r['slow'])})" if r["slow"] else ""
         lines.append(f"node {r['node']}: ranks {','.join(map(str, r['ranks']))}; intra-node all-reduce busbw "
                      f"{fmt(r['intra_busbw_gbps'])} GB/s; link to the other nodes {fmt(r['link_gbps'])} GB/s; "
                      f"all-reduce across nodes {fmt(r['cross_busbw_gbps'])} GB/s{slow}")
