@@ -1,6 +1,6 @@
 """`make bench`: one JSON line per benchmark, each side by side within the same run.
 
-    python scripts/bench.py [--reps 3] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
+    python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu] [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -497,7 +497,7 @@ def bench_gpu(args) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench.py", description="rayspeed benchmarks: one JSON line each")
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of each CPU run (medians are quoted)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each CPU run (medians are quoted)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--log-every", type=int, default=10, help="steps per timing window")
     ap.add_argument("--skip-windows", type=int, default=3, help="warm-up windows left out of the median")

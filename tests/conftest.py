@@ -20,3 +20,31 @@ def ray_head():
     head = RayHead(num_cpus=8)
     yield head
     head.stop()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 API (moto's server) for the session, its endpoint and dummy credentials in os.environ while it
+    runs. Skips (with the reason) only when moto is not installed or its server cannot start."""
+    try:
+        import boto3  # noqa: F401
+        import moto  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"moto[server] is not installed ({e}); pip install -e '.[test]'")
+    from _moto import MotoS3
+
+    try:
+        server = MotoS3(f"/tmp/rayspeed-test-moto-{os.getpid()}.log")
+    except RuntimeError as e:
+        pytest.skip(f"moto_server could not start: {e}")
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

@@ -202,11 +202,22 @@ def test_healthcheck_across_nodes(lab_cluster):
     assert all(x["link_gbps"] > 0 for x in ranks)
     assert rep["allreduce"] and all(row["ok"] and row["busbw_gbps"] > 0 for row in rep["allreduce"])
     assert {n["ip"] for n in rep["nodes"]} == {"10.77.0.1", "10.77.0.2", "10.77.0.3"}
+    # One entry per namespace node: the two worker hosts with their ranks and figures, the head without ranks.
+    per_node = {n["node"]: n for n in rep["per_node"]}
+    assert sorted(per_node) == ["10.77.0.1", "10.77.0.2", "10.77.0.3"], rep["per_node"]
+    assert per_node["10.77.0.1"]["ranks"] == [] and per_node["10.77.0.1"]["link_gbps"] is None
+    assert per_node["10.77.0.2"]["ranks"] == [0, 1] and per_node["10.77.0.3"]["ranks"] == [2, 3]
+    for ip in ("10.77.0.2", "10.77.0.3"):
+        n = per_node[ip]
+        assert n["intra_busbw_gbps"] > 0 and n["link_gbps"] > 0 and n["cross_busbw_gbps"] > 0, n
     links = _per_node(ranks, "link_gbps")
     print("\nhealthcheck per node (link to the next rank, GB/s): "
           + "; ".join(f"{n}: {', '.join(f'{v:.3g}' for v in vs)}" for n, vs in sorted(links.items()))
           + f"; all-reduce busbw at {rep['allreduce'][-1]['bytes']} B over 2 nodes: "
           f"{rep['allreduce'][-1]['busbw_gbps']:.3g} GB/s")
+    print("healthcheck per_node: " + "; ".join(
+        f"{ip} ranks {n['ranks']} intra {n['intra_busbw_gbps']} link {n['link_gbps']} cross {n['cross_busbw_gbps']}"
+        for ip, n in sorted(per_node.items()) if n["ranks"]))
 
 
 def _progress(exp_dir: Path) -> int:
@@ -268,6 +279,10 @@ def test_tp_in_node_dp_across_nodes_survives_a_cut_node(lab_cluster, tmp_path):
     pre = re.search(r"preflight ok in [\d.]+ s: all-reduce busbw ([\d.e+-]+) GB/s at [^,]+ over 4 ranks, "
                     r"tp ([\d.e+-]+) GB/s, dp ([\d.e+-]+) GB/s", out)
     assert pre, "no preflight line for the 4-rank world in the job log"
+    # ... and logged each node's figures (ranks 0,1 on one host, 2,3 on the other).
+    node_lines = re.findall(r"preflight node (\S+): ranks ([\d,]+); intra-node all-reduce busbw ([\d.e+-]+) GB/s; "
+                            r"link to the other nodes ([\d.e+-]+) GB/s", out)
+    assert sorted(n for n, *_ in node_lines) == ["node1", "node2"], node_lines
     # Artifacts travel through the MLflow server too (rank 0 ran on a worker host, the store is on the head).
     assert list((lab_cluster.mlflow_home / "artifacts").rglob("preflight.json")), "no health/preflight.json artifact"
     recov = [v for _, v in metric_history(lab_cluster.mlflow_home, rid, "resilience/recovery_s")]

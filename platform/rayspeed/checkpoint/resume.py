@@ -23,19 +23,23 @@ UNIVERSAL_TAG = "ds_universal"
 _DONE = ".converted"
 
 
-def choose(root: str | Path, preferred: str | Path | None = None) -> Path | None:
+def choose(root: str | Path, preferred: str | Path | None = None, deep: bool = True) -> Path | str | None:
     """The checkpoint to resume from: `preferred` (Ray's latest) if it verifies, else the newest verified
-    one under root. Unverified candidates are logged with the reason and never loaded."""
+    one under root. Unverified candidates are logged with the reason and never loaded.
+
+    `root` may be a URI (returned paths are then URIs). deep=False checks the manifest and sizes only: for an
+    object store, where hashing means downloading, the sha256s are checked on the staged copy instead
+    (rayspeed.checkpoint.staging.fetch)."""
     if preferred is not None:
-        v = store.verify(preferred)
+        v = store.verify(preferred, deep=deep)
         if v.ok:
             newest, _ = store.latest_verified(root, deep=False)
             # A resubmission may find a newer verified checkpoint than the one Ray remembers.
             if newest is None or (store.step_of(newest) or 0) <= (store.step_of(preferred) or 0):
-                return Path(preferred)
+                return preferred if store.is_uri(preferred) else Path(preferred)
         else:
             log.warning("checkpoint %s rejected: %s", preferred, v.reason)
-    found, skipped = store.latest_verified(root)
+    found, skipped = store.latest_verified(root, deep=deep)
     for s in skipped:
         log.warning("checkpoint rejected: %s", s)
     return found

@@ -33,6 +33,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# Written next to the manifest when a staged copy fails its sha256 check (the store's object changed after the
+# commit): the checkpoint then never verifies again, so the next attempt resumes from an older one instead of
+# downloading the same bad bytes until the restarts run out.
+REJECTED = "rejected.json"
 PREFIX = "checkpoint_step"
 _DIR_RE = re.compile(rf"^{PREFIX}(\d+)$")
 FORMAT_VERSION = 1
@@ -294,6 +298,8 @@ def verify(ckpt_dir: str | Path, deep: bool = True, *, filesystem: Any = None) -
     files = m.get("files") or {}
     if not files:
         return Verdict(False, "manifest lists no files")
+    if (ckpt_dir / REJECTED).exists():
+        return Verdict(False, f"rejected earlier ({_rejection(read_json_local(ckpt_dir / REJECTED))})")
     for rel, e in files.items():
         p = ckpt_dir / rel
         if not p.is_file():
@@ -303,6 +309,17 @@ def verify(ckpt_dir: str | Path, deep: bool = True, *, filesystem: Any = None) -
         if deep and _sha256(p) != e["sha256"]:
             return Verdict(False, f"{rel} does not match its sha256")
     return Verdict(True)
+
+
+def _rejection(record: Any) -> str:
+    return str((record or {}).get("reason", "no reason recorded"))[:300]
+
+
+def read_json_local(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _remote_verify(r: _Remote, deep: bool) -> Verdict:
@@ -316,6 +333,14 @@ def _remote_verify(r: _Remote, deep: bool) -> Verdict:
     files = m.get("files") or {}
     if not files:
         return Verdict(False, "manifest lists no files")
+    marker = r.fs.get_file_info(r.child(REJECTED).fs_path)
+    if marker.type == pafs.FileType.File:
+        try:
+            with r.fs.open_input_stream(r.child(REJECTED).fs_path) as fh:
+                why = _rejection(json.loads(fh.read().decode()))
+        except Exception:  # the marker alone is enough
+            why = "unreadable marker"
+        return Verdict(False, f"rejected earlier ({why})")
     rels = list(files)
     infos = r.fs.get_file_info([r.child(rel).fs_path for rel in rels])
     for rel, info in zip(rels, infos):

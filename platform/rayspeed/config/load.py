@@ -301,6 +301,13 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"tracking.log_every_steps: must be >= 1, got {cfg.tracking.log_every_steps}")
     if cfg.storage.path != AUTO and "://" not in cfg.storage.path and not os.path.isabs(os.path.expanduser(cfg.storage.path)):
         p.append(f"storage.path: must be absolute (all nodes must see it), got {cfg.storage.path!r}")
+    if cfg.storage.path != AUTO and "://" in cfg.storage.path and not cfg.storage.path.startswith("file://"):
+        scheme = cfg.storage.path.split("://", 1)[0]
+        if not _known_scheme(scheme):
+            p.append(f"storage.path: {cfg.storage.path!r} has a scheme ({scheme}://) no filesystem handles; use an "
+                     "absolute local path or an object-store URI such as s3://bucket/prefix or gs://bucket/prefix")
+    if cfg.storage.staging_dir != AUTO and not os.path.isabs(os.path.expanduser(cfg.storage.staging_dir)):
+        p.append(f"storage.staging_dir: must be an absolute node-local path, got {cfg.storage.staging_dir!r}")
     for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step"):
         k = getattr(cfg.chaos, key)
         if k is not None and (k.rank < 0 or k.step < 1):
@@ -308,6 +315,20 @@ def check(cfg: JobConfig) -> list[str]:
         elif k is not None and k.rank >= c.max_workers:
             p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
     return p
+
+
+def _known_scheme(scheme: str) -> bool:
+    """Whether pyarrow resolves URIs of this scheme (asked with a dummy URI; an unknown scheme fails at once,
+    before any network access, while a known one may fail later for other reasons)."""
+    if scheme in ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock", "file"):
+        return True
+    try:
+        from pyarrow import fs as pafs
+
+        pafs.FileSystem.from_uri(f"{scheme}://rayspeed-scheme-probe/x")
+    except Exception as e:
+        return "Unrecognized filesystem type" not in str(e)
+    return True
 
 
 # ---------------------------------------------------------------- entry points

@@ -208,7 +208,12 @@ class TrackingConfig:
 @dataclass
 class StorageConfig:
     path: str = AUTO
-    """Checkpoints and Ray Train results; absolute and shared by all nodes. auto: <repo>/runs."""
+    """Checkpoints, summary and Ray Train results, seen by all nodes: an absolute local/NFS path, or an
+    object-store URI (s3://bucket/prefix, gs://bucket/prefix, ...; credentials and endpoint from the
+    environment, e.g. AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL). auto: <repo>/runs."""
+    staging_dir: str = AUTO
+    """Node-local folder where checkpoints are written before upload and downloaded before loading, when
+    storage.path is a URI (room for one checkpoint per node). auto: $RAYSPEED_STAGING, else <tmp>/rayspeed-staging."""
 
 
 @dataclass

@@ -141,3 +141,48 @@ def hardware_for(device_name: str | None, configured: str = "auto", use_gpu: boo
         return hardware.get(name, dict(overrides or {}))
     except KeyError:
         return hardware.get(name)
+
+
+# What each per-node measurement is called in findings and output.
+NODE_METRICS = {"intra_busbw_gbps": "intra-node all-reduce busbw", "link_gbps": "link to the other nodes"}
+
+
+def per_node(measured: Mapping[str, Mapping[str, Any]], factor: float,
+             all_nodes: list[str] | None = None) -> tuple[list[dict[str, Any]], list[Finding]]:
+    """The `per_node` table and its findings. `measured`: {node: {"ranks", "intra_busbw_gbps", "link_gbps",
+    "cross_busbw_gbps"}} (collectives.node_bandwidth); `all_nodes`: every node of the cluster, so nodes without
+    ranks are listed too (ranks [], no figures). A node is flagged `slow` on a metric when it is below factor x
+    the median of the other nodes' (compared with the others: with two nodes the slow one would otherwise drag
+    the reference down)."""
+    kb = load()
+    order = list(measured) + [n for n in (all_nodes or []) if n not in measured]
+    rows = {n: {"node": n, "ranks": list(measured.get(n, {}).get("ranks", [])),
+                **{k: measured.get(n, {}).get(k) for k in (*NODE_METRICS, "cross_busbw_gbps")}, "slow": []}
+            for n in order}
+    found: list[Finding] = []
+    for metric, label in NODE_METRICS.items():
+        vals = {n: r[metric] for n, r in rows.items() if r[metric] is not None and r[metric] >= 0}
+        for node, v, med in outliers(vals, factor):
+            rows[node]["slow"].append(metric)
+            found.append(kb.entry("slow_node").finding(
+                evidence=[f"node {node} (ranks {','.join(map(str, rows[node]['ranks']))}): {label} {v:.3g} GB/s vs the "
+                          f"other nodes' median {med:.3g} GB/s"],
+                node=node, metric=metric, value=v, median_others=med))
+    return list(rows.values()), found
+
+
+def per_node_lines(table: list[dict[str, Any]]) -> list[str]:
+    """One human line per node (healthcheck output, preflight log)."""
+    def fmt(v: Any) -> str:
+        return "-" if v is None else ("BAD" if v < 0 else f"{v:.3g}")
+
+    lines = []
+    for r in table:
+        if not r["ranks"]:
+            lines.append(f"node {r['node']}: no ranks")
+            continue
+        slow = f"  SLOW ({', '.join(NODE_METRICS[m] for m in r['slow'])})" if r["slow"] else ""
+        lines.append(f"node {r['node']}: ranks {','.join(map(str, r['ranks']))}; intra-node all-reduce busbw "
+                     f"{fmt(r['intra_busbw_gbps'])} GB/s; link to the other nodes {fmt(r['link_gbps'])} GB/s; "
+                     f"all-reduce across nodes {fmt(r['cross_busbw_gbps'])} GB/s{slow}")
+    return lines

@@ -222,3 +222,48 @@ def gather_floats(values: list[float], group=None) -> list[list[float]]:
     flat = out.tolist()
     k = len(values)
     return [flat[r * k:(r + 1) * k] for r in range(n)]
+
+
+def node_bandwidth(nodes: list[str], device: Any = "cpu", nbytes: int = 1 << 20, iters: int = 3) -> dict[str, dict]:
+    """Per-node figures for a world that spans nodes; `nodes[r]` is the node of global rank r. Collective: every
+    rank of the world calls it with the same list. Returns, on every rank, {node: {"ranks", "intra_busbw_gbps",
+    "link_gbps", "cross_busbw_gbps"}}:
+
+    - intra_busbw_gbps: an all-reduce of nbytes among the node's own ranks (None for a one-rank node). Every
+      node measures at once, over disjoint groups, as tp groups do in training.
+    - link_gbps: the node's first rank sending nbytes to the next node's first rank while receiving from the
+      previous one (a ring over one rank per node): this node's outgoing link. None with a single node.
+    - cross_busbw_gbps: an all-reduce among one rank per node (the same figure for every node): the data-parallel
+      gradient sync across nodes.
+    A wrong all-reduce result reads -1.
+    """
+    dev = _device(device)
+    order = list(dict.fromkeys(nodes))
+    members = {n: [r for r, x in enumerate(nodes) if x == n] for n in order}
+    me = dist.get_rank()
+    # dist.new_group is collective over the whole world, in the same order everywhere.
+    intra = {n: dist.new_group(members[n]) for n in order if len(members[n]) > 1}
+    leaders = [members[n][0] for n in order]
+    cross = dist.new_group(leaders) if len(order) > 1 else None
+    nan = float("nan")
+    mine = [nan, nan, nan]
+    try:
+        node = nodes[me]
+        if node in intra:
+            row = allreduce_sweep(intra[node], [nbytes], dev, iters, 1)[0]
+            mine[0] = row["busbw_gbps"] if row["ok"] else -1.0
+        if cross is not None and me in leaders:
+            mine[1] = ring_sendrecv(cross, nbytes, dev, iters)
+            row = allreduce_sweep(cross, [nbytes], dev, iters, 1)[0]
+            mine[2] = row["busbw_gbps"] if row["ok"] else -1.0
+        every = gather_floats(mine)
+    finally:
+        for g in list(intra.values()) + ([cross] if cross is not None else []):
+            dist.destroy_process_group(g)
+
+    def val(x: float) -> float | None:
+        return None if x != x else round(x, 6)
+
+    return {n: {"ranks": members[n], "intra_busbw_gbps": val(every[members[n][0]][0]),
+                "link_gbps": val(every[members[n][0]][1]), "cross_busbw_gbps": val(every[members[n][0]][2])}
+            for n in order}

@@ -116,6 +116,7 @@ class HealthRank:
             out["link_gbps"] = round(collectives.ring_sendrecv(None, opts["link_bytes"], device), 4) if world > 1 else None
             out["allreduce"] = collectives.allreduce_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
             out["allgather"] = collectives.allgather_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
+            out["per_node"] = collectives.node_bandwidth(opts["nodes"], device, opts["link_bytes"], opts["iters"])
             return out
         finally:
             dist.destroy_process_group()
@@ -203,7 +204,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
             port = ray.get(actors[order[0]].free_port.remote(), timeout=timeout_s)
             opts = {"use_gpu": use_gpu, "sizes": sizes, "iters": iters or it, "warmup": wu, "timeout_s": timeout_s,
                     "production": cfg.health.production, "link_bytes": (64 << 20) if use_gpu else (4 << 20),
-                    "threads": max(1, int(c.cpus_per_worker))}
+                    "threads": max(1, int(c.cpus_per_worker)), "nodes": [where[i]["ip"] for i in order]}
             refs = [actors[i].run.remote(rank, world, addr, port, opts) for rank, i in enumerate(order)]
             # One at a time, so a rank that fails ends the check now instead of after the others' timeout.
             pending, deadline = list(refs), time.monotonic() + timeout_s + 30
@@ -266,6 +267,9 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
     findings += analysis.bandwidth_findings(allreduce, hw, nodes_used, "allreduce")
     findings += [f for f in analysis.bandwidth_findings(allgather, hw, nodes_used, "allgather")
                  if f.id == "collective_wrong_result"]
+    per_node, node_findings = analysis.per_node(results[0]["per_node"] if results else {}, cfg.health.slow_rank_factor,
+                                                [n.get("ip") for n in node_info])
+    findings += node_findings
     for n in node_info:
         if "error" in n:
             findings.append(kb.entry("node_probe_failed").finding(evidence=[f"node {n.get('ip')}: {n['error']}"],
@@ -283,6 +287,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
         "ranks": ranks,
         "allreduce": allreduce,
         "allgather": allgather,
+        "per_node": per_node,
         "findings": [f.to_json() for f in findings],
         "seconds": round(time.perf_counter() - t0, 2),
         "phases": phases,
@@ -324,6 +329,11 @@ def render(rep: dict[str, Any]) -> str:
         link = f"{r['link_gbps']:.3g}" if r.get("link_gbps") is not None else "-"
         lines.append(f"{r['rank']:>4} {r['node']:<16} {r['device']:<8} {r['matmul_gflops']:>14.4g} "
                      f"{r['copy_gbps']:>10.4g} {link:>10}")
+    if rep.get("per_node"):
+        from rayspeed.health.analysis import per_node_lines
+
+        lines.append("per node (slow: below health.slow_rank_factor x the other nodes' median):")
+        lines += ["  " + line for line in per_node_lines(rep["per_node"])]
     for op, factor in (("allreduce", "2(n-1)/n"), ("allgather", "(n-1)/n")):
         lines.append(f"{op} (busbw = algbw x {factor})")
         lines.append(f"{'size':>8} {'count':>10} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'ok':>3}")

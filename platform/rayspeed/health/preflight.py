@@ -49,6 +49,9 @@ class PreflightReport:
     allreduce: list[dict] = field(default_factory=list)
     groups: dict[str, float] = field(default_factory=dict)
     """Slowest busbw (GB/s) of one all-reduce over each proper subgroup (tp, dp, pp)."""
+    per_node: list[dict] = field(default_factory=list)
+    """When the ranks span nodes: each node's ranks, intra-node all-reduce busbw, link to the other nodes
+    (analysis.per_node); empty on one node."""
     ranks: list[dict] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     reason: str = ""
@@ -56,7 +59,7 @@ class PreflightReport:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "seconds": round(self.seconds, 3), "world_size": self.world_size,
                 "backend": self.backend, "nodes": self.nodes, "allreduce": self.allreduce, "groups": self.groups,
-                "ranks": self.ranks, "findings": [f.to_json() for f in self.findings], "reason": self.reason}
+                "per_node": self.per_node, "ranks": self.ranks, "findings": [f.to_json() for f in self.findings], "reason": self.reason}
 
     def summary(self) -> str:
         top = max(self.allreduce, key=lambda r: r["bytes"]) if self.allreduce else None
@@ -130,6 +133,12 @@ def run_preflight(cfg, groups=None, device: Any = "cpu", sizes: list[int] | None
 
     nodes = len({r["node"] for r in everyone})
     findings: list[Finding] = []
+    node_table: list[dict] = []
+    if nodes > 1:  # on one node the world all-reduce above is the intra-node figure
+        measured = collectives.node_bandwidth([r["node"] for r in everyone], dev,
+                                              (64 << 20) if dev.type == "cuda" else (1 << 20), iters=2)
+        node_table, node_findings = analysis.per_node(measured, h.slow_rank_factor)
+        findings += node_findings
     # Each variable once, with the ranks that have it.
     seen: dict[str, tuple[dict, list[int]]] = {}
     for r in everyone:
@@ -168,10 +177,12 @@ def run_preflight(cfg, groups=None, device: Any = "cpu", sizes: list[int] | None
     elif h.fail_on_slow_rank and any(f.category == "slow_rank" for f in findings):
         reason = "slow: " + "; ".join(f.evidence[0] for f in findings if f.category == "slow_rank")
     report = PreflightReport(ok=not reason, seconds=time.perf_counter() - t0, world_size=world,
-                             backend=dist.get_backend(), nodes=nodes, allreduce=sweep, groups=groups_bw,
+                             backend=dist.get_backend(), nodes=nodes, allreduce=sweep, groups=groups_bw, per_node=node_table,
                              ranks=ranks, findings=findings, reason=reason)
     if rank == 0:
         (log.error if reason else log.info)("%s", report.summary())
+        for line in analysis.per_node_lines(node_table):
+            log.info("preflight %s", line)
     if reason:
         raise PreflightError(reason, report)
     return report

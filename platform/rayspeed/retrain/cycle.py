@@ -409,7 +409,10 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     sys.stdout.flush()
     sys.stderr.flush()
     rc = subprocess.call(cmd, env={**os.environ, **(env or {})})
-    summary = _read_json(Path(storage) / job / "summary.json") if "://" not in storage else {}
+    from rayspeed.checkpoint.storage import locate
+
+    exp = locate(storage).child(job)
+    summary = exp.read_json("summary.json")
     result.mlflow_run_id = summary.get("mlflow_run_id")
     if rc == EXIT_BAD_INPUT:
         raise _Stop("bad_input", "the training job rejected its input (exit 2; see its message above)")
@@ -421,7 +424,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     # 6. the registered version
     version = summary.get("registered_model_version")
     if version is None:
-        version = _read_json(Path(storage) / job / "worker_result.json").get("registered_model_version")
+        version = exp.read_json("worker_result.json").get("registered_model_version")
     if version is None and result.mlflow_run_id:
         version = _version_of_run(uri, reg, result.mlflow_run_id)
     if version is None:

@@ -51,7 +51,9 @@ def local_context(experiment_dir: str, backend: str, timeout_s: float) -> Worker
     """World size 1 in this process, with a real (gloo or nccl) process group so the same code runs."""
     import torch.distributed as dist
 
-    Path(experiment_dir).mkdir(parents=True, exist_ok=True)
+    from rayspeed.checkpoint.storage import locate
+
+    locate(experiment_dir).mkdirs()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

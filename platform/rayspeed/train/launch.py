@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg))
             print(plan.explain)
             return EXIT_OK
+        from rayspeed.checkpoint.storage import check_reachable
+        from rayspeed.tracking.runs import storage_path
+
+        unreachable = check_reachable(storage_path(cfg))  # before anything is written anywhere
+        if unreachable:
+            raise ConfigError(unreachable)
         ray_info = _connect_ray(cfg) if args.launcher == "ray" else None
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
@@ -119,11 +125,19 @@ def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
         os.environ["RAY_AUTH_MODE"] = "token"
     import ray
 
+    from rayspeed.checkpoint.storage import forwarded_env
+    from rayspeed.checkpoint.store import is_uri
+    from rayspeed.tracking.runs import storage_path
+
+    # The Ray Train controller and workers open the object store too, in processes this driver did not start:
+    # the credentials/endpoint this driver reached the bucket with go with the job.
+    job_env = forwarded_env() if is_uri(storage_path(cfg)) else {}
+    runtime_env = {"env_vars": job_env} if job_env else None
     if ray.is_initialized():  # embedded in a process that already joined a cluster (tests, notebooks)
         address, started = "existing", False
     elif address:
         try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True, runtime_env=runtime_env)
         except ConnectionError as e:
             key = "cluster.address" if cfg.cluster.address != AUTO else "RAY_ADDRESS"
             raise ConfigError(
@@ -135,7 +149,8 @@ def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
         # "local" starts a fresh cluster explicitly: a stale /tmp/ray/ray_current_cluster must not be joined.
         for k, v in EMBEDDED_RAY_ENV.items():
             os.environ.setdefault(k, v)
-        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=False, logging_level=logging.WARNING,
+                 runtime_env=runtime_env)
         started = True
     total = ray.cluster_resources()
     c = cfg.cluster
@@ -158,7 +173,7 @@ def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
     return {"address": address or "local", "started": started, "resources": total}
 
 
-def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, embedded: bool):
+def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, exp_dir: str, embedded: bool):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -172,6 +187,11 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, embedded: b
     # The communication profile for this cluster size (plus cluster.env), in every worker's environment
     # before its process group exists.
     env = log_profile(cfg, c.max_workers)
+    from rayspeed.checkpoint.storage import forwarded_env
+    from rayspeed.checkpoint.store import is_uri
+
+    if is_uri(storage):  # also set on the job (_connect_ray); said again for a driver joined from elsewhere
+        env = {**forwarded_env(), **(env or {})}
     # Ray Train waits this long for a worker group to start before calling the attempt failed; after a node
     # loss it first retries the old size, so the default 60 s is pure recovery delay. Read by the controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(cfg.resilience.worker_start_timeout_s))
@@ -192,7 +212,7 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, embedded: b
             failure_config=FailureConfig(max_failures=cfg.resilience.max_failures),
             # Retention is the manifest protocol's job (rayspeed.checkpoint.store.prune).
             checkpoint_config=CheckpointConfig(num_to_keep=None),
-            callbacks=[ResilienceCallback(str(Path(storage) / cfg.name))],
+            callbacks=[ResilienceCallback(exp_dir)],
             worker_runtime_env={"env_vars": env} if env else {},
         ),
     )
@@ -205,9 +225,11 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, embedded: b
 def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dict[str, Any] | None) -> int:
     from rayspeed.tracking.runs import find_or_create_run, finish_run, storage_path, tracking_uri
 
+    from rayspeed.checkpoint.storage import locate
+
     storage = storage_path(cfg)
-    exp_dir = Path(storage) / cfg.name
-    exp_dir.mkdir(parents=True, exist_ok=True)
+    exp = locate(storage).child(cfg.name)
+    exp.mkdirs()
     run_id = None
     try:
         run_id, resumed = find_or_create_run(cfg)
@@ -219,15 +241,16 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
         "mlflow_run_id": run_id,
         "tracking_uri": tracking_uri(cfg),
         "storage_path": storage,
+        "experiment_dir": str(exp),
         "launched_at": time.time(),
     }
     status, error = "FINISHED", None
     try:
         if launcher == "local":
-            result = _run_local(cfg, launch, str(exp_dir))
+            result = _run_local(cfg, launch, str(exp))
         else:
-            _ray_train(cfg, launch, storage, embedded=bool(ray_info and ray_info.get("started")))
-            result = _read_json(exp_dir / "worker_result.json")
+            _ray_train(cfg, launch, storage, str(exp), embedded=bool(ray_info and ray_info.get("started")))
+            result = exp.read_json("worker_result.json")
     except Exception as e:
         status, error = "FAILED", e
         result = {}
@@ -252,8 +275,7 @@ def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dic
     }
     if error is not None:
         summary["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
-    with open(exp_dir / "summary.json", "w") as fh:
-        json.dump(summary, fh, indent=2)
+    exp.write_json("summary.json", summary)
     if run_id:
         finish_run(cfg, run_id, status, summary["status"])
     if error is not None:
@@ -276,10 +298,3 @@ def _run_local(cfg: JobConfig, launch: dict[str, Any], exp_dir: str) -> dict[str
     ctx = local_context(exp_dir, backend, cfg.resilience.collective_timeout_s)
     return run_worker(launch, ctx)
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}

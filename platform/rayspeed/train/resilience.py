@@ -5,14 +5,16 @@ event to `<storage>/<name>/.resilience/events.jsonl` the moment it sees a worker
 resize. The restarted rank 0 reads the newest unhandled event, and once its first step is done logs
 `resilience/recovery_s` (event -> first step done), lost steps, the world size and the cause.
 The batch policy for a changed world lives here too.
+
+All of it goes through rayspeed.checkpoint.storage, so the experiment may live on an object store (each file
+then has one writer: events.jsonl the controller, handled.jsonl and progress.json rank 0).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
+from rayspeed.checkpoint.storage import Location, locate
 from rayspeed.config.schema import JobConfig
 
 log = logging.getLogger(__name__)
@@ -28,34 +31,8 @@ EVENTS = "events.jsonl"
 HANDLED = "handled.jsonl"
 
 
-def resilience_dir(experiment_dir: str | Path) -> Path:
-    return Path(experiment_dir) / ".resilience"
-
-
-def _append(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record) + "\n"
-    # One write() of a short line in append mode: lines from concurrent writers do not interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read(path: Path) -> list[dict[str, Any]]:
-    try:
-        with open(path) as fh:
-            out = []
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue  # a torn last line from a crash
-            return out
-    except OSError:
-        return []
+def resilience_dir(experiment_dir: str | Path | Location) -> Location:
+    return locate(experiment_dir).child(".resilience")
 
 
 def count_live_workers_only() -> None:
@@ -97,13 +74,13 @@ class ResilienceCallback(ControllerCallback, WorkerGroupCallback):
         count_live_workers_only()
 
     def __init__(self, experiment_dir: str):
-        self.dir = str(resilience_dir(experiment_dir))
+        self.dir = str(resilience_dir(experiment_dir))  # a str: the callback is pickled to the controller
         self._failure_seen = False
         self._group_started = False  # the first "resize" is the initial start, not an incident
 
     def _record(self, kind: str, **fields: Any) -> None:
         try:
-            _append(Path(self.dir) / EVENTS, {"kind": kind, "time": time.time(), **fields})
+            locate(self.dir).append_jsonl(EVENTS, {"kind": kind, "time": time.time(), **fields})
         except Exception as e:  # never break the controller
             log.warning("rayspeed: could not record %s event: %s", kind, e)
 
@@ -127,8 +104,8 @@ def pending_event(experiment_dir: str | Path) -> dict[str, Any] | None:
     """The earliest failure/resize event not yet followed by a recovery: where the incident began (a
     failed restart attempt adds events, but recovery is measured from the first)."""
     d = resilience_dir(experiment_dir)
-    handled = {round(h["event_time"], 6) for h in _read(d / HANDLED) if "event_time" in h}
-    for e in _read(d / EVENTS):
+    handled = {round(h["event_time"], 6) for h in d.read_jsonl(HANDLED) if "event_time" in h}
+    for e in d.read_jsonl(EVENTS):
         if e.get("kind") in ("failure", "resize") and round(e["time"], 6) not in handled:
             return e
     return None
@@ -137,26 +114,20 @@ def pending_event(experiment_dir: str | Path) -> dict[str, Any] | None:
 def mark_recovered(experiment_dir: str | Path, record: dict[str, Any]) -> None:
     """Every event recorded so far belongs to the incident that just recovered."""
     d = resilience_dir(experiment_dir)
-    handled = {round(h["event_time"], 6) for h in _read(d / HANDLED) if "event_time" in h}
-    for e in _read(d / EVENTS):
+    handled = {round(h["event_time"], 6) for h in d.read_jsonl(HANDLED) if "event_time" in h}
+    for e in d.read_jsonl(EVENTS):
         if round(e["time"], 6) not in handled:
-            _append(d / HANDLED, {"event_time": e["time"], **record})
+            d.append_jsonl(HANDLED, {"event_time": e["time"], **record})
 
 
 def write_progress(experiment_dir: str | Path, step: int) -> None:
-    """Rank 0's last completed step (for lost-steps accounting); a tiny atomic file."""
-    d = resilience_dir(experiment_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / "progress.json.tmp"
-    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
-    os.replace(tmp, d / "progress.json")
+    """Rank 0's last completed step (for lost-steps accounting); a tiny atomic file (one request on an object
+    store). The training loop calls it through `ProgressRecorder`, never once per step."""
+    resilience_dir(experiment_dir).write_json("progress.json", {"step": step, "time": time.time()})
 
 
 def read_progress(experiment_dir: str | Path) -> dict[str, Any]:
-    try:
-        return json.loads((resilience_dir(experiment_dir) / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return resilience_dir(experiment_dir).read_json("progress.json")
 
 
 class ProgressRecorder:
@@ -170,8 +141,7 @@ class ProgressRecorder:
     """
 
     def __init__(self, experiment_dir: str | Path, interval_s: float = 1.0):
-        import threading
-
+        self._warned = False
         self._dir = experiment_dir
         self._step = 0
         self._written = -1
@@ -191,8 +161,10 @@ class ProgressRecorder:
                 try:
                     write_progress(self._dir, step)
                     self._written = step
-                except OSError as e:  # accounting only: never fail training over it
-                    log.debug("progress not written: %s", e)
+                except Exception as e:  # accounting only (a local disk or a bucket): never fail training
+                    if not self._warned:
+                        log.warning("could not write progress to %s: %s", self._dir, e)
+                        self._warned = True
 
     def close(self) -> None:
         self._stop.set()

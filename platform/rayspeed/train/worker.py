@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rayspeed.checkpoint import resume as ckpt_resume
-from rayspeed.checkpoint import store
+from rayspeed.checkpoint import staging, storage, store
 from rayspeed.config.load import flatten, parse, to_dict, to_yaml
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.train import resilience
@@ -115,6 +115,10 @@ def run_worker(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     t = time.time()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     phases["init_distributed"] = time.time() - t
+    if storage.store.is_uri(config.get("experiment_dir")):
+        # Ray hands workers the path inside its filesystem (bucket/prefix/name); rayspeed keeps the URI form.
+        ctx = dataclasses.replace(ctx, experiment_dir=config["experiment_dir"])
+    exp = storage.locate(ctx.experiment_dir)
     chosen = None
     if ctx.is_rank0:
         preferred = None
@@ -123,7 +127,9 @@ def run_worker(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
 
             ck = ray.train.get_checkpoint()
             preferred = ck.path if ck is not None else None
-        found = ckpt_resume.choose(ctx.experiment_dir, preferred)
+            if preferred and not exp.is_local:
+                preferred = str(exp.child(preferred.rstrip("/").rsplit("/", 1)[-1]))
+        found = ckpt_resume.choose(ctx.experiment_dir, preferred, deep=exp.is_local)
         chosen = str(found) if found else None
     chosen = _broadcast(chosen)
     manifest = store.read_manifest(chosen) if chosen else None
@@ -145,6 +151,10 @@ class Trainer:
         self.t_start = t_start or time.time()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
         self.tracker = None
+        self.exp = storage.locate(ctx.experiment_dir)
+        # Node-local staging, used only when the experiment lives on an object store.
+        self.stage = staging.node_dir(storage.staging_root(cfg.storage.staging_dir), cfg.name, ctx.node_id)
+        self.local_checkpoint: str | None = checkpoint if self.exp.is_local else None
 
     # ------------------------------------------------------------------ setup
     def _setup_tracking(self) -> None:
@@ -162,7 +172,12 @@ class Trainer:
         from rayspeed.data import RankBatches, build_token_file, make_schedule, val_batches
 
         c = self.cfg
-        cache = c.data.cache_dir if c.data.cache_dir != AUTO else str(Path(self.launch["storage_path"]) / ".cache" / "data")
+        if c.data.cache_dir != AUTO:
+            cache = c.data.cache_dir
+        elif self.exp.is_local:
+            cache = str(Path(self.launch["storage_path"]) / ".cache" / "data")
+        else:  # the tokenizer writes a local file; on object storage each node caches its own
+            cache = str(self.stage.parent / ".cache" / "data")
         tf = build_token_file(c.data.source, c.data.path, c.data.tokenizer, cache)
         train, val = tf.split(c.data.val_fraction, c.model.seq_len)
         schedule = make_schedule(train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
@@ -211,20 +226,24 @@ class Trainer:
         t = time.time()
         self.ds_config = deepspeed_config(c, self.plan.best)
         tag = ckpt_resume.DS_TAG
+        if self.checkpoint and not self.exp.is_local:
+            self.local_checkpoint = self._stage_checkpoint(self.checkpoint)
         if self.checkpoint and ckpt_resume.needs_universal(self.manifest or {}, ckpt_resume.layout_of(c)):
-            if ctx.is_rank0:
+            # Local storage: rank 0 converts the shared copy once. Object storage: every node converts its own
+            # staged copy (the same input, so the same output), in parallel.
+            converter = ctx.is_rank0 if self.exp.is_local else ctx.local_rank == 0
+            err = None
+            if converter:
                 log.info("layout changed %s -> %s: converting %s to a universal checkpoint",
-                         (self.manifest or {}).get("layout"), ckpt_resume.layout_of(c), Path(self.checkpoint).name)
-                err = None
+                         (self.manifest or {}).get("layout"), ckpt_resume.layout_of(c), store._name(self.checkpoint))
                 try:
-                    ckpt_resume.convert_to_universal(self.checkpoint)
+                    ckpt_resume.convert_to_universal(self.local_checkpoint)
                 except Exception as e:
                     err = str(e)
-                _broadcast(err)
-            else:
-                err = _broadcast(None)
-            if err:
-                raise RuntimeError(err)
+            errs: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(errs, err)
+            if any(errs):
+                raise RuntimeError(next(e for e in errs if e))
             tag = ckpt_resume.UNIVERSAL_TAG
             self.ds_config["checkpoint"] = {"load_universal": True}
         self.engine, self.pipelined = build_engine(c, self.ds_config, self.groups, self.device)
@@ -236,6 +255,10 @@ class Trainer:
         phases["engine"] = time.time() - t
         t = time.time()
         start_step, state = self._resume(tag)
+        if self.checkpoint and not self.exp.is_local:
+            dist.barrier()  # every rank on this node has loaded the staged copy
+            if ctx.local_rank == 0:
+                staging.clean(Path(self.local_checkpoint))
         phases["resume"] = time.time() - t
         t = time.time()
         if c.health.preflight:
@@ -325,10 +348,29 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ checkpoints
+    def _stage_checkpoint(self, chosen: str) -> str:
+        """Object storage: local rank 0 of each node downloads and verifies `chosen`; the node's other ranks wait.
+        Returns the staged local folder (the same path on every rank of a node)."""
+        name = store._name(chosen)
+        err = None
+        local = self.stage / "load" / name
+        if self.ctx.local_rank == 0:
+            t0 = time.perf_counter()
+            try:
+                staging.fetch(self.exp, name, self.stage)
+                log.info("staged %s from %s into %s in %.1f s", name, self.exp, local, time.perf_counter() - t0)
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+        errs: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(errs, err)  # also the barrier the node's other ranks wait at
+        if any(errs):
+            raise RuntimeError(f"could not stage checkpoint {name}: {next(e for e in errs if e)}")
+        return str(local)
+
     def _resume(self, tag: str) -> tuple[int, dict[str, Any]]:
         if self.checkpoint is None:
             return 0, {"step": 0, "restarts": 0}
-        path = self.checkpoint
+        path = self.local_checkpoint
         _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load {path} (tag {tag})")
@@ -337,42 +379,57 @@ class Trainer:
             _set_rng_state(torch.load(rng_file, weights_only=False))
         self._restore_data_position(client["data"])
         step = int(client["step"])
-        state = {"step": step, "restarts": int(client.get("restarts", 0)) + 1, "resumed_from": path}
+        state = {"step": step, "restarts": int(client.get("restarts", 0)) + 1, "resumed_from": self.checkpoint}
         if self.ctx.is_rank0:
-            log.info("resumed from %s at step %d (restart %d, world %s -> %d)", Path(path).name, step,
+            log.info("resumed from %s at step %d (restart %d, world %s -> %d)", store._name(self.checkpoint), step,
                      state["restarts"], (self.manifest or {}).get("world_size"), self.ctx.world_size)
         return step, state
 
     def _save_checkpoint(self, step: int, state: dict[str, Any]) -> float:
         """Commit protocol (rayspeed.checkpoint.store): shards, then one verified manifest. Returns the stall."""
         t0 = time.perf_counter()
-        root = Path(self.ctx.experiment_dir)
-        d = root / store.dir_name(step)
-        if self.ctx.is_rank0:
-            d.mkdir(parents=True, exist_ok=True)
+        exp, name = self.exp, store.dir_name(step)
+        if exp.is_local:
+            d = exp.local / name
+            if self.ctx.is_rank0:
+                d.mkdir(parents=True, exist_ok=True)
+        else:  # DeepSpeed writes local files: this rank's part goes to staging, then to the store
+            d = staging.save_dir(self.stage, self.ctx.rank, step)
         dist.barrier()
         client = {"step": step, "data": self.batches.state_dict(), "restarts": state["restarts"],
                   "mlflow_run_id": self.launch.get("mlflow_run_id")}
         self.engine.save_checkpoint(str(d), tag=ckpt_resume.DS_TAG, client_state=client, save_latest=False)
         torch.save(_rng_state(), d / f"rng_rank{self.ctx.rank}.pt")
         self._chaos_in_checkpoint(step)
-        dist.barrier()
+        files = None
+        if exp.is_local:
+            dist.barrier()
+        else:
+            mine = staging.publish(exp, d)
+            every: list[Any] = [None] * self.ctx.world_size
+            dist.all_gather_object(every, mine)  # every rank's upload is done past this point
+            files = {k: v for part in every for k, v in part.items()}
         if self.ctx.is_rank0:
-            store.write_manifest(d, step, self._manifest_meta())
+            store.write_manifest(d if exp.is_local else str(exp.child(name)), step, self._manifest_meta(), files)
         dist.barrier()
         if self.ctx.under_ray:
             import ray.train
             from ray.train import Checkpoint, CheckpointUploadMode
 
+            if exp.is_local:
+                ck = Checkpoint.from_directory(str(d))
+            else:  # a pointer into the store, on the filesystem Ray Train itself uses for the run
+                sc = ray.train.get_context().get_storage()
+                ck = Checkpoint(path=f"{sc.experiment_fs_path.rstrip('/')}/{name}", filesystem=sc.storage_filesystem)
             ray.train.report(
                 {"step": step},
-                checkpoint=Checkpoint.from_directory(str(d)),
-                checkpoint_dir_name=d.name,
+                checkpoint=ck,
+                checkpoint_dir_name=name,
                 checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
             )
         if self.ctx.is_rank0:
-            for p in store.prune(root, self.cfg.resilience.keep_checkpoints):
-                log.info("deleted old checkpoint %s", p.name)
+            for p in store.prune(str(exp), self.cfg.resilience.keep_checkpoints):
+                log.info("deleted old checkpoint %s", store._name(p))
         return time.perf_counter() - t0
 
     def _manifest_meta(self) -> dict[str, Any]:
@@ -389,17 +446,17 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ chaos drills
-    def _chaos_marker(self, kind: str, rank: int, step: int) -> Path:
-        return Path(self.ctx.experiment_dir) / ".chaos" / f"{kind}_rank{rank}_step{step}"
+    def _chaos_marker(self, kind: str, rank: int, step: int) -> str:
+        return f".chaos/{kind}_rank{rank}_step{step}"
 
     def _once(self, kind: str, spec: Any, step: int) -> bool:
         if spec is None or spec.rank != self.ctx.rank or spec.step != step:
             return False
+        # In the experiment's storage: the restarted rank may run on another node.
         marker = self._chaos_marker(kind, spec.rank, spec.step)
-        if marker.exists():
+        if self.exp.exists(marker):
             return False
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(str(time.time()))
+        self.exp.write_bytes(marker, str(time.time()).encode())
         return True
 
     def _die(self, why: str) -> None:
@@ -531,26 +588,29 @@ class Trainer:
         bad window (replaying it would reproduce the same blow-up). False when there is nothing to restore."""
         chosen = None
         if self.ctx.is_rank0:
-            found, _ = store.latest_verified(self.ctx.experiment_dir)
+            found, _ = store.latest_verified(self.ctx.experiment_dir, deep=self.exp.is_local)
             chosen = str(found) if found else None
         chosen = _broadcast(chosen)
         if chosen is None:
             if self.ctx.is_rank0:
                 log.warning("watchdog: %s, but no verified checkpoint to roll back to; continuing", reason)
             return False
-        self.engine.load_checkpoint(chosen, tag=ckpt_resume.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        local = chosen if self.exp.is_local else self._stage_checkpoint(chosen)
+        self.engine.load_checkpoint(local, tag=ckpt_resume.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if not self.exp.is_local:
+            dist.barrier()
+            if self.ctx.local_rank == 0:
+                staging.clean(Path(local))
         self.watchdog.reset()
+        name = store._name(chosen)
         if self.ctx.is_rank0:
             log.warning("watchdog: %s -> rolled back to %s, skipping the data of steps %d..%d", reason,
-                        Path(chosen).name, (store.step_of(chosen) or 0) + 1, done)
-            self.tracker.set_tags({f"rayspeed.watchdog.step{done}": f"rollback to {Path(chosen).name}: {reason}"[:4000]})
+                        name, (store.step_of(chosen) or 0) + 1, done)
+            self.tracker.set_tags({f"rayspeed.watchdog.step{done}": f"rollback to {name}: {reason}"[:4000]})
         return True
 
     def _write_result(self, result: dict[str, Any]) -> None:
-        Path(self.ctx.experiment_dir).mkdir(parents=True, exist_ok=True)
-        tmp = Path(self.ctx.experiment_dir) / "worker_result.json.tmp"
-        tmp.write_text(json.dumps(result, default=str))
-        os.replace(tmp, Path(self.ctx.experiment_dir) / "worker_result.json")
+        self.exp.write_bytes("worker_result.json", json.dumps(result, default=str).encode())
 
     def _train(self, start_step: int, state: dict[str, Any]) -> dict[str, Any]:
         ctx = self.ctx
@@ -663,12 +723,23 @@ class Trainer:
                                            group=self.groups.dp_group if self.groups.dp > 1 else None)
             except Exception as e:
                 log.warning("loss landscape failed: %s", e)
-        out_dir = str(Path(ctx.experiment_dir) / "model")
+        # The export is logged to MLflow from a local folder: on object storage it goes to node-local staging.
+        out_dir = str((self.exp.local if self.exp.is_local else self.stage) / "model")
         try:
             export_model(self.engine, c, out_dir, groups=self.groups)
         except Exception as e:
             log.warning("model export failed: %s", e)
             out_dir = None
+        try:
+            self._register(out_dir, val_loss, last_loss, landscape)
+        finally:
+            if out_dir and not self.exp.is_local and ctx.is_rank0:
+                staging.clean(Path(out_dir))  # MLflow holds the model now; staging is for transfers only
+
+    def _register(self, out_dir: str | None, val_loss: float | None, last_loss: float, landscape: Any) -> None:
+        from rayspeed.tracking.runs import registered_model_name
+
+        c, ctx = self.cfg, self.ctx
         if not ctx.is_rank0 or not self.launch.get("mlflow_run_id"):
             return
         if out_dir:

@@ -1,0 +1,247 @@
+"""Where a job's files live: a local/NFS path or an object-store URI (s3://bucket/prefix, gs://..., anything
+pyarrow's `FileSystem.from_uri` and Ray Train's storage_path accept), behind one small interface.
+
+    loc = locate("s3://bucket/runs").child("my-job")     # resolved once (store.py caches the filesystem per root)
+    loc.write_json("summary.json", {...}); loc.read_json("worker_result.json"); loc.exists(".chaos/x")
+    loc.upload_dir(local_dir, "checkpoint_step00000010"); loc.download_dir("checkpoint_step00000010", local_dir)
+
+A local path takes plain file I/O (the fast path: no pyarrow, no copies), exactly as before. A URI goes through
+the pyarrow filesystem that rayspeed.checkpoint.store resolves for it, so checkpoints, manifests, summaries and
+resilience events all share one filesystem object per root.
+
+Object stores have no append and no rename: a JSON file is written in one PUT (atomic for readers), and
+`append_jsonl` rewrites the whole (small) object. That is safe only with a single writer per file, which is
+how rayspeed uses it (events.jsonl: the Ray Train controller; handled.jsonl and progress.json: rank 0).
+
+Credentials and endpoints come from the environment the way pyarrow and the cloud SDKs read them
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS, ...);
+`forwarded_env` lists the ones the launcher hands to the Ray workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rayspeed.checkpoint import store
+
+# Read by pyarrow / the AWS, GCS and Azure SDKs. A driver that reaches the bucket with these must hand them to
+# the workers (the Ray Train controller and workers run in processes the driver did not start).
+STORAGE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "ARROW_S3_")
+
+
+def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith(STORAGE_ENV_PREFIXES)}
+
+
+@dataclass(frozen=True)
+class Location:
+    """A folder on local disk (`fs` None) or on a pyarrow filesystem (`fs_path` inside `fs`); `uri` is the form
+    the caller gave (a local path or a URI) and is what `str()` returns."""
+
+    uri: str
+    fs: Any = None
+    fs_path: str = ""
+
+    @property
+    def is_local(self) -> bool:
+        return self.fs is None
+
+    @property
+    def local(self) -> Path:
+        assert self.fs is None, f"{self.uri} is not a local path"
+        return Path(self.uri)
+
+    @property
+    def name(self) -> str:
+        return self.uri.rstrip("/").rsplit("/", 1)[-1]
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def child(self, rel: str) -> "Location":
+        rel = str(rel).strip("/")
+        if not rel:
+            return self
+        if self.fs is None:
+            return Location(str(Path(self.uri) / rel))
+        return Location(f"{self.uri.rstrip('/')}/{rel}", self.fs, f"{self.fs_path.rstrip('/')}/{rel}")
+
+    # ------------------------------------------------------------ small files
+    def mkdirs(self, rel: str = "") -> None:
+        """Create the folder (local) or its marker (a no-op on object stores, where folders are prefixes)."""
+        loc = self.child(rel)
+        if loc.fs is None:
+            Path(loc.uri).mkdir(parents=True, exist_ok=True)
+        elif loc.fs.type_name not in store._OBJECT_STORES:
+            loc.fs.create_dir(loc.fs_path, recursive=True)
+
+    def exists(self, rel: str = "") -> bool:
+        loc = self.child(rel)
+        if loc.fs is None:
+            return os.path.exists(loc.uri)
+        from pyarrow import fs as pafs
+
+        return loc.fs.get_file_info(loc.fs_path).type != pafs.FileType.NotFound
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Atomic for readers: write-then-rename locally, one PUT (or tmp + move) on a pyarrow filesystem."""
+        loc = self.child(rel)
+        if loc.fs is None:
+            p = Path(loc.uri)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+            return
+        store._remote_write(store._Remote(loc.fs, loc.fs_path, loc.uri), data)
+
+    def read_bytes(self, rel: str = "") -> bytes | None:
+        """The file's bytes, or None when it does not exist (or cannot be read)."""
+        loc = self.child(rel)
+        try:
+            if loc.fs is None:
+                return Path(loc.uri).read_bytes()
+            with loc.fs.open_input_stream(loc.fs_path) as fh:
+                return fh.read()
+        except OSError:
+            return None
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        self.write_bytes(rel, json.dumps(obj, indent=2, default=str).encode())
+
+    def read_json(self, rel: str) -> dict[str, Any]:
+        """{} when missing or unreadable: callers treat an absent file and a torn one alike."""
+        data = self.read_bytes(rel)
+        try:
+            return json.loads(data) if data else {}
+        except ValueError:
+            return {}
+
+    def append_jsonl(self, rel: str, record: dict[str, Any]) -> None:
+        """Append one JSON line. Local: one O_APPEND write (concurrent writers do not interleave). Remote:
+        read + rewrite, so one writer per file."""
+        line = (json.dumps(record) + "\n").encode()
+        loc = self.child(rel)
+        if loc.fs is None:
+            p = Path(loc.uri)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        self.write_bytes(rel, (self.read_bytes(rel) or b"") + line)
+
+    def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
+        out = []
+        for raw in (self.read_bytes(rel) or b"").decode(errors="replace").splitlines():
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue  # a torn last line from a crash
+        return out
+
+    def delete(self, rel: str = "") -> None:
+        loc = self.child(rel)
+        if loc.fs is None:
+            if os.path.isdir(loc.uri):
+                shutil.rmtree(loc.uri, ignore_errors=True)
+            elif os.path.exists(loc.uri):
+                os.remove(loc.uri)
+            return
+        from pyarrow import fs as pafs
+
+        info = loc.fs.get_file_info(loc.fs_path)
+        if info.type == pafs.FileType.Directory:
+            loc.fs.delete_dir(loc.fs_path)
+        elif info.type == pafs.FileType.File:
+            loc.fs.delete_file(loc.fs_path)
+
+    # ------------------------------------------------------------ whole folders
+    def upload_dir(self, local_dir: str | Path, rel: str = "") -> list[str]:
+        """Copy every file under local_dir to rel (merging with what is there); returns the relative paths."""
+        local_dir = Path(local_dir)
+        dest = self.child(rel)
+        files = sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*") if p.is_file())
+        if dest.fs is None:
+            for f in files:
+                (dest.local / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(local_dir / f, dest.local / f)
+            return files
+        from pyarrow import fs as pafs
+
+        if dest.fs.type_name not in store._OBJECT_STORES:
+            dest.fs.create_dir(dest.fs_path, recursive=True)
+        # pyarrow's copy_files streams each file with a thread pool (multipart uploads on S3).
+        pafs.copy_files(str(local_dir), dest.fs_path, source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=dest.fs, use_threads=True)
+        return files
+
+    def download_dir(self, rel: str, local_dir: str | Path) -> Path:
+        """Copy the folder rel into local_dir (created); returns local_dir."""
+        src = self.child(rel)
+        local_dir = Path(local_dir)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        if src.fs is None:
+            shutil.copytree(src.local, local_dir, dirs_exist_ok=True)
+            return local_dir
+        from pyarrow import fs as pafs
+
+        pafs.copy_files(src.fs_path, str(local_dir), source_filesystem=src.fs,
+                        destination_filesystem=pafs.LocalFileSystem(), use_threads=True)
+        return local_dir
+
+
+def locate(path: str | Path | Location) -> Location:
+    """A local path (str, Path or file:// URI) or any URI pyarrow resolves; the filesystem is resolved once per root."""
+    if isinstance(path, Location):
+        return path
+    if not store.is_uri(path):
+        return Location(str(store._local(path)))
+    r = store._resolve_uri(str(path))
+    return Location(r.public, r.fs, r.fs_path)
+
+
+def staging_root(configured: str = "auto") -> Path:
+    """Node-local folder for checkpoints on their way to / from an object store: storage.staging_dir, else
+    $RAYSPEED_STAGING, else <tmp>/rayspeed-staging. Must be on a local disk with room for one checkpoint."""
+    if configured and configured != "auto":
+        return Path(configured).expanduser()
+    env = os.environ.get("RAYSPEED_STAGING")
+    return Path(env).expanduser() if env else Path(tempfile.gettempdir()) / "rayspeed-staging"
+
+
+def check_reachable(path: str, key: str = "storage.path") -> str | None:
+    """None when `path` is local or its bucket answers; else one line naming the key and the fix. Writes nothing."""
+    if not store.is_uri(path):
+        return None
+    scheme = path.split("://", 1)[0]
+    try:
+        loc = locate(path)
+    except Exception as e:  # pyarrow: ArrowInvalid for an unknown scheme, OSError for a missing bucket/region
+        msg = str(e).splitlines()[0][:300]
+        if "Unrecognized filesystem type" in msg or "not supported" in msg.lower():
+            return (f"{key}: {path!r} has a scheme ({scheme}://) no filesystem handles; use a local absolute path "
+                    "or an object-store URI such as s3://bucket/prefix, gs://bucket/prefix or abfs://container/prefix")
+        return (f"{key}: cannot open {path!r} ({msg}); check the bucket name, the credentials and endpoint in the "
+                "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...)")
+    from pyarrow import fs as pafs
+
+    bucket = loc.fs_path.strip("/").split("/", 1)[0]
+    try:
+        info = loc.fs.get_file_info(bucket if loc.fs.type_name in store._OBJECT_STORES else loc.fs_path)
+    except Exception as e:
+        return (f"{key}: the bucket of {path!r} cannot be reached ({str(e).splitlines()[0][:300]}); check the "
+                "endpoint (AWS_ENDPOINT_URL), network and credentials, or use a local absolute path")
+    if loc.fs.type_name in store._OBJECT_STORES and info.type == pafs.FileType.NotFound:
+        return f"{key}: bucket {bucket!r} of {path!r} does not exist; create it or fix the bucket name"
+    return None
