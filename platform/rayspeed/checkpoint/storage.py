@@ -220,6 +220,14 @@ def staging_root(configured: str = "auto") -> Path:
     return Path(env).expanduser() if env else Path(tempfile.gettempdir()) / "rayspeed-staging"
 
 
+def data_cache_dir(storage_path: str, staging_dir: str, job: str) -> str:
+    """Where the tokenized data (a local memmap) is cached when data.cache_dir is auto: next to the runs on a
+    local/NFS storage path, else in the node's staging folder (a memmap cannot live in a bucket)."""
+    if not store.is_uri(storage_path):
+        return str(Path(storage_path) / ".cache" / "data")
+    return str(staging_root(staging_dir) / job / ".cache" / "data")
+
+
 def check_reachable(path: str, key: str = "storage.path") -> str | None:
     """None when `path` is local or its bucket answers; else one line naming the key and the fix. Writes nothing."""
     if not store.is_uri(path):

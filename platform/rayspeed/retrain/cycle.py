@@ -215,7 +215,9 @@ def _token_file(cfg: Any, storage: str) -> Any:
     from rayspeed.data import build_token_file
 
     c = cfg.data
-    cache = c.cache_dir if c.cache_dir != AUTO else str(Path(storage) / ".cache" / "data")  # as the workers do
+    from rayspeed.checkpoint.storage import data_cache_dir
+
+    cache = c.cache_dir if c.cache_dir != AUTO else data_cache_dir(storage, cfg.storage.staging_dir, cfg.name)  # as the workers do
     return build_token_file(c.source, c.path, c.tokenizer, cache)
 
 

@@ -172,12 +172,8 @@ class Trainer:
         from rayspeed.data import RankBatches, build_token_file, make_schedule, val_batches
 
         c = self.cfg
-        if c.data.cache_dir != AUTO:
-            cache = c.data.cache_dir
-        elif self.exp.is_local:
-            cache = str(Path(self.launch["storage_path"]) / ".cache" / "data")
-        else:  # the tokenizer writes a local file; on object storage each node caches its own
-            cache = str(self.stage.parent / ".cache" / "data")
+        cache = (c.data.cache_dir if c.data.cache_dir != AUTO
+                 else storage.data_cache_dir(self.launch["storage_path"], c.storage.staging_dir, c.name))
         tf = build_token_file(c.data.source, c.data.path, c.data.tokenizer, cache)
         train, val = tf.split(c.data.val_fraction, c.model.seq_len)
         schedule = make_schedule(train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
