@@ -35,9 +35,18 @@ from rayspeed.checkpoint import store
 STORAGE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "ARROW_S3_")
 
 
-def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+# Values that name something on the driver's machine (a profile, a file): on another node they point at
+# nothing, or at something else, and would break nodes that authenticate with their own role.
+DRIVER_ONLY_ENV = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+                   "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CA_BUNDLE", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def forwarded_env(environ: dict[str, str] | None = None, remote: bool = False) -> dict[str, str]:
+    """The storage variables the Ray Train controller and workers get. `remote`: the cluster's nodes are other
+    machines, so profile and file-path variables stay behind (put those files on the nodes, or use node roles)."""
     env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if k.startswith(STORAGE_ENV_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if k.startswith(STORAGE_ENV_PREFIXES) and not (remote and k in DRIVER_ONLY_ENV)}
 
 
 @dataclass(frozen=True)
@@ -139,7 +148,13 @@ class Location:
             finally:
                 os.close(fd)
             return
-        self.write_bytes(rel, (self.read_bytes(rel) or b"") + line)
+        old = b""
+        if self.exists(rel):
+            data = self.read_bytes(rel)
+            if data is None:  # a transient read error must not rewrite the file with this line alone
+                raise OSError(f"could not read {loc} to append to it")
+            old = data
+        self.write_bytes(rel, old + line)
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         out = []

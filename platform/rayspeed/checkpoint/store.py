@@ -189,14 +189,14 @@ def list_files(ckpt_dir: Path, *, filesystem: Any = None) -> list[Path]:
     r = _where(ckpt_dir, filesystem)
     if r is not None:  # relative paths as str (posix)
         return [rel for rel, _ in _remote_files(r)  # type: ignore[misc]
-                if rel != MANIFEST and not rel.rsplit("/", 1)[-1].endswith(".tmp")]
+                if rel not in (MANIFEST, REJECTED) and not rel.rsplit("/", 1)[-1].endswith(".tmp")]
     ckpt_dir = _local(ckpt_dir)
     out = []
     for root, _, files in os.walk(ckpt_dir):
         for f in files:
             p = Path(root) / f
             rel = p.relative_to(ckpt_dir)
-            if str(rel) == MANIFEST or rel.name.endswith(".tmp"):
+            if str(rel) in (MANIFEST, REJECTED) or rel.name.endswith(".tmp"):
                 continue
             out.append(rel)
     return sorted(out)

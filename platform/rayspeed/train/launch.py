@@ -131,7 +131,7 @@ def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
 
     # The Ray Train controller and workers open the object store too, in processes this driver did not start:
     # the credentials/endpoint this driver reached the bucket with go with the job.
-    job_env = forwarded_env() if is_uri(storage_path(cfg)) else {}
+    job_env = forwarded_env(remote=bool(address)) if is_uri(storage_path(cfg)) else {}
     runtime_env = {"env_vars": job_env} if job_env else None
     if ray.is_initialized():  # embedded in a process that already joined a cluster (tests, notebooks)
         address, started = "existing", False
@@ -191,7 +191,7 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, exp_dir: st
     from rayspeed.checkpoint.store import is_uri
 
     if is_uri(storage):  # also set on the job (_connect_ray); said again for a driver joined from elsewhere
-        env = {**forwarded_env(), **(env or {})}
+        env = {**forwarded_env(remote=not embedded), **(env or {})}
     # Ray Train waits this long for a worker group to start before calling the attempt failed; after a node
     # loss it first retries the old size, so the default 60 s is pure recovery delay. Read by the controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(cfg.resilience.worker_start_timeout_s))

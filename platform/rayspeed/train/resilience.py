@@ -143,8 +143,10 @@ class ProgressRecorder:
     def __init__(self, experiment_dir: str | Path, interval_s: float = 1.0):
         self._warned = False
         self._dir = experiment_dir
-        self._step = 0
-        self._written = -1
+        # None until the first update: the previous attempt's progress.json must survive until this attempt's
+        # first step has read it (lost_steps), so nothing is written before then.
+        self._step: int | None = None
+        self._written: int | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._interval = interval_s
@@ -157,7 +159,7 @@ class ProgressRecorder:
     def flush(self) -> None:
         with self._lock:
             step = self._step
-            if step != self._written:
+            if step is not None and step != self._written:
                 try:
                     write_progress(self._dir, step)
                     self._written = step

@@ -391,6 +391,10 @@ class Trainer:
                 d.mkdir(parents=True, exist_ok=True)
         else:  # DeepSpeed writes local files: this rank's part goes to staging, then to the store
             d = staging.save_dir(self.stage, self.ctx.rank, step)
+            if self.ctx.is_rank0 and exp.exists(name):
+                # The same step saved again after a rollback or a resume from an older checkpoint: the old
+                # objects (a manifest, a rejected.json) must not mix with the new ones.
+                exp.delete(name)
         dist.barrier()
         client = {"step": step, "data": self.batches.state_dict(), "restarts": state["restarts"],
                   "mlflow_run_id": self.launch.get("mlflow_run_id")}
@@ -730,7 +734,12 @@ class Trainer:
             self._register(out_dir, val_loss, last_loss, landscape)
         finally:
             if out_dir and not self.exp.is_local and ctx.is_rank0:
-                staging.clean(Path(out_dir))  # MLflow holds the model now; staging is for transfers only
+                if getattr(self, "model_version", None) is None:  # not in MLflow: keep it beside the checkpoints
+                    try:
+                        self.exp.upload_dir(out_dir, "model")
+                    except Exception as e:
+                        log.warning("model export not uploaded to %s: %s", self.exp, e)
+                staging.clean(Path(out_dir))  # staging is for transfers only
 
     def _register(self, out_dir: str | None, val_loss: float | None, last_loss: float, landscape: Any) -> None:
         from rayspeed.tracking.runs import registered_model_name
