@@ -59,16 +59,22 @@ class RayHead:
         raise RuntimeError(f"ray head did not start in {timeout}s: see {self.log.name}")
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_process_group(self.proc, 60)
         self.log.close()
 
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group a test service was started in (start_new_session=True), SIGKILL after grace_s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
 
 def run_job(home: Path, args: list[str], ray_address: str | None, timeout: float = 600, env_extra: dict | None = None):
     """python jobs/train.py ... with RAYSPEED_HOME=home; returns (CompletedProcess, summary or None)."""

@@ -6,13 +6,13 @@ endpoint variable, which pyarrow 25's S3FileSystem honours), dummy credentials, 
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+
+from _cluster import stop_process_group
 
 
 def _free_port() -> int:
@@ -68,13 +68,5 @@ class MotoS3:
             token = r["NextContinuationToken"]
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+        stop_process_group(self.proc, 20)
         self.log.close()

@@ -291,15 +291,13 @@ def verify(ckpt_dir: str | Path, deep: bool = True, *, filesystem: Any = None) -
         return _remote_verify(r, deep)
     ckpt_dir = _local(ckpt_dir)
     m = read_manifest(ckpt_dir)
-    if m is None:
-        return Verdict(False, "no readable manifest (incomplete write)")
-    if m.get("format") != FORMAT_VERSION:
-        return Verdict(False, f"manifest format {m.get('format')} is not {FORMAT_VERSION}")
-    files = m.get("files") or {}
-    if not files:
-        return Verdict(False, "manifest lists no files")
-    if (ckpt_dir / REJECTED).exists():
-        return Verdict(False, f"rejected earlier ({_rejection(read_json_local(ckpt_dir / REJECTED))})")
+    bad = _manifest_problem(m)
+    if bad:
+        return Verdict(False, bad)
+    marker = ckpt_dir / REJECTED
+    if marker.exists():
+        return _rejected(marker.read_bytes)
+    files = m["files"]
     for rel, e in files.items():
         p = ckpt_dir / rel
         if not p.is_file():
@@ -311,36 +309,40 @@ def verify(ckpt_dir: str | Path, deep: bool = True, *, filesystem: Any = None) -
     return Verdict(True)
 
 
-def _rejection(record: Any) -> str:
-    return str((record or {}).get("reason", "no reason recorded"))[:300]
+def _manifest_problem(m: dict[str, Any] | None) -> str | None:
+    if m is None:
+        return "no readable manifest (incomplete write)"
+    if m.get("format") != FORMAT_VERSION:
+        return f"manifest format {m.get('format')} is not {FORMAT_VERSION}"
+    if not m.get("files"):
+        return "manifest lists no files"
+    return None
 
 
-def read_json_local(path: Path) -> Any:
+def _rejected(read: Any) -> Verdict:
+    """The verdict for a checkpoint carrying REJECTED; `read()` returns the marker's bytes."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+        why = str(json.loads(read()).get("reason", "no reason recorded"))[:300]
+    except Exception:  # the marker alone is enough
+        why = "unreadable marker"
+    return Verdict(False, f"rejected earlier ({why})")
 
 
 def _remote_verify(r: _Remote, deep: bool) -> Verdict:
     from pyarrow import fs as pafs
 
     m = read_manifest(r.fs_path, filesystem=r.fs)
-    if m is None:
-        return Verdict(False, "no readable manifest (incomplete write)")
-    if m.get("format") != FORMAT_VERSION:
-        return Verdict(False, f"manifest format {m.get('format')} is not {FORMAT_VERSION}")
-    files = m.get("files") or {}
-    if not files:
-        return Verdict(False, "manifest lists no files")
-    marker = r.fs.get_file_info(r.child(REJECTED).fs_path)
-    if marker.type == pafs.FileType.File:
-        try:
-            with r.fs.open_input_stream(r.child(REJECTED).fs_path) as fh:
-                why = _rejection(json.loads(fh.read().decode()))
-        except Exception:  # the marker alone is enough
-            why = "unreadable marker"
-        return Verdict(False, f"rejected earlier ({why})")
+    bad = _manifest_problem(m)
+    if bad:
+        return Verdict(False, bad)
+    marker = r.child(REJECTED).fs_path
+    if r.fs.get_file_info(marker).type == pafs.FileType.File:
+        def read() -> bytes:
+            with r.fs.open_input_stream(marker) as fh:
+                return fh.read()
+
+        return _rejected(read)
+    files = m["files"]
     rels = list(files)
     infos = r.fs.get_file_info([r.child(rel).fs_path for rel in rels])
     for rel, info in zip(rels, infos):

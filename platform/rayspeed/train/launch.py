@@ -102,6 +102,8 @@ def _trainer_class(embedded: bool):
     """
     from ray.train.torch import TorchTrainer
 
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return TorchTrainer
     skip = {"DatasetsCallback", *(_EMBEDDED_SKIP if embedded else ())}
 
     class RayspeedTrainer(TorchTrainer):
@@ -111,8 +113,6 @@ def _trainer_class(embedded: bool):
                 return callbacks
             return [cb for cb in callbacks if type(cb).__name__ not in skip]
 
-    if not hasattr(TorchTrainer, "_create_default_callbacks"):
-        return TorchTrainer
     return RayspeedTrainer
 
 
