@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -68,6 +67,7 @@ def _worker(args: argparse.Namespace) -> int:
     from rayspeed.config.load import load
     from rayspeed.data import RankBatches, build_token_file, make_schedule
     from rayspeed.engine.optim import lr_factor, param_groups
+    from rayspeed.config.shape import ModelShape
     from rayspeed.model.transformer import Transformer
     from rayspeed.planner import resolve
 
@@ -85,7 +85,7 @@ def _worker(args: argparse.Namespace) -> int:
         raise SystemExit(f"bare_ddp runs fp32 on CPU; the plan says {t.precision}")
 
     torch.manual_seed(t.seed)
-    mcfg = dataclasses.replace(m, num_kv_heads=m.kv_heads, ffn_hidden_size=m.ffn_size)
+    mcfg = ModelShape.from_config(m)
     model = Transformer(mcfg, seed=t.seed)
     ddp = DDP(model)
     # Fused AdamW, as the platform uses (torch supports it on CPU too): the same optimizer kernel on both sides.

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 
-from rayspeed.checkpoint import store  # noqa: E402
+from rayspeed.checkpoint import manifest  # noqa: E402
 
 RESUMED = re.compile(r"resumed from (checkpoint_step\d+) at step (\d+)")
 
@@ -44,18 +44,18 @@ def run_round(home: Path, name: str, kill_step: int, every: int, max_steps: int)
     out = r.stdout + r.stderr
     m = RESUMED.search(out)
     root = home / "runs" / name
-    torn = root / store.dir_name(kill_step)
+    torn = root / manifest.dir_name(kill_step)
     rec = {
         "kill_step": kill_step,
         "returncode": r.returncode,
         "killed": r.returncode == -9 or "inside the checkpoint write" in out,
         "resumed_from": m.group(1) if m else None,
         "resumed_step": int(m.group(2)) if m else 0,
-        "torn_left_unverified": torn.exists() and not store.verify(torn).ok,
+        "torn_left_unverified": torn.exists() and not manifest.verify(torn).ok,
         "seconds": round(time.time() - t0, 1),
     }
     if m:
-        rec["resumed_checkpoint_verified"] = store.verify(root / m.group(1)).ok
+        rec["resumed_checkpoint_verified"] = manifest.verify(root / m.group(1)).ok
     return rec
 
 
@@ -74,7 +74,7 @@ def main() -> int:
         kill_step = a.every * (i + 1)
         rec = run_round(home, name, kill_step, a.every, max_steps)
         # Round i must resume from the last checkpoint that completed before the previous torn one.
-        expect = None if prev_kill is None else store.dir_name(prev_kill - a.every) if prev_kill - a.every > 0 else None
+        expect = None if prev_kill is None else manifest.dir_name(prev_kill - a.every) if prev_kill - a.every > 0 else None
         rec["expected_resume"] = expect
         good = rec["killed"] and rec["torn_left_unverified"] and rec["resumed_from"] == expect
         if rec["resumed_from"]:

@@ -13,7 +13,8 @@ from PIL import Image
 from rayspeed.config import parse
 from rayspeed.tracking.charts import CHART_FILES, ChartPublisher, render_charts
 from rayspeed.tracking.logger import MlflowLogger
-from rayspeed.tracking.runs import find_or_create_run, tracking_uri
+from rayspeed.paths import tracking_uri
+from rayspeed.tracking.runs import find_or_create_run
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import uuid
 import pytest
 from pyarrow import fs as pafs
 
-from rayspeed.checkpoint import store
+from rayspeed import paths, storage
+from rayspeed.checkpoint import manifest
 
 
 class Backend:
@@ -32,11 +33,11 @@ class Backend:
             (tmp_path / "sub").mkdir()
             self.root = "runs/job"
             self.kw = {"filesystem": pafs.SubTreeFileSystem(str(tmp_path / "sub"), pafs.LocalFileSystem())}
-        resolved = store.resolve(self.root, **self.kw)
+        resolved = storage.resolve(self.root, **self.kw)
         if resolved is None:  # file:// URIs are local paths: plain filesystem code
             self.fs, self.base = pafs.LocalFileSystem(), str(tmp_path / "runs")
         else:
-            self.fs, self.base = resolved
+            self.fs, self.base = resolved.fs, resolved.fs_path
 
     def join(self, *parts):
         """A path in the form callers use for this backend (URI, local path or filesystem path)."""
@@ -69,53 +70,53 @@ def backend(request, tmp_path):
 
 
 def make(b, step, files=None, commit=True):
-    d = store.dir_name(step)
+    d = manifest.dir_name(step)
     for name, data in (files or {"ds/model.pt": b"weights" * step, "rng_rank0.pt": b"rng"}).items():
         b.put(f"{d}/{name}", data)
     if commit:
-        store.write_manifest(b.join(d), step, {"world_size": 2}, **b.kw)
+        manifest.write_manifest(b.join(d), step, {"world_size": 2}, **b.kw)
     return b.join(d)
 
 
 def test_manifest_records_sizes_and_hashes(backend):
     d = make(backend, 10)
-    name = store.dir_name(10)
+    name = manifest.dir_name(10)
     m = json.loads(backend.get(f"{name}/manifest.json"))
-    assert m["step"] == 10 and m["world_size"] == 2 and m["format"] == store.FORMAT_VERSION
+    assert m["step"] == 10 and m["world_size"] == 2 and m["format"] == manifest.FORMAT_VERSION
     assert set(m["files"]) == {"ds/model.pt", "rng_rank0.pt"}
     assert m["files"]["rng_rank0.pt"]["bytes"] == 3 and len(m["files"]["rng_rank0.pt"]["sha256"]) == 64
     assert not backend.exists(f"{name}/manifest.json.tmp")
-    assert store.verify(d, **backend.kw).ok
-    assert store.read_manifest(d, **backend.kw)["step"] == 10
-    assert sorted(map(str, store.list_files(d, **backend.kw))) == ["ds/model.pt", "rng_rank0.pt"]
+    assert manifest.verify(d, **backend.kw).ok
+    assert manifest.read_manifest(d, **backend.kw)["step"] == 10
+    assert sorted(map(str, manifest.list_files(d, **backend.kw))) == ["ds/model.pt", "rng_rank0.pt"]
 
 
 def test_uncommitted_truncated_or_corrupt_is_rejected(backend):
     kw = backend.kw
     partial = make(backend, 30, commit=False)
-    assert "no readable manifest" in store.verify(partial, **kw).reason
+    assert "no readable manifest" in manifest.verify(partial, **kw).reason
     trunc = make(backend, 20)
-    backend.put(f"{store.dir_name(20)}/ds/model.pt", b"wei")
-    assert "bytes" in store.verify(trunc, **kw).reason
+    backend.put(f"{manifest.dir_name(20)}/ds/model.pt", b"wei")
+    assert "bytes" in manifest.verify(trunc, **kw).reason
     flipped = make(backend, 15)
-    data = bytearray(backend.get(f"{store.dir_name(15)}/ds/model.pt"))
+    data = bytearray(backend.get(f"{manifest.dir_name(15)}/ds/model.pt"))
     data[0] ^= 1
-    backend.put(f"{store.dir_name(15)}/ds/model.pt", bytes(data))
-    assert "sha256" in store.verify(flipped, **kw).reason
-    assert store.verify(flipped, deep=False, **kw).ok  # same size: only the hash catches it
+    backend.put(f"{manifest.dir_name(15)}/ds/model.pt", bytes(data))
+    assert "sha256" in manifest.verify(flipped, **kw).reason
+    assert manifest.verify(flipped, deep=False, **kw).ok  # same size: only the hash catches it
     missing = make(backend, 12)
-    backend.fs.delete_file(f"{backend.base.rstrip('/')}/{store.dir_name(12)}/rng_rank0.pt")
-    assert "missing" in store.verify(missing, **kw).reason
+    backend.fs.delete_file(f"{backend.base.rstrip('/')}/{manifest.dir_name(12)}/rng_rank0.pt")
+    assert "missing" in manifest.verify(missing, **kw).reason
     good = make(backend, 10)
-    latest, skipped = store.latest_verified(backend.root, **kw)
-    assert str(latest) == str(good) or (backend.kind == "file-uri" and str(latest).endswith(store.dir_name(10)))
+    latest, skipped = manifest.latest_verified(backend.root, **kw)
+    assert str(latest) == str(good) or (backend.kind == "file-uri" and str(latest).endswith(manifest.dir_name(10)))
     assert len(skipped) == 4
 
 
 def test_torn_manifest_is_not_a_checkpoint(backend):
     d = make(backend, 5)
-    backend.put(f"{store.dir_name(5)}/manifest.json", b'{"step": 5, "fil')
-    assert not store.verify(d, **backend.kw).ok
+    backend.put(f"{manifest.dir_name(5)}/manifest.json", b'{"step": 5, "fil')
+    assert not manifest.verify(d, **backend.kw).ok
 
 
 def test_prune_keeps_newest_verified_and_spares_newer_partial(backend):
@@ -123,60 +124,60 @@ def test_prune_keeps_newest_verified_and_spares_newer_partial(backend):
         make(backend, s)
     make(backend, 25, commit=False)  # being written right now
     make(backend, 12, commit=False)  # an old partial write
-    removed = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in store.prune(backend.root, keep=2, **backend.kw)}
-    assert removed == {store.dir_name(5), store.dir_name(10), store.dir_name(12)}
-    assert backend.listdir() == [store.dir_name(15), store.dir_name(20), store.dir_name(25)]
+    removed = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in manifest.prune(backend.root, keep=2, **backend.kw)}
+    assert removed == {manifest.dir_name(5), manifest.dir_name(10), manifest.dir_name(12)}
+    assert backend.listdir() == [manifest.dir_name(15), manifest.dir_name(20), manifest.dir_name(25)]
 
 
 def test_candidates_newest_first_in_the_callers_form(backend):
     for s in (3, 11, 7):
         make(backend, s)
     backend.put("not_a_checkpoint/x", b"x")
-    found = store.candidates(backend.root, **backend.kw)
-    assert [store.step_of(p) for p in found] == [11, 7, 3]
+    found = manifest.candidates(backend.root, **backend.kw)
+    assert [manifest.step_of(p) for p in found] == [11, 7, 3]
     if backend.kind == "mock":  # URIs stay URIs, and resolve to the same in-memory filesystem
         assert all(str(p).startswith(backend.root + "/") for p in found)
-        assert store.verify(found[0]).ok
-    assert store.candidates(backend.join("nowhere"), **backend.kw) == []
+        assert manifest.verify(found[0]).ok
+    assert manifest.candidates(backend.join("nowhere"), **backend.kw) == []
 
 
 def test_object_store_commit_is_one_put(monkeypatch, tmp_path):
     """On S3/GCS/Azure (no rename) the manifest is written in one PUT; no temporary object is ever created."""
     b = Backend("mock", tmp_path)
-    monkeypatch.setattr(store, "_OBJECT_STORES", store._OBJECT_STORES + (b.fs.type_name,))
+    monkeypatch.setattr(store, "_OBJECT_STORES", manifest._OBJECT_STORES + (b.fs.type_name,))
     writes = []
     d = make(b, 10, commit=False)
-    real = store._remote_write
+    real = manifest._remote_write
 
     def spy(r, data):
         writes.append(r.fs_path)
         return real(r, data)
 
     monkeypatch.setattr(store, "_remote_write", spy)
-    store.write_manifest(d, 10, {"world_size": 1})
-    assert writes == [f"{b.base}/{store.dir_name(10)}/manifest.json"]
-    assert not b.exists(f"{store.dir_name(10)}/manifest.json.tmp")
-    assert store.verify(d).ok
+    manifest.write_manifest(d, 10, {"world_size": 1})
+    assert writes == [f"{b.base}/{manifest.dir_name(10)}/manifest.json"]
+    assert not b.exists(f"{manifest.dir_name(10)}/manifest.json.tmp")
+    assert manifest.verify(d).ok
 
 
 def test_local_checkpoint_verifies_through_pyarrow(tmp_path):
     """One protocol: a checkpoint committed through the local code path verifies through pyarrow and back."""
-    d = tmp_path / store.dir_name(40)
+    d = tmp_path / manifest.dir_name(40)
     (d / "ds").mkdir(parents=True)
     (d / "ds" / "model.pt").write_bytes(b"w" * 100)
-    store.write_manifest(d, 40, {"world_size": 4})
-    assert store.verify(str(d), filesystem=pafs.LocalFileSystem()).ok
-    assert store.verify(d.as_uri()).ok
-    d2 = tmp_path / store.dir_name(50)
+    manifest.write_manifest(d, 40, {"world_size": 4})
+    assert manifest.verify(str(d), filesystem=pafs.LocalFileSystem()).ok
+    assert manifest.verify(d.as_uri()).ok
+    d2 = tmp_path / manifest.dir_name(50)
     (d2 / "ds").mkdir(parents=True)
     (d2 / "ds" / "model.pt").write_bytes(b"v" * 10)
-    store.write_manifest(str(d2), 50, {"world_size": 4}, filesystem=pafs.LocalFileSystem())
-    assert store.verify(d2).ok
-    assert store.latest_verified(tmp_path)[0] == d2
+    manifest.write_manifest(str(d2), 50, {"world_size": 4}, filesystem=pafs.LocalFileSystem())
+    assert manifest.verify(d2).ok
+    assert manifest.latest_verified(tmp_path)[0] == d2
 
 
 def test_local_paths_are_not_uris():
-    assert not store.is_uri("/mnt/nfs/runs") and not store.is_uri("file:///mnt/nfs/runs")
-    assert store.is_uri("s3://bucket/runs") and store.is_uri("gs://bucket/runs")
-    assert store.resolve("/mnt/nfs/runs") is None
-    assert store.step_of("s3://bucket/runs/job/checkpoint_step00000042") == 42
+    assert not paths.is_uri("/mnt/nfs/runs") and not paths.is_uri("file:///mnt/nfs/runs")
+    assert paths.is_uri("s3://bucket/runs") and paths.is_uri("gs://bucket/runs")
+    assert storage.resolve("/mnt/nfs/runs") is None
+    assert manifest.step_of("s3://bucket/runs/job/checkpoint_step00000042") == 42

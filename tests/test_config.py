@@ -25,7 +25,7 @@ def problems(data=None, overrides=()):
 def test_tiny_cpu_loads_and_is_typed():
     cfg = load(TINY)
     assert cfg.name == "tiny-cpu"
-    assert cfg.model.hidden_size == 64 and cfg.model.kv_heads == 2
+    assert cfg.model.hidden_size == 64 and cfg.model.num_kv_heads == 2
     assert cfg.parallel.tp == "auto"
     assert cfg.cluster.num_workers == 2 and not cfg.cluster.elastic
 

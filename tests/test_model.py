@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rayspeed.model import Transformer, count_parameters, num_parameters, parameter_bytes
-from rayspeed.model.transformer import ModelDims
+from rayspeed.config.shape import ModelShape
 from rayspeed.parallel.layers import full_normal
 from rayspeed.parallel.loss import chunked_linear_cross_entropy
 
@@ -108,8 +108,8 @@ def test_chunked_cross_entropy_equals_plain(chunk):
 
 
 def test_model_loss_is_chunked_and_matches_full_logits():
-    cfg = make_cfg(loss_chunk_tokens=5)  # 32 tokens -> 7 chunks
-    model = Transformer(cfg, seed=2)
+    cfg = make_cfg()
+    model = Transformer(cfg, seed=2, loss_chunk_tokens=5)  # 32 tokens -> 7 chunks
     ids, labels = batch(cfg)
     loss = model(ids, labels)
     ref = F.cross_entropy(model(ids).reshape(-1, cfg.vocab_size), labels.reshape(-1))
@@ -167,7 +167,7 @@ def test_init_is_deterministic_and_keyed_by_parameter_name():
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):
             assert not torch.equal(pa, pc), name
-    dims = ModelDims.from_config(cfg)
+    dims = ModelShape.from_config(cfg)
     # The init is a pure function of (seed, name): what the pipeline and tp layouts rely on.
     torch.testing.assert_close(
         a.get_parameter("layers.1.attn.wq.weight"), full_normal((64, 64), dims.init_std, 9, "layers.1.attn.wq.weight"),
@@ -183,7 +183,7 @@ def test_init_is_deterministic_and_keyed_by_parameter_name():
 def test_config_defaults_resolve():
     cfg = SimpleNamespace(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=None, ffn_hidden_size=None,
                           vocab_size=256, seq_len=8, tie_embeddings=True)
-    dims = ModelDims.from_config(cfg)
+    dims = ModelShape.from_config(cfg)
     assert (dims.num_kv_heads, dims.ffn_hidden_size, dims.rope_theta, dims.norm_eps, dims.init_std) == (
         4, 192, 10000.0, 1e-5, 0.02)
 

@@ -34,7 +34,7 @@ def export_layouts(rank, root):
     from rayspeed.engine.build import build_engine
     from rayspeed.engine.deepspeed_config import deepspeed_config
     from rayspeed.parallel.groups import ParallelGroups
-    from rayspeed.tracking.model_export import export_model
+    from rayspeed.model.export import export_model
 
     out = {}
     x, y = _batch(999)
@@ -78,7 +78,7 @@ def exported(tmp_path_factory):
 
 
 def _loaded_loss(path):
-    from rayspeed.tracking.model_export import load_model
+    from rayspeed.model.export import load_model
 
     x, y = _batch(999)
     model = load_model(path)
@@ -134,7 +134,7 @@ def test_export_directory_is_self_describing(exported):
 
 def test_plain_module_export_and_size_guard(tmp_path):
     from rayspeed.model import Transformer
-    from rayspeed.tracking.model_export import export_model, load_model
+    from rayspeed.model.export import export_model, load_model
 
     cfg = job_cfg(1)
     model = Transformer(SimpleNamespace(**MODEL, tie_embeddings=True), seed=5)
@@ -162,7 +162,7 @@ def test_log_and_register_then_champion_alias(exported, home, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from rayspeed.config import parse
-    from rayspeed.tracking.model_export import load_model
+    from rayspeed.model.export import load_model
     from rayspeed.tracking.registry import (
         get_alias_version,
         log_and_register,
@@ -170,7 +170,8 @@ def test_log_and_register_then_champion_alias(exported, home, tmp_path):
         set_alias,
         version_metrics,
     )
-    from rayspeed.tracking.runs import find_or_create_run, registered_model_name, tracking_uri
+    from rayspeed.paths import tracking_uri
+    from rayspeed.tracking.runs import find_or_create_run, registered_model_name
 
     cfg = parse({"name": "reg-job"})
     uri = tracking_uri(cfg)

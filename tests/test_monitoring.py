@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from rayspeed.monitoring.comm import CommTimer
+from rayspeed.monitoring.comm_timer import CommTimer
 from rayspeed.monitoring.landscape import _direction, loss_landscape, unavailable_reason
 from rayspeed.monitoring.system import (
     SystemSampler,

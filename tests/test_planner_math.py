@@ -6,16 +6,17 @@ import pytest
 
 from rayspeed.config.load import parse
 from rayspeed.planner import hardware
-from rayspeed.planner.context import Layout
+from rayspeed.config.layout import Layout
 from rayspeed.planner.memory import (activation_bytes, bytes_per_param, layer_saved, logits_bytes,
                                      model_state_bytes, stage_breakdown)
-from rayspeed.planner.model_math import Shape, max_stage_params, stage_params
+from rayspeed.config.shape import ModelShape
+from rayspeed.planner.model_math import max_stage_params, stage_params
 from rayspeed.planner.rules import comm_profile, lr_rule
 from rayspeed.planner.search import accumulation_cap, build_ctx
 from rayspeed.planner.timing import Link, collective_s
 
-LLAMA2_7B = Shape(h=4096, L=32, a=32, kv=32, f=11008, v=32000, s=4096, tied=False)
-LLAMA2_70B = Shape(h=8192, L=80, a=64, kv=8, f=28672, v=32000, s=4096, tied=False)
+LLAMA2_7B = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_hidden_size=11008, vocab_size=32000, seq_len=4096, tie_embeddings=False)
+LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672, vocab_size=32000, seq_len=4096, tie_embeddings=False)
 
 
 def test_llama2_7b_parameter_count():
@@ -29,32 +30,32 @@ def test_llama2_70b_parameter_count_with_gqa():
 
 
 def test_tied_embeddings_are_counted_once():
-    tied = Shape(h=64, L=2, a=4, kv=4, f=256, v=256, s=128, tied=True)
-    untied = Shape(h=64, L=2, a=4, kv=4, f=256, v=256, s=128, tied=False)
+    tied = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=128, tie_embeddings=True)
+    untied = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=128, tie_embeddings=False)
     assert untied.params - tied.params == 256 * 64
 
 
 def test_flops_per_token_is_6n_plus_attention():
     sh = LLAMA2_7B
-    assert sh.flops_per_token == 6 * sh.params + 12 * sh.L * sh.h * sh.s
+    assert sh.flops_per_token == 6 * sh.params + 12 * sh.num_layers * sh.hidden_size * sh.seq_len
 
 
 def test_stage_params_split_tp_and_pp():
     sh = LLAMA2_7B
     # tp splits the matrices and the vocab-parallel embedding/head; norms are replicated.
-    assert stage_params(sh, 2, 1, 0) == 32 * (sh.layer_matrix_params // 2 + 2 * sh.h) + 2 * sh.v * sh.h // 2 + sh.h
+    assert stage_params(sh, 2, 1, 0) == 32 * (sh.layer_matrix_params // 2 + 2 * sh.hidden_size) + 2 * sh.vocab_size * sh.hidden_size // 2 + sh.hidden_size
     # pp: first stage holds the embedding, last the final norm and head; all stages add up to the model.
     total = sum(stage_params(sh, 1, 4, st) for st in range(4))
     assert total == sh.params
-    assert stage_params(sh, 1, 4, 0) == 8 * sh.layer_params + sh.v * sh.h
-    assert stage_params(sh, 1, 4, 3) == 8 * sh.layer_params + sh.v * sh.h + sh.h
+    assert stage_params(sh, 1, 4, 0) == 8 * sh.layer_params + sh.vocab_size * sh.hidden_size
+    assert stage_params(sh, 1, 4, 3) == 8 * sh.layer_params + sh.vocab_size * sh.hidden_size + sh.hidden_size
     assert max_stage_params(sh, 1, 4) == stage_params(sh, 1, 4, 3)
 
 
 def test_tied_head_is_a_second_copy_on_the_last_stage():
-    sh = Shape(h=64, L=4, a=4, kv=4, f=256, v=256, s=128, tied=True)
+    sh = ModelShape(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=128, tie_embeddings=True)
     assert stage_params(sh, 1, 1, 0) == sh.params
-    assert stage_params(sh, 1, 2, 0) + stage_params(sh, 1, 2, 1) == sh.params + sh.v * sh.h
+    assert stage_params(sh, 1, 2, 0) + stage_params(sh, 1, 2, 1) == sh.params + sh.vocab_size * sh.hidden_size
 
 
 def test_playbook_16_and_20_bytes_per_param():
@@ -87,7 +88,7 @@ def test_activations_by_checkpointing_mode_and_sequence_parallel():
     assert none > sel > full
     # Per layer, without recomputation: the block keeps ~47h bytes per token (playbook GPT-3: 34h).
     total, _, _ = layer_saved(ctx.shape, 1, False)
-    assert 20 < total / ctx.shape.h < 26
+    assert 20 < total / ctx.shape.hidden_size < 26
     # Sequence parallel divides everything by tp; tp alone leaves the norm region replicated.
     t_sp, t_nosp = layer_saved(ctx.shape, 4, True)[0], layer_saved(ctx.shape, 4, False)[0]
     assert t_sp == pytest.approx(total / 4)

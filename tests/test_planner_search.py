@@ -8,6 +8,7 @@ import pytest
 
 from rayspeed.config.load import load, parse
 from rayspeed.config.schema import AUTO
+from rayspeed.config.shape import ModelShape
 from rayspeed.errors import ConfigError
 from rayspeed.planner import evaluate_layout, plan_job, resolve
 
@@ -121,7 +122,7 @@ def test_unknown_gpu():
 def test_every_candidate_respects_the_constraints():
     cfg = load(L70B)
     res = plan_job(cfg, top_k=20)
-    heads, kv, L = cfg.model.num_heads, cfg.model.kv_heads, cfg.model.num_layers
+    heads, kv, L = cfg.model.num_heads, ModelShape.from_config(cfg.model).num_kv_heads, cfg.model.num_layers
     for p in [res.best] + res.alternatives:
         assert p["dp"] * p["tp"] * p["pp"] == 64
         assert heads % p["tp"] == 0 and kv % p["tp"] == 0 and p["tp"] <= 8

@@ -6,7 +6,6 @@ promoted; unchanged data -> skipped."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -223,17 +222,19 @@ def _model_cfg(**kw):
 
 
 def _transformer(m, seed, tp=None):
+    from rayspeed.config.shape import ModelShape
     from rayspeed.model.transformer import Transformer
 
-    return Transformer(dataclasses.replace(m, num_kv_heads=m.kv_heads, ffn_hidden_size=m.ffn_size), tp=tp, seed=seed)
+    return Transformer(ModelShape.from_config(m), tp=tp, seed=seed)
 
 
 def test_load_initial_weights_full_and_tp_slice(tmp_path):
     import torch
 
-    from rayspeed.model.warm_start import WarmStartError, load_initial_weights, resolve_init_from
+    from rayspeed.model.warm_start import WarmStartError, load_initial_weights
+    from rayspeed.tracking.model_fetch import resolve_init_from
     from rayspeed.parallel.groups import TensorParallel
-    from rayspeed.tracking.model_export import export_model
+    from rayspeed.model.export import export_model
 
     m = _model_cfg()
     src = _transformer(m, seed=1)

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from _cluster import ROOT
-from rayspeed.checkpoint import staging, storage, store
+from rayspeed import paths, storage
+from rayspeed.checkpoint import manifest, staging
 
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 
@@ -62,7 +63,7 @@ def test_staged_checkpoint_commits_and_restores_through_s3(s3, tmp_path):
             _fake_checkpoint(d, rank, step)
             files.update(staging.publish(exp, d))
             assert not d.exists()  # staging cleaned after upload
-        store.write_manifest(str(exp.child(store.dir_name(step))), step, {"world_size": 2}, files)
+        manifest.write_manifest(str(exp.child(manifest.dir_name(step))), step, {"world_size": 2}, files)
     # A newer checkpoint whose manifest never got written (the writer died): uploaded shards only.
     d = staging.save_dir(node, 0, 15)
     _fake_checkpoint(d, 0, 15)
@@ -72,7 +73,7 @@ def test_staged_checkpoint_commits_and_restores_through_s3(s3, tmp_path):
     assert "runs/job/checkpoint_step00000010/manifest.json" in keys
     assert "runs/job/checkpoint_step00000015/manifest.json" not in keys
     assert not [k for k in keys if k.endswith(".tmp")]
-    m = store.read_manifest(str(exp.child("checkpoint_step00000010")))
+    m = manifest.read_manifest(str(exp.child("checkpoint_step00000010")))
     assert sorted(m["files"]) == ["ds/zero_pp_rank_0_optim_states.pt", "ds/zero_pp_rank_1_optim_states.pt",
                                   "rng_rank0.pt", "rng_rank1.pt"]
 
@@ -82,16 +83,16 @@ def test_staged_checkpoint_commits_and_restores_through_s3(s3, tmp_path):
     assert chosen == f"s3://{bucket}/runs/job/checkpoint_step00000010"
     local = staging.fetch(exp, "checkpoint_step00000010", node)
     assert (local / "ds" / "zero_pp_rank_1_optim_states.pt").read_bytes() == bytes([1]) * 1010
-    assert store.verify(local).ok
+    assert manifest.verify(local).ok
 
     # Same size, different bytes: only the sha256 on the staged copy can tell.
     s3.client().put_object(Bucket=bucket, Key="runs/job/checkpoint_step00000010/rng_rank1.pt", Body=b"RNG1")
-    assert store.verify(str(exp.child("checkpoint_step00000010")), deep=False).ok
+    assert manifest.verify(str(exp.child("checkpoint_step00000010")), deep=False).ok
     with pytest.raises(RuntimeError, match="rng_rank1.pt does not match its sha256"):
         staging.fetch(exp, "checkpoint_step00000010", node)
     assert not (node / "load" / "checkpoint_step00000010").exists()
     # ...and marks it rejected: the next attempt resumes from the older one instead of failing on it again.
-    v = store.verify(str(exp.child("checkpoint_step00000010")), deep=False)
+    v = manifest.verify(str(exp.child("checkpoint_step00000010")), deep=False)
     assert not v.ok and "rejected earlier" in v.reason and "rng_rank1.pt" in v.reason
     assert resume.choose(str(exp), f"{exp}/checkpoint_step00000010", deep=False) == \
         f"s3://{bucket}/runs/job/checkpoint_step00000005"
@@ -100,10 +101,10 @@ def test_staged_checkpoint_commits_and_restores_through_s3(s3, tmp_path):
     for step in (20, 25):
         d = staging.save_dir(node, 0, step)
         _fake_checkpoint(d, 0, step)
-        store.write_manifest(str(exp.child(store.dir_name(step))), step, {"world_size": 1}, staging.publish(exp, d))
-    removed = [store.step_of(p) for p in store.prune(str(exp), keep=2)]
+        manifest.write_manifest(str(exp.child(manifest.dir_name(step))), step, {"world_size": 1}, staging.publish(exp, d))
+    removed = [manifest.step_of(p) for p in manifest.prune(str(exp), keep=2)]
     assert sorted(removed) == [5, 10, 15]
-    assert [store.step_of(p) for p in store.candidates(str(exp))] == [25, 20]
+    assert [manifest.step_of(p) for p in manifest.candidates(str(exp))] == [25, 20]
 
 
 def test_local_paths_take_the_plain_filesystem(tmp_path):

@@ -3,8 +3,8 @@ what a checkpoint manifest may list."""
 
 import time
 
-from rayspeed.checkpoint import store
-from rayspeed.checkpoint.storage import forwarded_env
+from rayspeed.checkpoint import manifest
+from rayspeed.storage import forwarded_env
 from rayspeed.train import resilience
 
 
@@ -32,8 +32,8 @@ def test_remote_clusters_get_credentials_but_not_driver_paths():
 
 
 def test_a_rejection_marker_never_enters_a_manifest(tmp_path):
-    d = tmp_path / store.dir_name(10)
+    d = tmp_path / manifest.dir_name(10)
     (d / "ds").mkdir(parents=True)
     (d / "ds" / "shard.pt").write_bytes(b"x" * 10)
-    (d / store.REJECTED).write_text('{"reason": "old"}')
-    assert [str(p) for p in store.list_files(d)] == ["ds/shard.pt"]
+    (d / manifest.REJECTED).write_text('{"reason": "old"}')
+    assert [str(p) for p in manifest.list_files(d)] == ["ds/shard.pt"]

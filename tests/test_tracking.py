@@ -9,7 +9,8 @@ import pytest
 
 from rayspeed.config import parse
 from rayspeed.tracking.logger import MlflowLogger
-from rayspeed.tracking.runs import find_or_create_run, finish_run, storage_path, tracking_uri
+from rayspeed.paths import storage_path, tracking_uri
+from rayspeed.tracking.runs import find_or_create_run, finish_run
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rayspeed.checkpoint import store
+from rayspeed.checkpoint import manifest
+from rayspeed.config.layout import PARTITION_KEYS, Layout
 
 log = logging.getLogger(__name__)
 
@@ -31,25 +32,22 @@ def choose(root: str | Path, preferred: str | Path | None = None, deep: bool = T
     object store, where hashing means downloading, the sha256s are checked on the staged copy instead
     (rayspeed.checkpoint.staging.fetch)."""
     if preferred is not None:
-        v = store.verify(preferred, deep=deep)
+        v = manifest.verify(preferred, deep=deep)
         if v.ok:
-            newest, _ = store.latest_verified(root, deep=False)
+            newest, _ = manifest.latest_verified(root, deep=False)
             # A resubmission may find a newer verified checkpoint than the one Ray remembers.
-            if newest is None or (store.step_of(newest) or 0) <= (store.step_of(preferred) or 0):
-                return preferred if store.is_uri(preferred) else Path(preferred)
+            if newest is None or (manifest.step_of(newest) or 0) <= (manifest.step_of(preferred) or 0):
+                return preferred if paths.is_uri(preferred) else Path(preferred)
         else:
             log.warning("checkpoint %s rejected: %s", preferred, v.reason)
-    found, skipped = store.latest_verified(root, deep=deep)
+    found, skipped = manifest.latest_verified(root, deep=deep)
     for s in skipped:
         log.warning("checkpoint rejected: %s", s)
     return found
 
 
-LAYOUT_KEYS = ("dp", "tp", "pp", "zero_stage")
-
-
 def layout_of(cfg: Any) -> dict[str, int]:
-    return {k: int(getattr(cfg.parallel, k)) for k in LAYOUT_KEYS}
+    return Layout.from_parallel(cfg.parallel).partition()
 
 
 def needs_universal(manifest: dict[str, Any], layout: dict[str, int]) -> bool:
@@ -57,7 +55,7 @@ def needs_universal(manifest: dict[str, Any], layout: dict[str, int]) -> bool:
     old = manifest.get("layout") or {}
     if int(old.get("zero_stage", 0)) == 0 and int(layout.get("zero_stage", 0)) == 0:
         return False
-    return any(int(old.get(k, -1)) != int(layout[k]) for k in LAYOUT_KEYS)
+    return any(int(old.get(k, -1)) != int(layout[k]) for k in PARTITION_KEYS)
 
 
 def convert_to_universal(ckpt_dir: str | Path) -> str:

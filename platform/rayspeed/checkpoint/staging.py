@@ -3,7 +3,7 @@
 Save (every rank): DeepSpeed writes into `<staging>/<job>/node-<id>/save/rank<R>/checkpoint_stepN/`, the rank
 hashes what it wrote (on local disk, in parallel with the other ranks), uploads it next to the other ranks'
 files in the store and deletes its staging copy; rank 0 then commits the manifest from everyone's hashes
-(store.write_manifest: the checkpoint exists only once that manifest is in the store). Each rank writes
+(manifest.write_manifest: the checkpoint exists only once that manifest is in the store). Each rank writes
 files with distinct names (DeepSpeed names shards by rank; rng_rank<R>.pt), so the uploads never collide.
 The upload is synchronous: the training stall of a checkpoint is write + hash + upload of this rank's
 shard (an asynchronous upload behind the next steps is a later step; the manifest-last protocol already
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rayspeed.checkpoint import store
-from rayspeed.checkpoint.storage import Location
+from rayspeed.checkpoint import manifest
+from rayspeed.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def node_dir(staging_root: Path, job: str, node_id: str) -> Path:
 
 def save_dir(node: Path, rank: int, step: int) -> Path:
     """An empty folder for this rank's part of checkpoint `step` (a leftover from a crashed save is removed)."""
-    d = node / "save" / f"rank{rank}" / store.dir_name(step)
+    d = node / "save" / f"rank{rank}" / manifest.dir_name(step)
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     return d
@@ -47,7 +47,7 @@ def save_dir(node: Path, rank: int, step: int) -> Path:
 def publish(exp: Location, local_dir: Path) -> dict[str, dict[str, Any]]:
     """Hash and upload this rank's files of a checkpoint, then drop the staging copy. Returns the manifest
     entries ({rel: {bytes, sha256}}) for rank 0 to commit."""
-    entries = store.file_entries(local_dir, store.list_files(local_dir))
+    entries = manifest.file_entries(local_dir, manifest.list_files(local_dir))
     exp.upload_dir(local_dir, local_dir.name)
     shutil.rmtree(local_dir, ignore_errors=True)
     return entries
@@ -59,11 +59,11 @@ def fetch(exp: Location, name: str, node: Path) -> Path:
     d = node / "load" / name
     shutil.rmtree(d, ignore_errors=True)
     exp.download_dir(name, d)
-    v = store.verify(d, deep=True)
+    v = manifest.verify(d, deep=True)
     if not v.ok:
         shutil.rmtree(d, ignore_errors=True)
-        try:  # never again: the next attempt resumes from an older checkpoint (store.REJECTED)
-            exp.child(name).write_json(store.REJECTED, {"reason": v.reason, "time": time.time()})
+        try:  # never again: the next attempt resumes from an older checkpoint (manifest.REJECTED)
+            exp.child(name).write_json(manifest.REJECTED, {"reason": v.reason, "time": time.time()})
         except Exception as e:
             log.warning("could not mark %s rejected: %s", name, e)
         raise RuntimeError(f"checkpoint {name} downloaded from {exp} does not verify: {v.reason}")

@@ -39,16 +39,6 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
 
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        return -(-(8 * self.hidden_size // 3) // 64) * 64
-
 
 @dataclass
 class DataConfig:

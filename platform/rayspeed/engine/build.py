@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 
 from rayspeed.config.schema import JobConfig
+from rayspeed.config.shape import ModelShape
 from rayspeed.engine.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -19,9 +19,7 @@ def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
     """The model for this rank: the whole Transformer (sharded over tp), or this stage of the pipeline."""
     par = cfg.parallel
     tp = groups.tp if par.tp > 1 else None
-    # The model sees concrete sizes: null kv heads / ffn width resolved from the schema's defaults.
-    mcfg = dataclasses.replace(cfg.model, num_kv_heads=cfg.model.kv_heads, ffn_hidden_size=cfg.model.ffn_size)
-    preserve_rng = bool(getattr(par, "preserve_rng_state", False))
+    mcfg = ModelShape.from_config(cfg.model)
     if par.pp > 1:
         from rayspeed.model.pipeline import build_pipeline_module
 
@@ -32,7 +30,6 @@ def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
             tp=tp,
             sequence_parallel=bool(par.sequence_parallel),
             activation_checkpointing=par.activation_checkpointing,
-            preserve_rng_state=preserve_rng,
             seed=cfg.train.seed,
         )
     from rayspeed.model.transformer import Transformer
@@ -42,7 +39,6 @@ def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
         tp=tp,
         sequence_parallel=bool(par.sequence_parallel),
         activation_checkpointing=par.activation_checkpointing,
-        preserve_rng_state=preserve_rng,
         seed=cfg.train.seed,
     )
 
@@ -97,9 +93,7 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     model = build_model(cfg, groups)
-    if getattr(cfg.train, "init_from", None):  # warm start: initial weights from an exported model
-        from rayspeed.model.warm_start import warm_start
-
+    if cfg.train.init_from:  # warm start: initial weights from an exported model
         warm_start(model, cfg, groups)
     if not on_gpu:
         model = model.to(device)
@@ -117,3 +111,20 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         kwargs["mpu"] = groups
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine, pipelined
+
+
+def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None) -> dict[str, Any]:
+    """Resolve train.init_from (downloaded once per machine into <storage>/.cache/models) and load it into the
+    freshly built model; the optimizer starts fresh."""
+    from rayspeed.model.warm_start import load_initial_weights
+    from rayspeed.paths import model_cache_dir, storage_path, tracking_uri
+    from rayspeed.tracking.model_fetch import resolve_init_from
+
+    spec = str(cfg.train.init_from)
+    tp = groups.tp if (groups is not None and cfg.parallel.tp > 1) else None
+    model_dir = resolve_init_from(spec, tracking_uri(cfg), model_cache_dir(storage_path(cfg)))
+    report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)
+    report["init_from"] = spec
+    log.info("warm start from %s (%s): %d parameters, %d elements loaded; optimizer starts fresh",
+             spec, model_dir, report["parameters"], report["elements"])
+    return report

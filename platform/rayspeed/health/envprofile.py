@@ -24,7 +24,7 @@ _LAYOUT_INTS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum"
 def _layout(cfg, world: int):
     """The job's layout when it is resolved, else the planner's choice, else plain data parallel (the profile's
     variables depend on the world size and hardware only; the layout shapes the notes)."""
-    from rayspeed.planner.context import Layout
+    from rayspeed.config.layout import Layout
 
     p = cfg.parallel
     if all(isinstance(getattr(p, k), int) and not isinstance(getattr(p, k), bool) for k in _LAYOUT_INTS):

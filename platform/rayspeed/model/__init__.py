@@ -3,7 +3,6 @@
 
 from .transformer import (
     Block,
-    ModelDims,
     OutputHead,
     RMSNorm,
     Transformer,
@@ -14,7 +13,6 @@ from .transformer import (
 
 __all__ = [
     "Block",
-    "ModelDims",
     "OutputHead",
     "RMSNorm",
     "Transformer",

@@ -40,7 +40,9 @@ from ..parallel.comm import gather_sequence_to_replicated, split_to_sequence
 from ..parallel.groups import ParallelGroups, TensorParallel
 from ..parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
 from ..parallel.loss import linear_cross_entropy
-from .transformer import Block, ModelDims, OutputHead, RMSNorm, _check_mode
+from rayspeed.config.shape import ModelShape
+
+from .transformer import Block, OutputHead, RMSNorm, check_mode, check_split
 
 
 class EmbeddingPipe(VocabParallelEmbedding):
@@ -49,7 +51,7 @@ class EmbeddingPipe(VocabParallelEmbedding):
     canonical_prefix = "embed"
 
     def __init__(self, cfg, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False, seed: int = 0):
-        dims = ModelDims.from_config(cfg)
+        dims = ModelShape.from_config(cfg)
         super().__init__(
             dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sequence_parallel,
             init_std=dims.init_std, seed=seed, name="embed",
@@ -60,7 +62,7 @@ class FinalNormPipe(RMSNorm):
     canonical_prefix = "norm"
 
     def __init__(self, cfg, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
-        dims = ModelDims.from_config(cfg)
+        dims = ModelShape.from_config(cfg)
         super().__init__(dims.hidden_size, dims.norm_eps, tp, sequence_parallel)
 
 
@@ -139,6 +141,7 @@ def build_pipeline_module(
     preserve_rng_state: bool = False,
     seed: int = 0,
     partition_method: str = "parameters",
+    loss_chunk_tokens: Optional[int] = None,
 ):
     """A deepspeed.pipe.PipelineModule of the Transformer described by `cfg`.
 
@@ -175,10 +178,10 @@ def build_pipeline_module(
     if "LOCAL_RANK" not in os.environ:
         raise RuntimeError("DeepSpeed's PipelineModule reads LOCAL_RANK from the environment; set it first")
 
-    dims = ModelDims.from_config(cfg)
+    dims = ModelShape.from_config(cfg)
     sp = sequence_parallel and tp.enabled
-    dims.validate(tp, sp)
-    _check_mode(activation_checkpointing)
+    check_split(dims, tp, sp)
+    check_mode(activation_checkpointing)
 
     embed_args = (dims, tp, sp, seed)
     specs = []
@@ -205,7 +208,7 @@ def build_pipeline_module(
             layers=specs,
             topology=topology,
             num_stages=None if topology is not None else num_stages,
-            loss_fn=PipelineLoss(tp, dims.loss_chunk_tokens),
+            loss_fn=PipelineLoss(tp, loss_chunk_tokens),
             partition_method=partition_method,
             activation_checkpoint_interval=0,
             tp=tp,

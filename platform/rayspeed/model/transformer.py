@@ -9,14 +9,15 @@ same loss (see parallel/layers.py).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from rayspeed.config.shape import ModelShape
+from rayspeed.config.validate import shape_split_problems
 
 from ..parallel.comm import copy_to_tp, gather_from_tp
 from ..parallel.groups import TensorParallel
@@ -34,78 +35,15 @@ from ..parallel.loss import linear_cross_entropy
 CHECKPOINTING_MODES = ("none", "selective", "full")
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """The model shape with every optional field resolved; built from any config-like object."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    vocab_size: int
-    seq_len: int
-    tie_embeddings: bool
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    loss_chunk_tokens: Optional[int] = None
-
-    @classmethod
-    def from_config(cls, cfg) -> "ModelDims":
-        if isinstance(cfg, cls):
-            return cfg
-        heads = cfg.num_heads
-        kv = getattr(cfg, "num_kv_heads", None) or heads
-        ffn = getattr(cfg, "ffn_hidden_size", None)
-        if ffn is None:
-            # Same default as the job schema: 8/3 h rounded up to a multiple of 64.
-            ffn = -(-(8 * cfg.hidden_size // 3) // 64) * 64
-        return cls(
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_layers,
-            num_heads=heads,
-            num_kv_heads=kv,
-            ffn_hidden_size=ffn,
-            vocab_size=cfg.vocab_size,
-            seq_len=cfg.seq_len,
-            tie_embeddings=bool(cfg.tie_embeddings),
-            rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
-            norm_eps=float(getattr(cfg, "norm_eps", 1e-5)),
-            init_std=float(getattr(cfg, "init_std", 0.02)),
-            loss_chunk_tokens=getattr(cfg, "loss_chunk_tokens", None),
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def residual_init_std(self) -> float:
-        # GPT-2 / Megatron: shrink the layers that write into the residual stream so its
-        # variance does not grow with depth.
-        return self.init_std / math.sqrt(2 * self.num_layers)
-
-    def validate(self, tp: TensorParallel, sequence_parallel: bool) -> None:
-        problems = []
-        if self.hidden_size % self.num_heads:
-            problems.append(f"hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}")
-        if self.head_dim % 2:
-            problems.append(f"head dim {self.head_dim} must be even for RoPE")
-        if self.num_heads % self.num_kv_heads:
-            problems.append(f"num_heads={self.num_heads} must divide by num_kv_heads={self.num_kv_heads}")
-        t = tp.world_size
-        for name, value in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
-                            ("ffn_hidden_size", self.ffn_hidden_size), ("vocab_size", self.vocab_size)):
-            if value % t:
-                problems.append(f"{name}={value} must divide by the tensor-parallel size tp={t}")
-        if sequence_parallel and self.seq_len % t:
-            problems.append(f"seq_len={self.seq_len} must divide by tp={t} with sequence_parallel")
-        if problems:
-            raise ValueError("invalid model for this layout: " + "; ".join(problems))
+def check_split(shape: ModelShape, tp: TensorParallel, sequence_parallel: bool) -> None:
+    """Raise ValueError when this shape cannot be split over this tp group (the job checks say the same in
+    config terms before anything starts; this guards direct library use)."""
+    problems = shape_split_problems(shape, tp.world_size, sequence_parallel)
+    if problems:
+        raise ValueError("invalid model for this layout: " + "; ".join(problems))
 
 
-def _check_mode(activation_checkpointing: str) -> str:
+def check_mode(activation_checkpointing: str) -> str:
     if activation_checkpointing not in CHECKPOINTING_MODES:
         raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING_MODES}, got {activation_checkpointing!r}")
     return activation_checkpointing
@@ -174,7 +112,7 @@ class Attention(nn.Module):
     i // (a/kv), so no kv head is needed on more than one rank.
     """
 
-    def __init__(self, dims: ModelDims, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
+    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         h, hd = dims.hidden_size, dims.head_dim
@@ -207,7 +145,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: w_down(silu(w_gate x) * w_up x); gate/up split by columns, down by rows."""
 
-    def __init__(self, dims: ModelDims, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
+    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         h, f = dims.hidden_size, dims.ffn_hidden_size
@@ -242,11 +180,11 @@ class Block(nn.Module):
         seed: int = 0,
     ):
         super().__init__()
-        dims = ModelDims.from_config(cfg)
+        dims = ModelShape.from_config(cfg)
         tp = tp or NO_TP
         sp = sequence_parallel and tp.enabled
         self.layer_idx = layer_idx
-        self.activation_checkpointing = _check_mode(activation_checkpointing)
+        self.activation_checkpointing = check_mode(activation_checkpointing)
         self.preserve_rng_state = preserve_rng_state
         prefix = f"layers.{layer_idx}"
         self.canonical_prefix = prefix  # where its parameters live in Transformer's state dict
@@ -293,12 +231,13 @@ class OutputHead(nn.Module):
         sequence_parallel: bool = False,
         seed: int = 0,
         tied_weight: Optional[nn.Parameter] = None,
+        loss_chunk_tokens: Optional[int] = None,
     ):
         super().__init__()
-        dims = ModelDims.from_config(cfg)
+        dims = ModelShape.from_config(cfg)
         self.tp = tp or NO_TP
         self.sequence_parallel = sequence_parallel and self.tp.enabled
-        self.chunk_tokens = dims.loss_chunk_tokens
+        self.chunk_tokens = loss_chunk_tokens
         self.tied = tied_weight is not None
         if self.tied:
             self.weight = tied_weight  # same Parameter object as the embedding's: shared storage
@@ -330,14 +269,15 @@ class Transformer(nn.Module):
         activation_checkpointing: str = "none",
         preserve_rng_state: bool = False,
         seed: int = 0,
+        loss_chunk_tokens: Optional[int] = None,
     ):
         super().__init__()
-        dims = ModelDims.from_config(cfg)
+        dims = ModelShape.from_config(cfg)
         tp = tp or NO_TP
         sp = sequence_parallel and tp.enabled
-        dims.validate(tp, sp)
+        check_split(dims, tp, sp)
         self.dims, self.tp, self.sequence_parallel, self.seed = dims, tp, sp, seed
-        self.activation_checkpointing = _check_mode(activation_checkpointing)
+        self.activation_checkpointing = check_mode(activation_checkpointing)
 
         self.embed = VocabParallelEmbedding(
             dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sp, init_std=dims.init_std, seed=seed, name="embed"
@@ -346,7 +286,8 @@ class Transformer(nn.Module):
             Block(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed) for i in range(dims.num_layers)
         )
         self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
-        self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None)
+        self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
+                               loss_chunk_tokens=loss_chunk_tokens)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -380,11 +321,4 @@ def parameter_bytes(model: nn.Module) -> int:
 
 def count_parameters(cfg) -> int:
     """Parameters of the whole (unsharded) model, from the config alone."""
-    d = ModelDims.from_config(cfg)
-    h, hd = d.hidden_size, d.head_dim
-    attn = h * d.num_heads * hd * 2 + h * d.num_kv_heads * hd * 2  # wq, wo + wk, wv
-    mlp = 3 * h * d.ffn_hidden_size
-    per_layer = attn + mlp + 2 * h  # two norms
-    embed = d.vocab_size * h
-    head = 0 if d.tie_embeddings else d.vocab_size * h
-    return embed + d.num_layers * per_layer + h + head
+    return ModelShape.from_config(cfg).params

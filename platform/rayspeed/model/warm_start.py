@@ -1,14 +1,12 @@
 """Warm start: initial weights from an exported rayspeed model (train.init_from); the optimizer starts fresh.
 
-    model_dir = resolve_init_from("models:/rayspeed-tiny@champion", tracking_uri)   # local directory
+    model_dir = resolve_init_from("models:/rayspeed-tiny@champion", tracking_uri)   # rayspeed.tracking.model_fetch
     load_initial_weights(model, model_dir, tp=groups.tp, model_cfg=cfg.model)         # right after build_model
 
-or, in one call from the engine builder (what build.py does):
-
-    warm_start(model, cfg, groups)
+(rayspeed.engine.build.warm_start does both.)
 
 `train.init_from` is one of
-  * a local directory written by rayspeed.tracking.model_export.export_model (weights.pt + model_config.json);
+  * a local directory written by rayspeed.model.export.export_model (weights.pt + model_config.json);
   * models:/<name>@<alias> or models:/<name>/<version>: a registered version, downloaded with MLflow's artifact
     download into a per-version cache (versions are immutable, so a cached copy is reused; an alias is resolved
     to its version first). Several ranks on one machine download once (fcntl lock);
@@ -25,14 +23,8 @@ differ: they do not shape the weights); otherwise a WarmStartError names the key
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import hashlib
 import json
 import logging
-import os
-import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -47,8 +39,6 @@ COMPLETE = ".rayspeed-complete"
 ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
              "tie_embeddings", "rope_theta", "norm_eps")
 
-_MODELS_RE = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))/?$")
-
 
 class WarmStartError(ValueError):
     """train.init_from cannot be used: missing, unreadable, or a different model."""
@@ -57,123 +47,12 @@ class WarmStartError(ValueError):
 # ---------------------------------------------------------------- locating the model
 
 
-def default_cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rayspeed", "models")
-
-
-def parse_models_uri(spec: str) -> Optional[tuple[str, Optional[str], Optional[str]]]:
-    """models:/name@alias -> (name, alias, None); models:/name/3 -> (name, None, "3"); anything else -> None."""
-    m = _MODELS_RE.match(spec.strip())
-    if not m:
-        return None
-    return m.group("name"), m.group("alias"), m.group("version")
-
-
-def _safe(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", s)[:80]
-
-
-def _find_model_dir(root: Path) -> Optional[Path]:
+def find_model_dir(root: Path) -> Optional[Path]:
     """The directory holding model_config.json: root itself, or the one folder below it that does."""
     if (root / CONFIG).is_file():
         return root
     found = sorted(p.parent for p in root.rglob(CONFIG))
     return found[0] if found else None
-
-
-def resolve_alias(spec: str, tracking_uri: Optional[str]) -> str:
-    """models:/name@alias -> models:/name/<version> (unchanged for every other spec)."""
-    parsed = parse_models_uri(spec)
-    if not parsed or not parsed[1]:
-        return spec
-    name, alias, _ = parsed
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    try:
-        mv = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri).get_model_version_by_alias(name, alias)
-    except MlflowException as e:
-        raise WarmStartError(f"train.init_from: {spec}: no version of {name!r} carries the alias {alias!r} in "
-                             f"{tracking_uri or 'the default MLflow store'} ({str(e).splitlines()[0][:200]})") from None
-    return f"models:/{name}/{mv.version}"
-
-
-def resolve_init_from(spec: str, tracking_uri: Optional[str] = None, cache_dir: Optional[str] = None) -> str:
-    """The local directory of the model `spec` names (see the module doc); downloads it if needed.
-
-    Raises WarmStartError with the reason (no such directory, no such alias/version, download failed, no
-    model_config.json in what was downloaded)."""
-    if not spec or not str(spec).strip():
-        raise WarmStartError("train.init_from: empty")
-    spec = str(spec).strip()
-    if "://" not in spec and not spec.startswith(("models:/", "runs:/")):
-        p = Path(spec).expanduser()
-        if not p.is_dir():
-            raise WarmStartError(f"train.init_from: {spec}: no such directory (expected an exported rayspeed model "
-                                 "with weights.pt and model_config.json, or a models:/ URI)")
-        found = _find_model_dir(p)
-        if found is None:
-            raise WarmStartError(f"train.init_from: {spec}: no {CONFIG} in it (not a rayspeed model export)")
-        return str(found.resolve())
-
-    concrete = resolve_alias(spec, tracking_uri)
-    parsed = parse_models_uri(concrete)
-    if parsed:
-        key = f"{_safe(parsed[0])}/v{parsed[2]}"
-    else:
-        key = f"uri/{hashlib.sha256(concrete.encode()).hexdigest()[:24]}"
-    # The store the name lives in is part of the key: two stores can both have a version 1 of a name.
-    store = hashlib.sha256(str(tracking_uri or "").encode()).hexdigest()[:12]
-    root = Path(cache_dir or default_cache_dir()).expanduser() / store
-    final = root / key
-    if (final / COMPLETE).exists():
-        found = _find_model_dir(final)
-        if found is not None:
-            return str(found)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(final) + ".lock", "a") as lf:  # ranks on one machine: one downloads, the others wait
-        fcntl.flock(lf.fileno(), fcntl.LOCK_EX)
-        try:
-            if not (final / COMPLETE).exists():
-                _download(concrete, spec, tracking_uri, final)
-        finally:
-            fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
-    found = _find_model_dir(final)
-    if found is None:
-        raise WarmStartError(f"train.init_from: {spec}: the download holds no {CONFIG} (not a rayspeed model)")
-    return str(found)
-
-
-def _download(uri: str, spec: str, tracking_uri: Optional[str], final: Path) -> None:
-    import mlflow.artifacts
-
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=str(final.parent)))
-    try:
-        try:
-            source = uri
-            parsed = parse_models_uri(uri)
-            if parsed:
-                # MLflow resolves models:/ URIs against the process-wide registry URI, not the one passed to
-                # download_artifacts: look the version's files up in *this* store, then download those.
-                from mlflow.tracking import MlflowClient
-
-                client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-                source = client.get_model_version_download_uri(parsed[0], parsed[2])
-            mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri,
-                                                registry_uri=tracking_uri)
-        except Exception as e:
-            raise WarmStartError(f"train.init_from: {spec}: download of {uri} failed "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
-        if _find_model_dir(tmp) is None:
-            raise WarmStartError(f"train.init_from: {spec}: {uri} holds no {CONFIG} (not a rayspeed model export)")
-        (tmp / COMPLETE).write_text(uri + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        log.info("warm start: downloaded %s to %s", uri, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- checking and loading
@@ -187,9 +66,9 @@ def _model_dict(model_cfg: Any) -> dict[str, Any]:
         d = dict(model_cfg)
     else:
         d = dict(vars(model_cfg))
-    from rayspeed.model.transformer import ModelDims
+    from rayspeed.config.shape import ModelShape
 
-    dims = dataclasses.asdict(ModelDims.from_config(_NS(d)))
+    dims = dataclasses.asdict(ModelShape.from_config(_NS(d)))
     return {k: dims.get(k, d.get(k)) for k in ARCH_KEYS}
 
 
@@ -234,9 +113,9 @@ def check_compatible(model_dir: str, job_model: Any, spec: Optional[str] = None)
 
 def _named_params(model: Any) -> tuple[list[tuple[str, Any]], bool]:
     """(Transformer name, parameter) for this rank's part of the model, and whether it is a pipeline stage."""
-    from rayspeed.tracking.model_export import _is_pipeline
+    from rayspeed.model.export import is_pipeline
 
-    if _is_pipeline(model):
+    if is_pipeline(model):
         from rayspeed.model.pipeline import canonical_named_parameters
 
         seen, out = set(), []
@@ -327,24 +206,3 @@ def load_initial_weights(model: Any, model_dir: str, tp: Any = None, model_cfg: 
             p.copy_(value.to(device=p.device, dtype=p.dtype))
             elements += p.numel()
     return {"model_dir": str(path), "parameters": len(pending), "elements": elements}
-
-
-def warm_start(model: Any, cfg: Any, groups: Any = None, tracking_uri: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """build.py's hook: when cfg.train.init_from is set, resolve it (download once per machine into
-    <storage>/.cache/models) and load it into the freshly built model. None when init_from is unset."""
-    spec = getattr(cfg.train, "init_from", None)
-    if not spec:
-        return None
-    from rayspeed.tracking.runs import storage_path
-    from rayspeed.tracking.runs import tracking_uri as job_tracking_uri
-
-    uri = tracking_uri or job_tracking_uri(cfg)
-    storage = storage_path(cfg)
-    cache = str(Path(storage) / ".cache" / "models") if "://" not in storage else None
-    tp = groups.tp if (groups is not None and int(getattr(cfg.parallel, "tp", 1)) > 1) else None
-    model_dir = resolve_init_from(spec, uri, cache)
-    report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)
-    report["init_from"] = spec
-    log.info("warm start from %s (%s): %d parameters, %d elements loaded; optimizer starts fresh",
-             spec, model_dir, report["parameters"], report["elements"])
-    return report

@@ -7,7 +7,7 @@
 Each is cheap when idle, imports torch/deepspeed lazily, and never raises into the training loop.
 """
 
-from .comm import CommTimer
+from .comm_timer import CommTimer
 from .landscape import loss_landscape
 from .system import SystemSampler, gather_system_metrics, lineage_params
 

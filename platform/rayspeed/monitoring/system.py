@@ -362,7 +362,7 @@ def git_commit(repo: str | os.PathLike | None = None) -> str:
     """HEAD of the repository the job was launched from (RAYSPEED_HOME), 'unknown' if not a git checkout.
     A dirty tree is marked with a '-dirty' suffix."""
     if repo is None:
-        from rayspeed.tracking.runs import home
+        from rayspeed.paths import home
 
         repo = home()
     try:

@@ -3,8 +3,8 @@ why they lost, the field guide's rules."""
 
 from __future__ import annotations
 
-from rayspeed.planner.context import CHECKPOINT_MODES as CKPT
-from rayspeed.planner.context import LAYOUT_KEYS, Ctx
+from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.memory import COMPONENTS
 from rayspeed.planner.search import Estimate
@@ -53,7 +53,7 @@ def key_alternatives(best: Estimate, estimates: list[Estimate], fixed: dict) -> 
                     not e.fits and not cur.fits and e.memory_gib < cur.memory_gib):
                 others[v] = e
         parts = []
-        for v in sorted(others, key=lambda x: (str(type(x)), x if not isinstance(x, str) else CKPT.index(x))):
+        for v in sorted(others, key=lambda x: (str(type(x)), x if not isinstance(x, str) else CHECKPOINT_MODES.index(x))):
             e = others[v]
             if e.fits:
                 parts.append(f"{v}: {100 * (e.step_s / best.step_s - 1):+.1f}%")
@@ -117,11 +117,11 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L = []
     n = sh.params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    L.append(f"rayspeed plan: {job_name}: {size} parameters ({sh.L} layers, hidden {sh.h}, "
-             f"{sh.a} heads / {sh.kv} kv, ffn {sh.f}, vocab {sh.v}, seq {sh.s}, "
-             f"{'tied' if sh.tied else 'untied'} embeddings)")
+    L.append(f"rayspeed plan: {job_name}: {size} parameters ({sh.num_layers} layers, hidden {sh.hidden_size}, "
+             f"{sh.num_heads} heads / {sh.num_kv_heads} kv, ffn {sh.ffn_hidden_size}, vocab {sh.vocab_size}, seq {sh.seq_len}, "
+             f"{'tied' if sh.tie_embeddings else 'untied'} embeddings)")
     L.append(f"cluster: {ctx.world} x {ctx.hw.name} ({ctx.nodes} node(s) x {ctx.node_size}), {ctx.precision}; "
-             f"global batch {ctx.global_batch} sequences = {ctx.global_batch * sh.s:,} tokens per step")
+             f"global batch {ctx.global_batch} sequences = {ctx.global_batch * sh.seq_len:,} tokens per step")
     L.append("")
     L.append(f"chosen layout: {lay.short()}")
     L.append(f"  fastest of {counts['fitting']} fitting layouts ({counts['evaluated']} evaluated, "

@@ -6,9 +6,11 @@ everything. Activations are counted tensor by tensor for this platform's block (
 
 from __future__ import annotations
 
-from rayspeed.planner.context import Ctx, Layout
+from rayspeed.config.layout import Layout
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.hardware import GIB
-from rayspeed.planner.model_math import Shape, stage_params
+from rayspeed.config.shape import ModelShape
+from rayspeed.planner.model_math import stage_params
 
 COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "logits_loss",
               "zero3_gathered", "comm_buckets", "cuda_context", "allocator_slack")
@@ -41,7 +43,7 @@ def model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zero
     return {k: n_params * b[k] / div[k] for k in b}
 
 
-def layer_saved(sh: Shape, tp: int, sp: bool) -> tuple[float, float, float]:
+def layer_saved(sh: ModelShape, tp: int, sp: bool) -> tuple[float, float, float]:
     """Working-dtype elements per token that one block of the platform's model (rayspeed.model.transformer,
     eager autograd) keeps for backward without recomputation: (total, attention sub-block, MLP sub-block).
     Outside the tp region (split only by sequence parallel), per RMSNorm: its fp32 upcast (2 elements' worth),
@@ -51,29 +53,29 @@ def layer_saved(sh: Shape, tp: int, sp: bool) -> tuple[float, float, float]:
     Flash/SDPA attention keeps no s x s matrix (the playbook's 5as/h term is gone). For Llama-7B this is
     about 47h bytes against the playbook's 34h for a GPT-3 block: fp32 norms and unfused SwiGLU cost more."""
     out_div = tp if sp else 1
-    attn = 4 * sh.h / out_div + (3 * sh.h + 2 * sh.kv_dim + 2 * sh.a) / tp
-    mlp = 4 * sh.h / out_div + 4 * sh.f / tp
+    attn = 4 * sh.hidden_size / out_div + (3 * sh.hidden_size + 2 * sh.kv_dim + 2 * sh.num_heads) / tp
+    mlp = 4 * sh.hidden_size / out_div + 4 * sh.ffn_hidden_size / tp
     return attn + mlp, attn, mlp
 
 
 def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     """Activations held by one rank of `stage` at the peak of backward."""
     sh = ctx.shape
-    tokens = lay.micro_batch_size * sh.s
+    tokens = lay.micro_batch_size * sh.seq_len
     out_div = lay.tp if lay.sequence_parallel else 1
     full, attn, mlp = layer_saved(sh, lay.tp, lay.sequence_parallel)
     mode = lay.activation_checkpointing
     if mode == "none":
         kept, working = full, 0.0
     elif mode == "selective":  # attention and MLP sub-blocks checkpointed: their inputs are kept
-        kept, working = 2 * sh.h / out_div, max(attn, mlp)
+        kept, working = 2 * sh.hidden_size / out_div, max(attn, mlp)
     else:  # full: only each block's input is kept; one block is rebuilt at a time
-        kept, working = sh.h / out_div, full
-    layers = sh.L // lay.pp
+        kept, working = sh.hidden_size / out_div, full
+    layers = sh.num_layers // lay.pp
     # 1F1B: stage i has (pp - i) micro-batches in flight (at most the number of micro-batches).
     in_flight = 1 if lay.pp == 1 else min(lay.pp - stage, lay.grad_accum)
     # Backward transient: gradients of one block's widest tensors (SwiGLU gate/up, the residual).
-    transient = 2 * sh.f / lay.tp + 2 * sh.h
+    transient = 2 * sh.ffn_hidden_size / lay.tp + 2 * sh.hidden_size
     elems = tokens * (in_flight * layers * kept + working + transient)
     return elems * ctx.w_bytes
 
@@ -90,10 +92,10 @@ def logits_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     if stage != lay.pp - 1:
         return 0.0
     sh = ctx.shape
-    tokens = lay.micro_batch_size * sh.s
+    tokens = lay.micro_batch_size * sh.seq_len
     if lay.tp == 1:
-        return min(tokens * sh.v, LOSS_CHUNK_ELEMENTS) * (ctx.w_bytes + 8) + 4 * sh.v * sh.h
-    return tokens * sh.v / lay.tp * (ctx.w_bytes + 8)
+        return min(tokens * sh.vocab_size, LOSS_CHUNK_ELEMENTS) * (ctx.w_bytes + 8) + 4 * sh.vocab_size * sh.hidden_size
+    return tokens * sh.vocab_size / lay.tp * (ctx.w_bytes + 8)
 
 
 def buckets(ctx: Ctx, lay: Layout) -> dict:
@@ -102,13 +104,13 @@ def buckets(ctx: Ctx, lay: Layout) -> dict:
     models still send a few large messages and large ones do not reserve gigabytes."""
     sh = ctx.shape
     n = stage_params(sh, lay.tp, lay.pp, 0)
-    bucket = int(min(max(sh.h * sh.h, 2**23), 5e8, max(n, 1)))
+    bucket = int(min(max(sh.hidden_size * sh.hidden_size, 2**23), 5e8, max(n, 1)))
     layer_elems = sh.layer_matrix_params // lay.tp
     return {
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
         "stage3_prefetch_bucket_size": int(0.9 * bucket),
-        "stage3_param_persistence_threshold": 10 * sh.h,
+        "stage3_param_persistence_threshold": 10 * sh.hidden_size,
         "stage3_max_live_parameters": int(max(2 * layer_elems, bucket)),
         "stage3_max_reuse_distance": int(max(2 * layer_elems, bucket)),
     }
@@ -137,7 +139,7 @@ def zero3_gathered_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     b = buckets(ctx, lay)
     biggest = sh.layer_matrix_params / lay.tp
     if stage == 0 or stage == lay.pp - 1:
-        biggest = max(biggest, sh.v * sh.h / lay.tp)
+        biggest = max(biggest, sh.vocab_size * sh.hidden_size / lay.tp)
     live = (min(b["stage3_max_live_parameters"], 2 * biggest) + b["stage3_prefetch_bucket_size"]) * ctx.w_bytes
     secondary = stage_params(sh, lay.tp, lay.pp, stage) * ctx.w_bytes / lay.hpz if lay.hpz > 1 else 0.0
     return live + secondary

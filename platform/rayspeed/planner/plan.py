@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.errors import ConfigError
-from rayspeed.planner.context import CHECKPOINT_MODES, LAYOUT_KEYS, Ctx, Layout
+from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.explain import render
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.memory import bytes_per_param
@@ -230,10 +231,10 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None)
         fatal.append("dp, tp, pp, micro_batch_size and grad_accum must be >= 1")
     elif dp * tp * pp != ctx.world:
         fatal.append(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size ({ctx.world})")
-    if tp >= 1 and (sh.a % tp or sh.kv % tp):
-        fatal.append(f"tp {tp} does not divide model.num_heads ({sh.a}) and model.num_kv_heads ({sh.kv})")
-    if pp >= 1 and sh.L % pp:
-        fatal.append(f"pp {pp} does not divide model.num_layers ({sh.L})")
+    if tp >= 1 and (sh.num_heads % tp or sh.num_kv_heads % tp):
+        fatal.append(f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and model.num_kv_heads ({sh.num_kv_heads})")
+    if pp >= 1 and sh.num_layers % pp:
+        fatal.append(f"pp {pp} does not divide model.num_layers ({sh.num_layers})")
     if z not in (0, 1, 2, 3):
         fatal.append(f"zero_stage {z} is not 0..3")
     if ac not in CHECKPOINT_MODES:
@@ -243,8 +244,8 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None)
     if fatal:
         return {**lay_d, "fits": False, "valid": False, "reason": "; ".join(fatal), "memory_gib_per_gpu": None,
                 "memory_breakdown_gib": {}, "step_time_s": None, "tokens_per_s_per_gpu": None, "mfu": None}
-    if sh.v % tp:
-        warnings.append(f"tp {tp} does not divide model.vocab_size ({sh.v}): the vocab-parallel embedding needs padding")
+    if sh.vocab_size % tp:
+        warnings.append(f"tp {tp} does not divide model.vocab_size ({sh.vocab_size}): the vocab-parallel embedding needs padding")
     if tp > ctx.node_size:
         broken.append(f"tp {tp} spans nodes ({ctx.node_size} ranks per node): the topology rule keeps tp inside a node")
     if pp > 1 and z > 1:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from rayspeed.planner.context import Ctx, Layout
+from rayspeed.config.layout import Layout
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.search import Estimate, accumulation_cap
 
 # ---------------------------------------------------------------- 1. strategy by size
@@ -153,7 +154,7 @@ def checkpointing_template(ctx: Ctx, lay: Layout) -> dict:
         "template": "selective recomputation of attention and MLP blocks, RNG state not preserved, contiguous buffers",
         "preserve_rng_state": False,  # torch.utils.checkpoint(preserve_rng_state=False): the model has no dropout
         "contiguous_memory_optimization": True,
-        "number_checkpoints": ctx.shape.L // lay.pp,
+        "number_checkpoints": ctx.shape.num_layers // lay.pp,
         "partition_activations": lay.tp > 1,
         "cpu_checkpointing": False,
         "synchronize_checkpoint_boundary": False,

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.errors import ConfigError
 from rayspeed.planner import hardware
-from rayspeed.planner.context import CHECKPOINT_MODES, LAYOUT_KEYS, Ctx, Layout
+from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
-from rayspeed.planner.model_math import Shape
+from rayspeed.config.shape import ModelShape
 from rayspeed.planner.timing import StepTime, step_time
 
 GIB = hardware.GIB
@@ -58,7 +59,7 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
         precision = "fp32" if not hw.is_gpu else ("bf16" if hw.bf16 else "fp16")
     elif precision == "bf16" and hw.is_gpu and not hw.bf16:
         raise ConfigError(f"train.precision: bf16 is not supported on {hw.name}; use fp16 or auto")
-    return Ctx(shape=Shape.from_config(cfg.model), hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
+    return Ctx(shape=ModelShape.from_config(cfg.model), hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
                world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
                notes=tuple(notes))
 
@@ -83,10 +84,10 @@ def fixed_keys(cfg: JobConfig) -> dict:
 
 def tp_ok(ctx: Ctx, tp: int) -> str | None:
     sh = ctx.shape
-    if sh.a % tp or sh.kv % tp:
-        return f"tp {tp} does not divide model.num_heads ({sh.a}) and model.num_kv_heads ({sh.kv})"
-    if sh.v % tp:
-        return f"tp {tp} does not divide model.vocab_size ({sh.v}) (vocab-parallel embedding)"
+    if sh.num_heads % tp or sh.num_kv_heads % tp:
+        return f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and model.num_kv_heads ({sh.num_kv_heads})"
+    if sh.vocab_size % tp:
+        return f"tp {tp} does not divide model.vocab_size ({sh.vocab_size}) (vocab-parallel embedding)"
     if tp > ctx.node_size:
         return f"tp {tp} exceeds the {ctx.node_size} ranks of a node (tp never spans nodes)"
     return None
@@ -125,9 +126,9 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
             if (W // tp) % pp:
                 out.rejected.append(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide the world size ({W})")
                 continue
-            if sh.L % pp:
+            if sh.num_layers % pp:
                 if "pp" in fixed:
-                    out.rejected.append(f"parallel.pp ({pp}) does not divide model.num_layers ({sh.L})")
+                    out.rejected.append(f"parallel.pp ({pp}) does not divide model.num_layers ({sh.num_layers})")
                 continue
             dp = W // (tp * pp)
             if "dp" in fixed and fixed["dp"] != dp:
@@ -212,7 +213,7 @@ class Estimate:
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
-        return self.ctx.global_batch * self.ctx.shape.s / self.step_s / self.ctx.world
+        return self.ctx.global_batch * self.ctx.shape.seq_len / self.step_s / self.ctx.world
 
     @property
     def mfu(self) -> float:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rayspeed.planner.context import Ctx, Layout
+from rayspeed.config.layout import Layout
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
 from rayspeed.planner.model_math import stage_params
 
@@ -113,17 +114,17 @@ def attention_efficiency(ctx: Ctx) -> float:
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """One block's forward for one micro-batch: (gemm+attention s, element-wise s, host launch s)."""
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
-    T = lay.micro_batch_size * sh.s
-    g = (gemm_s(ctx, T, sh.h, (sh.h + 2 * sh.kv_dim) / t) + gemm_s(ctx, T, sh.h / t, sh.h)
-         + gemm_s(ctx, T, sh.h, 2 * sh.f / t) + gemm_s(ctx, T, sh.f / t, sh.h))
-    attn_flops = 2.0 * T * sh.s * sh.h / t  # causal: half of QK^T and AV
+    T = lay.micro_batch_size * sh.seq_len
+    g = (gemm_s(ctx, T, sh.hidden_size, (sh.hidden_size + 2 * sh.kv_dim) / t) + gemm_s(ctx, T, sh.hidden_size / t, sh.hidden_size)
+         + gemm_s(ctx, T, sh.hidden_size, 2 * sh.ffn_hidden_size / t) + gemm_s(ctx, T, sh.ffn_hidden_size / t, sh.hidden_size))
+    attn_flops = 2.0 * T * sh.seq_len * sh.hidden_size / t  # causal: half of QK^T and AV
     g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx))
     out_div = t if lay.sequence_parallel else 1
     # Element-wise traffic in working-dtype elements per token, forward. Outside the tp region: two RMSNorms
     # computed in fp32 (~6h each: read, fp32 statistics, scaled write) and two residual adds (3h each).
     # Inside: RoPE on q and k in fp32 (~3 passes), the attention-output reshape (2h), SwiGLU silu and
     # product (5f). Backward moves about twice as much.
-    elems = T * (18 * sh.h / out_div + (3 * (sh.h + sh.kv_dim) + 2 * sh.h + 5 * sh.f) / t)
+    elems = T * (18 * sh.hidden_size / out_div + (3 * (sh.hidden_size + sh.kv_dim) + 2 * sh.hidden_size + 5 * sh.ffn_hidden_size) / t)
     ew = elems * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
     host = KERNELS_FWD_PER_LAYER * hw.kernel_overhead_us * 1e-6
     return g, ew, host
@@ -132,10 +133,10 @@ def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
 def microbatch_stage_s(ctx: Ctx, lay: Layout, stage: int) -> tuple[float, float, float, float]:
     """(compute, recompute, tp comm, backward compute) for one micro-batch on one stage."""
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
-    T = lay.micro_batch_size * sh.s
-    layers = sh.L // lay.pp
+    T = lay.micro_batch_size * sh.seq_len
+    layers = sh.num_layers // lay.pp
     g, ew, host = layer_fwd(ctx, lay)
-    attn_bwd_extra = 1.5 * 2.0 * T * sh.s * sh.h / t / (hw.peak(ctx.precision) * attention_efficiency(ctx))
+    attn_bwd_extra = 1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / t / (hw.peak(ctx.precision) * attention_efficiency(ctx))
     fwd = max(g + ew, host)
     bwd = max(2 * g + attn_bwd_extra + 2 * ew, KERNELS_BWD_PER_LAYER * hw.kernel_overhead_us * 1e-6)
     rec = 0.0
@@ -146,18 +147,18 @@ def microbatch_stage_s(ctx: Ctx, lay: Layout, stage: int) -> tuple[float, float,
     comp = layers * (fwd + bwd + rec)
     back = layers * (bwd + rec)
     if stage == lay.pp - 1:  # output head + cross-entropy
-        head = gemm_s(ctx, T, sh.h, sh.v / t)
-        ce = T * sh.v / t * (ctx.w_bytes + 16) / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
+        head = gemm_s(ctx, T, sh.hidden_size, sh.vocab_size / t)
+        ce = T * sh.vocab_size / t * (ctx.w_bytes + 16) / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
         # tp = 1: the chunked loss recomputes the logits in backward (one more head GEMM).
         head_passes = 4 if t == 1 else 3
         comp += head_passes * head + ce
         back += (head_passes - 1) * head + ce / 2
     if stage == 0:  # embedding lookup (its traffic only)
-        comp += 2 * T * sh.h * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
+        comp += 2 * T * sh.hidden_size * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
     tp = 0.0
     if t > 1:
         link = tp_link(ctx, lay)
-        act = T * sh.h * ctx.w_bytes
+        act = T * sh.hidden_size * ctx.w_bytes
         per_layer = 4 + (2 if lay.activation_checkpointing != "none" else 0)  # 2 fwd + 2 bwd (+2 recompute)
         if lay.sequence_parallel:  # each all-reduce becomes all-gather + reduce-scatter: same bytes, two calls
             one = collective_s(act, t, link, "all_gather") + collective_s(act, t, link, "reduce_scatter")
@@ -183,8 +184,8 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     # receives an activation (forward) and a gradient (backward) over the stage boundary.
     p2p = 0.0
     if p > 1:
-        T = lay.micro_batch_size * sh.s
-        nbytes = T * sh.h * ctx.w_bytes / (lay.tp if lay.sequence_parallel else 1)
+        T = lay.micro_batch_size * sh.seq_len
+        nbytes = T * sh.hidden_size * ctx.w_bytes / (lay.tp if lay.sequence_parallel else 1)
         link = inter_link(ctx) if ctx.world > ctx.node_size else intra_link(ctx)
         p2p = (m + p - 1) * 2 * (link.base_us * 1e-6 + nbytes / (link.gbps * 1e9))
     compute = m * comp
@@ -216,7 +217,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
             dp_total = m * red + gather
             dp_exposed = m * _exposed(red, back) + gather
         else:  # ZeRO-3: per micro-batch, gather weights module by module in forward and backward, reduce grads
-            modules = ZERO3_TENSORS_PER_LAYER * (sh.L // p) + 1
+            modules = ZERO3_TENSORS_PER_LAYER * (sh.num_layers // p) + 1
             fwd_time = comp - back
             ag_f = collective_s(weights, d, link, "all_gather", modules)
             if lay.hpz > 1:  # backward gathers from the node-local secondary partition over NVLink
@@ -227,8 +228,8 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
             dp_total = m * (ag_f + ag_b + red)
             dp_exposed = m * (_exposed(ag_f, fwd_time) + _exposed(ag_b + red, back))
             z3 = m * 2 * modules * ZERO3_PER_TENSOR_S
-    if sh.tied and p > 1:  # tied embedding: first and last stage all-reduce its gradient
-        dp_exposed += collective_s(sh.v * sh.h / lay.tp * ctx.comm_bytes, 2, inter_link(ctx), "allreduce")
+    if sh.tie_embeddings and p > 1:  # tied embedding: first and last stage all-reduce its gradient
+        dp_exposed += collective_s(sh.vocab_size * sh.hidden_size / lay.tp * ctx.comm_bytes, 2, inter_link(ctx), "allreduce")
 
     owned = n_stage / (d if lay.zero_stage >= 1 else 1)
     opt = owned * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY) + DEEPSPEED_STEP_S

@@ -122,7 +122,7 @@ def decide(new_val: Optional[float], champion_val: Optional[float], margin: floa
 
 def state_dir(storage: str) -> Path:
     if "://" in storage:  # remote storage: the cycle's bookkeeping stays with the repository
-        from rayspeed.tracking.runs import home
+        from rayspeed.paths import home
 
         return home() / "runs" / ".retrain"
     return Path(storage) / ".retrain"
@@ -215,7 +215,7 @@ def _token_file(cfg: Any, storage: str) -> Any:
     from rayspeed.data import build_token_file
 
     c = cfg.data
-    from rayspeed.checkpoint.storage import data_cache_dir
+    from rayspeed.paths import data_cache_dir
 
     cache = c.cache_dir if c.cache_dir != AUTO else data_cache_dir(storage, cfg.storage.staging_dir, cfg.name)  # as the workers do
     return build_token_file(c.source, c.path, c.tokenizer, cache)
@@ -227,7 +227,7 @@ def evaluate_model_dir(model_dir: str, cfg: Any, token_file: Any) -> float:
     import torch
 
     from rayspeed.data import val_batches
-    from rayspeed.tracking.model_export import load_model
+    from rayspeed.model.export import load_model
 
     model = load_model(model_dir)
     _, val = token_file.split(cfg.data.val_fraction, cfg.model.seq_len)
@@ -304,7 +304,8 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
     from rayspeed.config.load import load
     from rayspeed.errors import ConfigError
     from rayspeed.retrain.lock import CycleLock, Locked
-    from rayspeed.tracking.runs import registered_model_name, storage_path, tracking_uri
+    from rayspeed.paths import storage_path, tracking_uri
+    from rayspeed.tracking.runs import registered_model_name
 
     if not 0.0 <= margin < 1.0:
         raise _Stop("bad_input", f"--margin: must be in [0, 1) (a relative improvement), got {margin}")
@@ -387,7 +388,8 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     elif champ is not None and not cold:
         init_spec = f"models:/{reg}/{champ.version}"
     if init_spec:
-        from rayspeed.model.warm_start import WarmStartError, check_compatible, resolve_init_from
+        from rayspeed.model.warm_start import WarmStartError, check_compatible
+        from rayspeed.tracking.model_fetch import resolve_init_from
 
         cache = str(Path(storage) / ".cache" / "models") if "://" not in storage else None
         try:
@@ -411,7 +413,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     sys.stdout.flush()
     sys.stderr.flush()
     rc = subprocess.call(cmd, env={**os.environ, **(env or {})})
-    from rayspeed.checkpoint.storage import locate
+    from rayspeed.storage import locate
 
     exp = locate(storage).child(job)
     summary = exp.read_json("summary.json")
@@ -472,7 +474,8 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
 def _rebaseline(champ: Any, recorded: Optional[float], cfg: Any, tf: Any, uri: str, storage: str,
                 max_gflop: float) -> tuple[Optional[float], str]:
     """The champion's val/loss on the current held-out split (its recorded one was measured on other data)."""
-    from rayspeed.model.warm_start import read_model_config, resolve_init_from
+    from rayspeed.model.warm_start import read_model_config
+    from rayspeed.tracking.model_fetch import resolve_init_from
 
     label = f"version {champ.version}"
     try:

@@ -100,7 +100,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
             try:
                 c.create_registered_model(registered_name, tags={"rayspeed.format": "rayspeed-model/1"},
                                           description="rayspeed Transformer; load with "
-                                                      "rayspeed.tracking.model_export.load_model")
+                                                      "rayspeed.model.export.load_model")
             except MlflowException:
                 c.get_registered_model(registered_name)  # created concurrently: fine if it exists now
         run = c.get_run(run_id)

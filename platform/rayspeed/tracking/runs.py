@@ -1,48 +1,16 @@
-"""Where runs live and which run a job writes to: one MLflow run per job name, across restarts,
-resizes and resubmissions. mlflow is imported lazily so planning and config checks never pay for it."""
+"""Which MLflow run a job writes to: one run per job name, across restarts, resizes and resubmissions. mlflow is imported lazily so planning and config checks never pay for it."""
 
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.paths import artifact_root, tracking_uri
 
 log = logging.getLogger(__name__)
 
 JOB_TAG = "rayspeed.job"
-
-
-def home() -> Path:
-    """The repository the job was launched from. `make submit` passes RAYSPEED_HOME because `ray job submit
-    --working-dir` runs the driver from a temporary copy whose files vanish."""
-    env = os.environ.get("RAYSPEED_HOME")
-    if env:
-        return Path(env).expanduser().resolve()
-    return Path(__file__).resolve().parents[3]
-
-
-def tracking_uri(cfg: JobConfig) -> str:
-    if cfg.tracking.uri != AUTO:
-        return cfg.tracking.uri
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    return f"sqlite:///{home() / 'mlflow.db'}"
-
-
-def artifact_root() -> str:
-    """Artifact root for experiments created in the local SQLite store (absolute, see home())."""
-    return (home() / "mlartifacts").as_uri()
-
-
-def storage_path(cfg: JobConfig) -> str:
-    if cfg.storage.path != AUTO:
-        p = cfg.storage.path
-        return p if "://" in p else str(Path(p).expanduser())
-    return str(home() / "runs")
 
 
 def registered_model_name(cfg: JobConfig) -> str:

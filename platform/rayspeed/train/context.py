@@ -51,7 +51,7 @@ def local_context(experiment_dir: str, backend: str, timeout_s: float) -> Worker
     """World size 1 in this process, with a real (gloo or nccl) process group so the same code runs."""
     import torch.distributed as dist
 
-    from rayspeed.checkpoint.storage import locate
+    from rayspeed.storage import locate
 
     locate(experiment_dir).mkdirs()
     if not dist.is_initialized():

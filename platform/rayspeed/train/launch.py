@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg))
             print(plan.explain)
             return EXIT_OK
-        from rayspeed.checkpoint.storage import check_reachable
-        from rayspeed.tracking.runs import storage_path
+        from rayspeed.storage import check_reachable
+        from rayspeed.paths import storage_path
 
         unreachable = check_reachable(storage_path(cfg))  # before anything is written anywhere
         if unreachable:
@@ -125,9 +125,9 @@ def _connect_ray(cfg: JobConfig) -> dict[str, Any]:
         os.environ["RAY_AUTH_MODE"] = "token"
     import ray
 
-    from rayspeed.checkpoint.storage import forwarded_env
-    from rayspeed.checkpoint.store import is_uri
-    from rayspeed.tracking.runs import storage_path
+    from rayspeed.storage import forwarded_env
+    from rayspeed.paths import is_uri
+    from rayspeed.paths import storage_path
 
     # The Ray Train controller and workers open the object store too, in processes this driver did not start:
     # the credentials/endpoint this driver reached the bucket with go with the job.
@@ -187,8 +187,8 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, exp_dir: st
     # The communication profile for this cluster size (plus cluster.env), in every worker's environment
     # before its process group exists.
     env = log_profile(cfg, c.max_workers)
-    from rayspeed.checkpoint.storage import forwarded_env
-    from rayspeed.checkpoint.store import is_uri
+    from rayspeed.storage import forwarded_env
+    from rayspeed.paths import is_uri
 
     if is_uri(storage):  # also set on the job (_connect_ray); said again for a driver joined from elsewhere
         env = {**forwarded_env(remote=not embedded), **(env or {})}
@@ -210,7 +210,7 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, exp_dir: st
             name=cfg.name,
             storage_path=storage,
             failure_config=FailureConfig(max_failures=cfg.resilience.max_failures),
-            # Retention is the manifest protocol's job (rayspeed.checkpoint.store.prune).
+            # Retention is the manifest protocol's job (rayspeed.checkpoint.manifest.prune).
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             callbacks=[ResilienceCallback(exp_dir)],
             worker_runtime_env={"env_vars": env} if env else {},
@@ -223,9 +223,10 @@ def _ray_train(cfg: JobConfig, launch: dict[str, Any], storage: str, exp_dir: st
 
 
 def _run(job: JobConfig, cfg: JobConfig, plan: Any, launcher: str, ray_info: dict[str, Any] | None) -> int:
-    from rayspeed.tracking.runs import find_or_create_run, finish_run, storage_path, tracking_uri
+    from rayspeed.paths import storage_path, tracking_uri
+    from rayspeed.tracking.runs import find_or_create_run, finish_run
 
-    from rayspeed.checkpoint.storage import locate
+    from rayspeed.storage import locate
 
     storage = storage_path(cfg)
     exp = locate(storage).child(cfg.name)

@@ -6,7 +6,7 @@ resize. The restarted rank 0 reads the newest unhandled event, and once its firs
 `resilience/recovery_s` (event -> first step done), lost steps, the world size and the cause.
 The batch policy for a changed world lives here too.
 
-All of it goes through rayspeed.checkpoint.storage, so the experiment may live on an object store (each file
+All of it goes through rayspeed.storage, so the experiment may live on an object store (each file
 then has one writer: events.jsonl the controller, handled.jsonl and progress.json rank 0).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-from rayspeed.checkpoint.storage import Location, locate
+from rayspeed.storage import Location, locate
 from rayspeed.config.schema import JobConfig
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from rayspeed.checkpoint import resume as ckpt_resume
-from rayspeed.checkpoint import staging, storage, store
+from rayspeed import paths, storage
+from rayspeed.checkpoint import manifest, staging
 from rayspeed.config.load import flatten, parse, to_dict, to_yaml
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.train import resilience
@@ -115,7 +116,7 @@ def run_worker(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     t = time.time()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     phases["init_distributed"] = time.time() - t
-    if storage.store.is_uri(config.get("experiment_dir")):
+    if paths.is_uri(config.get("experiment_dir")):
         # Ray hands workers the path inside its filesystem (bucket/prefix/name); rayspeed keeps the URI form.
         ctx = dataclasses.replace(ctx, experiment_dir=config["experiment_dir"])
     exp = storage.locate(ctx.experiment_dir)
@@ -132,13 +133,13 @@ def run_worker(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         found = ckpt_resume.choose(ctx.experiment_dir, preferred, deep=exp.is_local)
         chosen = str(found) if found else None
     chosen = _broadcast(chosen)
-    manifest = store.read_manifest(chosen) if chosen else None
-    job, policy_line = resilience.apply_batch_policy(_pin_model_parallel(job, manifest), ctx.world_size)
+    meta = manifest.read_manifest(chosen) if chosen else None
+    job, policy_line = resilience.apply_batch_policy(_pin_model_parallel(job, meta), ctx.world_size)
     # The user's job (with its "auto"s) is re-planned here, for the world this attempt actually got.
     cfg, plan = resolve(job, world_size=ctx.world_size)
     if ctx.is_rank0:
         log.info(policy_line)
-    trainer = Trainer(cfg, plan, ctx, config, chosen, manifest, t_start)
+    trainer = Trainer(cfg, plan, ctx, config, chosen, meta, t_start)
     trainer.phases = phases
     return trainer.run()
 
@@ -153,7 +154,7 @@ class Trainer:
         self.tracker = None
         self.exp = storage.locate(ctx.experiment_dir)
         # Node-local staging, used only when the experiment lives on an object store.
-        self.stage = staging.node_dir(storage.staging_root(cfg.storage.staging_dir), cfg.name, ctx.node_id)
+        self.stage = staging.node_dir(paths.staging_root(cfg.storage.staging_dir), cfg.name, ctx.node_id)
         self.local_checkpoint: str | None = checkpoint if self.exp.is_local else None
 
     # ------------------------------------------------------------------ setup
@@ -173,7 +174,7 @@ class Trainer:
 
         c = self.cfg
         cache = (c.data.cache_dir if c.data.cache_dir != AUTO
-                 else storage.data_cache_dir(self.launch["storage_path"], c.storage.staging_dir, c.name))
+                 else paths.data_cache_dir(self.launch["storage_path"], c.storage.staging_dir, c.name))
         tf = build_token_file(c.data.source, c.data.path, c.data.tokenizer, cache)
         train, val = tf.split(c.data.val_fraction, c.model.seq_len)
         schedule = make_schedule(train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
@@ -231,7 +232,7 @@ class Trainer:
             err = None
             if converter:
                 log.info("layout changed %s -> %s: converting %s to a universal checkpoint",
-                         (self.manifest or {}).get("layout"), ckpt_resume.layout_of(c), store._name(self.checkpoint))
+                         (self.manifest or {}).get("layout"), ckpt_resume.layout_of(c), manifest.name_of(self.checkpoint))
                 try:
                     ckpt_resume.convert_to_universal(self.local_checkpoint)
                 except Exception as e:
@@ -290,7 +291,7 @@ class Trainer:
 
     def _start_monitors(self) -> None:
         from rayspeed.health.watchdog import Watchdog
-        from rayspeed.monitoring.comm import CommTimer
+        from rayspeed.monitoring.comm_timer import CommTimer
         from rayspeed.monitoring.system import SystemSampler
 
         c = self.cfg
@@ -347,7 +348,7 @@ class Trainer:
     def _stage_checkpoint(self, chosen: str) -> str:
         """Object storage: local rank 0 of each node downloads and verifies `chosen`; the node's other ranks wait.
         Returns the staged local folder (the same path on every rank of a node)."""
-        name = store._name(chosen)
+        name = manifest.name_of(chosen)
         err = None
         local = self.stage / "load" / name
         if self.ctx.local_rank == 0:
@@ -377,14 +378,14 @@ class Trainer:
         step = int(client["step"])
         state = {"step": step, "restarts": int(client.get("restarts", 0)) + 1, "resumed_from": self.checkpoint}
         if self.ctx.is_rank0:
-            log.info("resumed from %s at step %d (restart %d, world %s -> %d)", store._name(self.checkpoint), step,
+            log.info("resumed from %s at step %d (restart %d, world %s -> %d)", manifest.name_of(self.checkpoint), step,
                      state["restarts"], (self.manifest or {}).get("world_size"), self.ctx.world_size)
         return step, state
 
     def _save_checkpoint(self, step: int, state: dict[str, Any]) -> float:
-        """Commit protocol (rayspeed.checkpoint.store): shards, then one verified manifest. Returns the stall."""
+        """Commit protocol (rayspeed.checkpoint.manifest): shards, then one verified manifest. Returns the stall."""
         t0 = time.perf_counter()
-        exp, name = self.exp, store.dir_name(step)
+        exp, name = self.exp, manifest.dir_name(step)
         if exp.is_local:
             d = exp.local / name
             if self.ctx.is_rank0:
@@ -410,7 +411,7 @@ class Trainer:
             dist.all_gather_object(every, mine)  # every rank's upload is done past this point
             files = {k: v for part in every for k, v in part.items()}
         if self.ctx.is_rank0:
-            store.write_manifest(d if exp.is_local else str(exp.child(name)), step, self._manifest_meta(), files)
+            manifest.write_manifest(d if exp.is_local else str(exp.child(name)), step, self._manifest_meta(), files)
         dist.barrier()
         if self.ctx.under_ray:
             import ray.train
@@ -428,8 +429,8 @@ class Trainer:
                 checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
             )
         if self.ctx.is_rank0:
-            for p in store.prune(str(exp), self.cfg.resilience.keep_checkpoints):
-                log.info("deleted old checkpoint %s", store._name(p))
+            for p in manifest.prune(str(exp), self.cfg.resilience.keep_checkpoints):
+                log.info("deleted old checkpoint %s", manifest.name_of(p))
         return time.perf_counter() - t0
 
     def _manifest_meta(self) -> dict[str, Any]:
@@ -523,7 +524,7 @@ class Trainer:
 
     def _after_first_step(self, step: int, state: dict[str, Any]) -> None:
         now = time.time()
-        from rayspeed.engine.memory import model_state_bytes
+        from rayspeed.engine.state_bytes import model_state_bytes
 
         # Per-rank model-state bytes of the real engine (the optimizer state exists from the first step on).
         mine = model_state_bytes(self.engine)
@@ -588,7 +589,7 @@ class Trainer:
         bad window (replaying it would reproduce the same blow-up). False when there is nothing to restore."""
         chosen = None
         if self.ctx.is_rank0:
-            found, _ = store.latest_verified(self.ctx.experiment_dir, deep=self.exp.is_local)
+            found, _ = manifest.latest_verified(self.ctx.experiment_dir, deep=self.exp.is_local)
             chosen = str(found) if found else None
         chosen = _broadcast(chosen)
         if chosen is None:
@@ -602,10 +603,10 @@ class Trainer:
             if self.ctx.local_rank == 0:
                 staging.clean(Path(local))
         self.watchdog.reset()
-        name = store._name(chosen)
+        name = manifest.name_of(chosen)
         if self.ctx.is_rank0:
             log.warning("watchdog: %s -> rolled back to %s, skipping the data of steps %d..%d", reason,
-                        name, (store.step_of(chosen) or 0) + 1, done)
+                        name, (manifest.step_of(chosen) or 0) + 1, done)
             self.tracker.set_tags({f"rayspeed.watchdog.step{done}": f"rollback to {name}: {reason}"[:4000]})
         return True
 
@@ -708,7 +709,7 @@ class Trainer:
     def _finish_outputs(self, val_loss: float | None, last_loss: float) -> None:
         """The end of a run: loss landscape (collective), the model exported (collective) and registered,
         the five charts rendered from the run's history. None of it may fail the run."""
-        from rayspeed.tracking.model_export import export_model
+        from rayspeed.model.export import export_model
         from rayspeed.tracking.runs import registered_model_name
 
         c, ctx = self.cfg, self.ctx
@@ -766,9 +767,9 @@ def _mfu_terms(cfg: JobConfig, plan: Any) -> tuple[float, float | None]:
     """(model FLOPs per token = 6N + 12 L h s, peak FLOP/s of one GPU) from the planner's tables; no MFU on CPU."""
     try:
         from rayspeed.planner.hardware import get as hardware
-        from rayspeed.planner.model_math import Shape
+        from rayspeed.config.shape import ModelShape
 
-        flops = Shape.from_config(cfg.model).flops_per_token
+        flops = ModelShape.from_config(cfg.model).flops_per_token
         if not cfg.cluster.use_gpu:
             return float(flops), None
         return float(flops), float(hardware(cfg.cluster.gpu, cfg.cluster.hardware).peak(cfg.train.precision))

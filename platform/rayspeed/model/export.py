@@ -44,7 +44,7 @@ _README = """# {name}: exported rayspeed model
 Reload (needs only torch and the rayspeed package):
 
 ```python
-from rayspeed.tracking.model_export import load_model
+from rayspeed.model.export import load_model
 model = load_model("{path_hint}")          # rayspeed.model.transformer.Transformer, fp32, eval mode
 loss = model(input_ids, labels)            # mean cross-entropy; model(input_ids) gives logits
 ```
@@ -93,7 +93,7 @@ def _full_fp32(p: Any, tp: Any) -> Any:
 
 def _named_params(module: Any) -> tuple[list[tuple[str, Any]], bool]:
     """(canonical name, parameter) pairs of this rank's part of the model, and whether it is a pipeline stage."""
-    if _is_pipeline(module):
+    if is_pipeline(module):
         from rayspeed.model.pipeline import canonical_named_parameters
 
         seen, out = set(), []
@@ -105,7 +105,7 @@ def _named_params(module: Any) -> tuple[list[tuple[str, Any]], bool]:
     return list(module.named_parameters()), False
 
 
-def _is_pipeline(module: Any) -> bool:
+def is_pipeline(module: Any) -> bool:
     if "deepspeed" not in sys.modules:  # a PipelineModule cannot exist without it; don't pay the import
         return False
     from deepspeed.pipe import PipelineModule
@@ -125,13 +125,13 @@ def _layout(cfg: Any, groups: Any) -> dict[str, int]:
 def _model_section(cfg: Any) -> dict[str, Any]:
     import dataclasses
 
+    from rayspeed.config.shape import ModelShape
+
     m = cfg.model
     d = dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(vars(m))
     # Concrete sizes, so the reload never depends on schema defaults.
-    if getattr(m, "kv_heads", None) is not None:
-        d["num_kv_heads"] = m.kv_heads
-    if getattr(m, "ffn_size", None) is not None:
-        d["ffn_hidden_size"] = m.ffn_size
+    shape = ModelShape.from_config(m)
+    d.update(num_kv_heads=shape.num_kv_heads, ffn_hidden_size=shape.ffn_hidden_size)
     return d
 
 

@@ -1,45 +1,16 @@
-"""The two inputs of every estimate: the job as the planner sees it (Ctx) and one candidate layout."""
+"""The job as the planner sees it (Ctx): one of the two inputs of every estimate, with a candidate
+rayspeed.config.layout.Layout."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from rayspeed.planner.hardware import Hardware
-from rayspeed.planner.model_math import Shape
-
-LAYOUT_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum", "sequence_parallel",
-               "activation_checkpointing")
-CHECKPOINT_MODES = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int
-    tp: int
-    pp: int
-    zero_stage: int
-    micro_batch_size: int
-    grad_accum: int
-    sequence_parallel: bool
-    activation_checkpointing: str
-    hpz: int = 1
-    """ZeRO++ hierarchical partitioning (zero_hpz_partition_size): ZeRO-3 keeps a secondary copy of the weights
-    partitioned over this many ranks of a node, so backward all-gathers stay on NVLink. 1 = off. Not a job key:
-    the communication rule for 64+ GPUs turns it on when it fits."""
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in LAYOUT_KEYS}
-
-    def short(self) -> str:
-        sp = "+sp" if self.sequence_parallel else ""
-        hpz = f" hpz{self.hpz}" if self.hpz > 1 else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} zero{self.zero_stage}{hpz} mb{self.micro_batch_size}"
-                f" ga{self.grad_accum} ckpt={self.activation_checkpointing}")
-
+from rayspeed.config.shape import ModelShape
 
 @dataclass(frozen=True)
 class Ctx:
-    shape: Shape
+    shape: ModelShape
     hw: Hardware
     precision: str  # fp32 | bf16 | fp16 (resolved)
     grad_accum_dtype: str  # fp32 | bf16

@@ -30,6 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rayspeed.paths import is_uri
+from rayspeed.storage import Location, local_path
+from rayspeed.storage import resolve
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -40,115 +44,6 @@ REJECTED = "rejected.json"
 PREFIX = "checkpoint_step"
 _DIR_RE = re.compile(rf"^{PREFIX}(\d+)$")
 FORMAT_VERSION = 1
-_OBJECT_STORES = ("s3", "gcs", "azure", "abfs")  # pyarrow FileSystem.type_name: a PUT is atomic, no rename
-
-
-# ---------------------------------------------------------------- where: local path or pyarrow filesystem
-
-
-@dataclass(frozen=True)
-class _Remote:
-    """A path on a pyarrow filesystem: `fs_path` inside `fs`, `public` the form callers gave (and get back)."""
-
-    fs: Any
-    fs_path: str
-    public: str
-
-    def child(self, rel: str) -> "_Remote":
-        rel = str(rel).strip("/")
-        if not rel:
-            return self
-        return _Remote(self.fs, f"{self.fs_path.rstrip('/')}/{rel}", f"{self.public.rstrip('/')}/{rel}")
-
-
-# Filesystems resolved from URIs, by the URI they were resolved for: a URI under one of them reuses its
-# filesystem (one S3 region lookup per root; one in-memory filesystem for every mock:// path under a root).
-_RESOLVED: dict[str, tuple[Any, str]] = {}
-
-
-def is_uri(path: Any) -> bool:
-    """True for 'scheme://...' other than file:// (those are local paths)."""
-    return isinstance(path, str) and "://" in path and not path.startswith("file://")
-
-
-def _local(path: Any) -> Path:
-    if isinstance(path, str) and path.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
-        return Path(unquote(urlparse(path).path))
-    return Path(path)
-
-
-def _resolve_uri(uri: str) -> _Remote:
-    scheme, sep, rest = uri.partition("://")
-    uri = scheme + sep + rest.rstrip("/")
-    best = None
-    for known in _RESOLVED:
-        if (uri == known or uri.startswith(known.rstrip("/") + "/")) and (best is None or len(known) > len(best)):
-            best = known
-    if best is not None:
-        fs, fs_path = _RESOLVED[best]
-        return _Remote(fs, fs_path, best).child(uri[len(best):])
-    from pyarrow import fs as pafs
-
-    fs, fs_path = pafs.FileSystem.from_uri(uri)
-    _RESOLVED[uri] = (fs, fs_path)
-    return _Remote(fs, fs_path, uri)
-
-
-def _where(path: Any, filesystem: Any = None) -> _Remote | None:
-    """None for a local path (the plain code path), else where the path is on its pyarrow filesystem."""
-    if filesystem is not None:
-        p = str(path)
-        return _Remote(filesystem, p, p)
-    if is_uri(path):
-        return _resolve_uri(path)
-    return None
-
-
-def resolve(path: str | Path, filesystem: Any = None) -> tuple[Any, str] | None:
-    """(pyarrow filesystem, path inside it) for a URI (or a path with `filesystem`), the same filesystem this
-    module uses for it (write shards through it); None for a local path."""
-    r = _where(path, filesystem)
-    return (r.fs, r.fs_path) if r is not None else None
-
-
-def _remote_sha256(r: _Remote, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with r.fs.open_input_stream(r.fs_path) as fh:
-        while True:
-            b = fh.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
-def _remote_files(r: _Remote) -> list[tuple[str, int]]:
-    """(relative path, size) of every file under r, recursively."""
-    from pyarrow import fs as pafs
-
-    base = r.fs_path.rstrip("/") + "/"
-    out = []
-    for info in r.fs.get_file_info(pafs.FileSelector(r.fs_path, recursive=True, allow_not_found=True)):
-        if info.type == pafs.FileType.File and info.path.startswith(base):
-            out.append((info.path[len(base):], int(info.size)))
-    return sorted(out)
-
-
-def _remote_write(r: _Remote, data: bytes) -> None:
-    """Commit `data` at r: one atomic PUT on object stores, write-then-move elsewhere."""
-    if r.fs.type_name in _OBJECT_STORES:
-        with r.fs.open_output_stream(r.fs_path) as fh:
-            fh.write(data)
-        return
-    parent = r.fs_path.rstrip("/").rsplit("/", 1)[0] if "/" in r.fs_path.strip("/") else ""
-    if parent:
-        r.fs.create_dir(parent, recursive=True)
-    tmp = r.fs_path + ".tmp"
-    with r.fs.open_output_stream(tmp) as fh:
-        fh.write(data)
-    r.fs.move(tmp, r.fs_path)
 
 
 def dir_name(step: int) -> str:
@@ -186,11 +81,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def list_files(ckpt_dir: Path, *, filesystem: Any = None) -> list[Path]:
-    r = _where(ckpt_dir, filesystem)
+    r = resolve(ckpt_dir, filesystem)
     if r is not None:  # relative paths as str (posix)
-        return [rel for rel, _ in _remote_files(r)  # type: ignore[misc]
+        return [rel for rel, _ in r.files()  # type: ignore[misc]
                 if rel not in (MANIFEST, REJECTED) and not rel.rsplit("/", 1)[-1].endswith(".tmp")]
-    ckpt_dir = _local(ckpt_dir)
+    ckpt_dir = local_path(ckpt_dir)
     out = []
     for root, _, files in os.walk(ckpt_dir):
         for f in files:
@@ -204,14 +99,14 @@ def list_files(ckpt_dir: Path, *, filesystem: Any = None) -> list[Path]:
 
 def file_entries(ckpt_dir: Path, rels: list[Path], *, filesystem: Any = None) -> dict[str, dict[str, Any]]:
     """Size and sha256 of files (each rank hashes the files it wrote, in parallel across ranks)."""
-    r = _where(ckpt_dir, filesystem)
+    r = resolve(ckpt_dir, filesystem)
     if r is not None:
         out = {}
         for rel in rels:
             f = r.child(str(rel))
-            out[str(rel)] = {"bytes": int(f.fs.get_file_info(f.fs_path).size), "sha256": _remote_sha256(f)}
+            out[str(rel)] = {"bytes": int(f.fs.get_file_info(f.fs_path).size), "sha256": f.sha256()}
         return out
-    ckpt_dir = _local(ckpt_dir)
+    ckpt_dir = local_path(ckpt_dir)
     entries = {}
     for rel in rels:
         p = ckpt_dir / rel
@@ -223,10 +118,10 @@ def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any], files:
                    *, filesystem: Any = None) -> Path:
     """Commit: hash every file (unless given), write manifest.json.tmp, fsync, rename, fsync the folder.
     (On a pyarrow filesystem: the manifest in one PUT on object stores, tmp + move elsewhere; returns a str.)"""
-    r = _where(ckpt_dir, filesystem)
+    r = resolve(ckpt_dir, filesystem)
     if r is not None:
         return _remote_write_manifest(r, step, meta, files)  # type: ignore[return-value]
-    ckpt_dir = _local(ckpt_dir)
+    ckpt_dir = local_path(ckpt_dir)
     if files is None:
         files = file_entries(ckpt_dir, list_files(ckpt_dir))
     missing = [f for f in list_files(ckpt_dir) if str(f) not in files]
@@ -249,7 +144,7 @@ def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any], files:
     return ckpt_dir / MANIFEST
 
 
-def _remote_write_manifest(r: _Remote, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None) -> str:
+def _remote_write_manifest(r: Location, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None) -> str:
     listed = list_files(r.fs_path, filesystem=r.fs)
     files = dict(files) if files is not None else file_entries(r.fs_path, listed, filesystem=r.fs)
     missing = [f for f in listed if str(f) not in files]
@@ -257,19 +152,19 @@ def _remote_write_manifest(r: _Remote, step: int, meta: dict[str, Any], files: d
         files.update(file_entries(r.fs_path, missing, filesystem=r.fs))
     manifest = {"format": FORMAT_VERSION, "step": step, "written_at": time.time(), "files": files, **meta}
     target = r.child(MANIFEST)
-    _remote_write(target, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    return target.public
+    target.put(json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return target.uri
 
 
 def read_manifest(ckpt_dir: str | Path, *, filesystem: Any = None) -> dict[str, Any] | None:
-    r = _where(ckpt_dir, filesystem)
+    r = resolve(ckpt_dir, filesystem)
     if r is not None:
         try:
             with r.fs.open_input_stream(r.child(MANIFEST).fs_path) as fh:
                 return json.loads(fh.read())
         except (OSError, ValueError):  # FileNotFoundError is an OSError
             return None
-    p = _local(ckpt_dir) / MANIFEST
+    p = local_path(ckpt_dir) / MANIFEST
     try:
         with open(p) as fh:
             return json.load(fh)
@@ -286,10 +181,10 @@ class Verdict:
 def verify(ckpt_dir: str | Path, deep: bool = True, *, filesystem: Any = None) -> Verdict:
     """A checkpoint is valid when its manifest parses and every file it lists exists with the recorded
     size and (deep) sha256."""
-    r = _where(ckpt_dir, filesystem)
+    r = resolve(ckpt_dir, filesystem)
     if r is not None:
         return _remote_verify(r, deep)
-    ckpt_dir = _local(ckpt_dir)
+    ckpt_dir = local_path(ckpt_dir)
     m = read_manifest(ckpt_dir)
     bad = _manifest_problem(m)
     if bad:
@@ -328,7 +223,7 @@ def _rejected(read: Any) -> Verdict:
     return Verdict(False, f"rejected earlier ({why})")
 
 
-def _remote_verify(r: _Remote, deep: bool) -> Verdict:
+def _remote_verify(r: Location, deep: bool) -> Verdict:
     from pyarrow import fs as pafs
 
     m = read_manifest(r.fs_path, filesystem=r.fs)
@@ -351,14 +246,14 @@ def _remote_verify(r: _Remote, deep: bool) -> Verdict:
             return Verdict(False, f"{rel} is missing")
         if int(info.size) != e["bytes"]:
             return Verdict(False, f"{rel} has {info.size} bytes, manifest says {e['bytes']}")
-        if deep and _remote_sha256(r.child(rel)) != e["sha256"]:
+        if deep and r.child(rel).sha256() != e["sha256"]:
             return Verdict(False, f"{rel} does not match its sha256")
     return Verdict(True)
 
 
 def candidates(root: str | Path, *, filesystem: Any = None) -> list[Path]:
     """Checkpoint folders under root, newest step first."""
-    r = _where(root, filesystem)
+    r = resolve(root, filesystem)
     if r is not None:
         from pyarrow import fs as pafs
 
@@ -367,9 +262,9 @@ def candidates(root: str | Path, *, filesystem: Any = None) -> list[Path]:
             name = info.path.rstrip("/").rsplit("/", 1)[-1]
             m = _DIR_RE.match(name)
             if info.type == pafs.FileType.Directory and m:
-                found.append((int(m.group(1)), r.child(name).public))
+                found.append((int(m.group(1)), r.child(name).uri))
         return [p for _, p in sorted(found, reverse=True)]  # type: ignore[misc]
-    root = _local(root)
+    root = local_path(root)
     if not root.is_dir():
         return []
     found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
@@ -383,11 +278,11 @@ def latest_verified(root: str | Path, deep: bool = True, *, filesystem: Any = No
         v = verify(p, deep=deep, filesystem=filesystem)
         if v.ok:
             return p, skipped
-        skipped.append(f"{_name(p)}: {v.reason}")
+        skipped.append(f"{name_of(p)}: {v.reason}")
     return None, skipped
 
 
-def _name(p: str | Path) -> str:
+def name_of(p: str | Path) -> str:
     return p.name if isinstance(p, Path) else str(p).rstrip("/").rsplit("/", 1)[-1]
 
 
@@ -410,7 +305,7 @@ def prune(root: str | Path, keep: int, *, filesystem: Any = None) -> list[Path]:
             verified_seen += 1
             if verified_seen <= keep:
                 continue
-        r = _where(p, filesystem)
+        r = resolve(p, filesystem)
         if r is None:
             shutil.rmtree(p, ignore_errors=True)
         else:

@@ -1,13 +1,14 @@
 """Where a job's files live: a local/NFS path or an object-store URI (s3://bucket/prefix, gs://..., anything
 pyarrow's `FileSystem.from_uri` and Ray Train's storage_path accept), behind one small interface.
 
-    loc = locate("s3://bucket/runs").child("my-job")     # resolved once (store.py caches the filesystem per root)
+    loc = locate("s3://bucket/runs").child("my-job")     # the filesystem is resolved once per root
     loc.write_json("summary.json", {...}); loc.read_json("worker_result.json"); loc.exists(".chaos/x")
     loc.upload_dir(local_dir, "checkpoint_step00000010"); loc.download_dir("checkpoint_step00000010", local_dir)
 
-A local path takes plain file I/O (the fast path: no pyarrow, no copies), exactly as before. A URI goes through
-the pyarrow filesystem that rayspeed.checkpoint.store resolves for it, so checkpoints, manifests, summaries and
-resilience events all share one filesystem object per root.
+A local path takes plain file I/O (the fast path: no pyarrow, no copies). A URI goes through a pyarrow filesystem
+resolved once per root and reused for everything under it, so checkpoints, manifests, summaries and resilience
+events all share one filesystem object per root; `resolve(path, filesystem=...)` also wraps a filesystem someone
+else opened (Ray Train's `storage_filesystem` with its `experiment_fs_path`).
 
 Object stores have no append and no rename: a JSON file is written in one PUT (atomic for readers), and
 `append_jsonl` rewrites the whole (small) object. That is safe only with a single writer per file, which is
@@ -20,15 +21,18 @@ Credentials and endpoints come from the environment the way pyarrow and the clou
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayspeed.checkpoint import store
+from rayspeed.paths import is_uri
+
+# pyarrow FileSystem.type_name of object stores: a single PUT is atomic for readers, and there is no rename.
+OBJECT_STORES = ("s3", "gcs", "azure", "abfs")
 
 # Read by pyarrow / the AWS, GCS and Azure SDKs. A driver that reaches the bucket with these must hand them to
 # the workers (the Ray Train controller and workers run in processes the driver did not start).
@@ -71,8 +75,74 @@ class Location:
     def name(self) -> str:
         return self.uri.rstrip("/").rsplit("/", 1)[-1]
 
+    @property
+    def is_object_store(self) -> bool:
+        return self.fs is not None and self.fs.type_name in OBJECT_STORES
+
     def __str__(self) -> str:
         return self.uri
+
+    # ------------------------------------------------------------ the file at this location (remote only)
+    def put(self, data: bytes) -> None:
+        """Commit `data` here: one atomic PUT on object stores, write-then-move on other remote filesystems."""
+        if self.is_object_store:
+            with self.fs.open_output_stream(self.fs_path) as fh:
+                fh.write(data)
+            return
+        parent = self.fs_path.rstrip("/").rsplit("/", 1)[0] if "/" in self.fs_path.strip("/") else ""
+        if parent:
+            self.fs.create_dir(parent, recursive=True)
+        tmp = self.fs_path + ".tmp"
+        with self.fs.open_output_stream(tmp) as fh:
+            fh.write(data)
+        self.fs.move(tmp, self.fs_path)
+
+    def sha256(self, chunk: int = 8 << 20) -> str:
+        """sha256 of the file here (streamed)."""
+        h = hashlib.sha256()
+        if self.fs is None:
+            with open(self.uri, "rb") as fh:
+                while b := fh.read(chunk):
+                    h.update(b)
+        else:
+            with self.fs.open_input_stream(self.fs_path) as fh:
+                while b := fh.read(chunk):
+                    h.update(b)
+        return h.hexdigest()
+
+    def size(self) -> int | None:
+        """Bytes of the file here, None when there is none."""
+        if self.fs is None:
+            return os.path.getsize(self.uri) if os.path.isfile(self.uri) else None
+        from pyarrow import fs as pafs
+
+        info = self.fs.get_file_info(self.fs_path)
+        return int(info.size) if info.type == pafs.FileType.File else None
+
+    def files(self) -> list[tuple[str, int]]:
+        """(relative posix path, size) of every file under this folder, recursively, sorted."""
+        if self.fs is None:
+            root = Path(self.uri)
+            return sorted((str(p.relative_to(root).as_posix()), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+        from pyarrow import fs as pafs
+
+        base = self.fs_path.rstrip("/") + "/"
+        out = []
+        for info in self.fs.get_file_info(pafs.FileSelector(self.fs_path, recursive=True, allow_not_found=True)):
+            if info.type == pafs.FileType.File and info.path.startswith(base):
+                out.append((info.path[len(base):], int(info.size)))
+        return sorted(out)
+
+    def subdirs(self) -> list[str]:
+        """Names of the folders directly under this one."""
+        if self.fs is None:
+            root = Path(self.uri)
+            return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        from pyarrow import fs as pafs
+
+        return sorted(info.path.rstrip("/").rsplit("/", 1)[-1]
+                      for info in self.fs.get_file_info(pafs.FileSelector(self.fs_path, allow_not_found=True))
+                      if info.type == pafs.FileType.Directory)
 
     def child(self, rel: str) -> "Location":
         rel = str(rel).strip("/")
@@ -88,7 +158,7 @@ class Location:
         loc = self.child(rel)
         if loc.fs is None:
             Path(loc.uri).mkdir(parents=True, exist_ok=True)
-        elif loc.fs.type_name not in store._OBJECT_STORES:
+        elif loc.fs.type_name not in OBJECT_STORES:
             loc.fs.create_dir(loc.fs_path, recursive=True)
 
     def exists(self, rel: str = "") -> bool:
@@ -109,7 +179,7 @@ class Location:
             tmp.write_bytes(data)
             os.replace(tmp, p)
             return
-        store._remote_write(store._Remote(loc.fs, loc.fs_path, loc.uri), data)
+        loc.put(data)
 
     def read_bytes(self, rel: str = "") -> bytes | None:
         """The file's bytes, or None when it does not exist (or cannot be read)."""
@@ -194,7 +264,7 @@ class Location:
             return files
         from pyarrow import fs as pafs
 
-        if dest.fs.type_name not in store._OBJECT_STORES:
+        if dest.fs.type_name not in OBJECT_STORES:
             dest.fs.create_dir(dest.fs_path, recursive=True)
         # pyarrow's copy_files streams each file with a thread pool (multipart uploads on S3).
         pafs.copy_files(str(local_dir), dest.fs_path, source_filesystem=pafs.LocalFileSystem(),
@@ -216,36 +286,58 @@ class Location:
         return local_dir
 
 
+def local_path(path: Any) -> Path:
+    """A local path from a str, Path or file:// URI."""
+    if isinstance(path, str) and path.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return Path(unquote(urlparse(path).path))
+    return Path(path)
+
+
+# Filesystems resolved from URIs, by the URI they were resolved for: a URI under one of them reuses its filesystem
+# (one S3 region lookup per root; one in-memory filesystem for every mock:// path under a root).
+_RESOLVED: dict[str, tuple[Any, str]] = {}
+
+
+def _resolve_uri(uri: str) -> Location:
+    scheme, sep, rest = uri.partition("://")
+    uri = scheme + sep + rest.rstrip("/")
+    best = None
+    for known in _RESOLVED:
+        if (uri == known or uri.startswith(known.rstrip("/") + "/")) and (best is None or len(known) > len(best)):
+            best = known
+    if best is not None:
+        fs, fs_path = _RESOLVED[best]
+        return Location(best, fs, fs_path).child(uri[len(best):])
+    from pyarrow import fs as pafs
+
+    fs, fs_path = pafs.FileSystem.from_uri(uri)
+    _RESOLVED[uri] = (fs, fs_path)
+    return Location(uri, fs, fs_path)
+
+
+def resolve(path: Any, filesystem: Any = None) -> Location | None:
+    """Where `path` is on its pyarrow filesystem (a URI, or a path inside `filesystem`); None for a local path."""
+    if filesystem is not None:
+        p = str(path)
+        return Location(p, filesystem, p)
+    if is_uri(path):
+        return _resolve_uri(str(path))
+    return None
+
+
 def locate(path: str | Path | Location) -> Location:
     """A local path (str, Path or file:// URI) or any URI pyarrow resolves; the filesystem is resolved once per root."""
     if isinstance(path, Location):
         return path
-    if not store.is_uri(path):
-        return Location(str(store._local(path)))
-    r = store._resolve_uri(str(path))
-    return Location(r.public, r.fs, r.fs_path)
-
-
-def staging_root(configured: str = "auto") -> Path:
-    """Node-local folder for checkpoints on their way to / from an object store: storage.staging_dir, else
-    $RAYSPEED_STAGING, else <tmp>/rayspeed-staging. Must be on a local disk with room for one checkpoint."""
-    if configured and configured != "auto":
-        return Path(configured).expanduser()
-    env = os.environ.get("RAYSPEED_STAGING")
-    return Path(env).expanduser() if env else Path(tempfile.gettempdir()) / "rayspeed-staging"
-
-
-def data_cache_dir(storage_path: str, staging_dir: str, job: str) -> str:
-    """Where the tokenized data (a local memmap) is cached when data.cache_dir is auto: next to the runs on a
-    local/NFS storage path, else in the node's staging folder (a memmap cannot live in a bucket)."""
-    if not store.is_uri(storage_path):
-        return str(Path(storage_path) / ".cache" / "data")
-    return str(staging_root(staging_dir) / job / ".cache" / "data")
+    remote = resolve(path)
+    return remote if remote is not None else Location(str(local_path(path)))
 
 
 def check_reachable(path: str, key: str = "storage.path") -> str | None:
     """None when `path` is local or its bucket answers; else one line naming the key and the fix. Writes nothing."""
-    if not store.is_uri(path):
+    if not is_uri(path):
         return None
     scheme = path.split("://", 1)[0]
     try:
@@ -261,10 +353,10 @@ def check_reachable(path: str, key: str = "storage.path") -> str | None:
 
     bucket = loc.fs_path.strip("/").split("/", 1)[0]
     try:
-        info = loc.fs.get_file_info(bucket if loc.fs.type_name in store._OBJECT_STORES else loc.fs_path)
+        info = loc.fs.get_file_info(bucket if loc.fs.type_name in OBJECT_STORES else loc.fs_path)
     except Exception as e:
         return (f"{key}: the bucket of {path!r} cannot be reached ({str(e).splitlines()[0][:300]}); check the "
                 "endpoint (AWS_ENDPOINT_URL), network and credentials, or use a local absolute path")
-    if loc.fs.type_name in store._OBJECT_STORES and info.type == pafs.FileType.NotFound:
+    if loc.fs.type_name in OBJECT_STORES and info.type == pafs.FileType.NotFound:
         return f"{key}: bucket {bucket!r} of {path!r} does not exist; create it or fix the bucket name"
     return None

@@ -1,0 +1,150 @@
+"""Every check of a job that needs no cluster, as pure functions: each problem names its key and the fix.
+
+Every command runs them (`rayspeed plan` as well as a training launch), so a bad value exits 2 before anything
+starts instead of failing a worker later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.config.shape import ModelShape
+
+# A full match: "abc\n" is not a name ($ would accept a trailing newline).
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) -> list[str]:
+    """What stops this model shape from being split over tp ranks (the model builder's own check)."""
+    problems = []
+    if shape.hidden_size % shape.num_heads:
+        problems.append(f"hidden_size={shape.hidden_size} must divide by num_heads={shape.num_heads}")
+    if shape.head_dim % 2:
+        problems.append(f"head dim {shape.head_dim} must be even for RoPE")
+    if shape.num_heads % shape.num_kv_heads:
+        problems.append(f"num_heads={shape.num_heads} must divide by num_kv_heads={shape.num_kv_heads}")
+    for name, value in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
+                        ("ffn_hidden_size", shape.ffn_hidden_size), ("vocab_size", shape.vocab_size)):
+        if value % tp:
+            problems.append(f"{name}={value} must divide by the tensor-parallel size tp={tp}")
+    if sequence_parallel and shape.seq_len % tp:
+        problems.append(f"seq_len={shape.seq_len} must divide by tp={tp} with sequence_parallel")
+    return problems
+
+
+def check(cfg: JobConfig) -> list[str]:
+    """Static cross-field checks (those that need no cluster). All problems, not the first."""
+    p: list[str] = []
+    m, t, par, c, r = cfg.model, cfg.train, cfg.parallel, cfg.cluster, cfg.resilience
+    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
+    if not _NAME_RE.fullmatch(cfg.name):
+        p.append(f"name: {cfg.name!r} must be letters, digits, '.', '_' or '-' (it names folders and runs)")
+    for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "seq_len"):
+        if getattr(m, key) < 1:
+            p.append(f"model.{key}: must be >= 1, got {getattr(m, key)}")
+    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        p.append(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+    elif m.num_heads >= 1 and (m.hidden_size // m.num_heads) % 2:
+        p.append(f"model: head dim hidden_size/num_heads = {m.hidden_size // m.num_heads} must be even for RoPE")
+    if kv < 1 or (m.num_heads >= 1 and m.num_heads % kv):
+        p.append(f"model.num_kv_heads ({kv}) must be >= 1 and divide model.num_heads ({m.num_heads})")
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
+        p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
+    if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
+        p.append(f"model.vocab_size ({m.vocab_size}) must be >= 256 with data.tokenizer: bytes")
+    if cfg.data.source == "files" and not cfg.data.path:
+        p.append("data.path: required with data.source: files (a glob of text files or a .bin token file)")
+    if cfg.data.source == "python-stdlib" and cfg.data.path:
+        p.append("data.path is set but data.source is python-stdlib: set data.source: files to use it")
+    if not 0.0 < cfg.data.val_fraction < 0.5:
+        p.append(f"data.val_fraction: must be in (0, 0.5), got {cfg.data.val_fraction}")
+    if t.global_batch_size < 1:
+        p.append(f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
+    if t.max_steps < 1:
+        p.append(f"train.max_steps: must be >= 1, got {t.max_steps}")
+    if t.lr != AUTO and t.lr <= 0:
+        p.append(f"train.lr: must be > 0 (or auto), got {t.lr}")
+    if t.lr != AUTO and t.min_lr > t.lr:
+        p.append(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
+    if t.warmup_steps < 0:
+        p.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    if t.eval_batches < 1:
+        p.append(f"train.eval_batches: must be >= 1, got {t.eval_batches}")
+    for key in ("dp", "tp", "pp", "micro_batch_size", "grad_accum"):
+        v = getattr(par, key)
+        if v != AUTO and v < 1:
+            p.append(f"parallel.{key}: must be >= 1 or auto, got {v}")
+    if par.zero_stage != AUTO and par.zero_stage not in (0, 1, 2, 3):
+        p.append(f"parallel.zero_stage: must be 0, 1, 2, 3 or auto, got {par.zero_stage}")
+    if par.tp != AUTO and par.tp >= 1:
+        if m.num_heads % par.tp or kv % par.tp:
+            p.append(
+                f"parallel.tp ({par.tp}) must divide model.num_heads ({m.num_heads}) and "
+                f"model.num_kv_heads ({kv})"
+            )
+        if m.vocab_size % par.tp:
+            p.append(f"parallel.tp ({par.tp}) must divide model.vocab_size ({m.vocab_size}) (vocab-parallel embedding)")
+        if c.use_gpu and par.tp > c.gpus_per_node:
+            p.append(f"parallel.tp ({par.tp}) must not exceed cluster.gpus_per_node ({c.gpus_per_node}): tp never spans nodes")
+    if par.pp != AUTO and par.pp >= 1 and par.pp > m.num_layers:
+        p.append(f"parallel.pp ({par.pp}) must not exceed model.num_layers ({m.num_layers})")
+    if par.pp not in (AUTO, 1) and par.zero_stage not in (AUTO, 0, 1):
+        p.append(
+            f"parallel.zero_stage ({par.zero_stage}) with parallel.pp ({par.pp}): DeepSpeed's pipeline engine "
+            "supports ZeRO 0 or 1 only; set parallel.zero_stage to 0, 1 or auto"
+        )
+    if par.sequence_parallel is True and par.tp == 1:
+        p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
+    if isinstance(c.num_workers, list):
+        if len(c.num_workers) != 2 or c.num_workers[0] < 1 or c.num_workers[0] > c.num_workers[1]:
+            p.append(f"cluster.num_workers: expected an int or [min, max] with 1 <= min <= max, got {c.num_workers}")
+    elif c.num_workers < 1:
+        p.append(f"cluster.num_workers: must be >= 1, got {c.num_workers}")
+    if c.cpus_per_worker <= 0:
+        p.append(f"cluster.cpus_per_worker: must be > 0, got {c.cpus_per_worker}")
+    if c.gpus_per_node < 1 or c.num_nodes < 1:
+        p.append("cluster.gpus_per_node and cluster.num_nodes: must be >= 1")
+    if c.local_num_cpus != AUTO and c.local_num_cpus < 1:
+        p.append(f"cluster.local_num_cpus: must be >= 1 or auto, got {c.local_num_cpus}")
+    if r.keep_checkpoints < 2:
+        p.append(f"resilience.keep_checkpoints: never fewer than 2 (got {r.keep_checkpoints}): a newer checkpoint must verify before an older one goes")
+    if r.max_failures < 0:
+        p.append(f"resilience.max_failures: must be >= 0, got {r.max_failures}")
+    if r.checkpoint_every_steps < 0:
+        p.append(f"resilience.checkpoint_every_steps: must be >= 0, got {r.checkpoint_every_steps}")
+    if r.collective_timeout_s <= 0:
+        p.append(f"resilience.collective_timeout_s: must be > 0, got {r.collective_timeout_s}")
+    if cfg.tracking.log_every_steps < 1:
+        p.append(f"tracking.log_every_steps: must be >= 1, got {cfg.tracking.log_every_steps}")
+    if cfg.storage.path != AUTO and "://" not in cfg.storage.path and not os.path.isabs(os.path.expanduser(cfg.storage.path)):
+        p.append(f"storage.path: must be absolute (all nodes must see it), got {cfg.storage.path!r}")
+    if cfg.storage.path != AUTO and "://" in cfg.storage.path and not cfg.storage.path.startswith("file://"):
+        scheme = cfg.storage.path.split("://", 1)[0]
+        if not _known_scheme(scheme):
+            p.append(f"storage.path: {cfg.storage.path!r} has a scheme ({scheme}://) no filesystem handles; use an "
+                     "absolute local path or an object-store URI such as s3://bucket/prefix or gs://bucket/prefix")
+    if cfg.storage.staging_dir != AUTO and not os.path.isabs(os.path.expanduser(cfg.storage.staging_dir)):
+        p.append(f"storage.staging_dir: must be an absolute node-local path, got {cfg.storage.staging_dir!r}")
+    for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step"):
+        k = getattr(cfg.chaos, key)
+        if k is not None and (k.rank < 0 or k.step < 1):
+            p.append(f"chaos.{key}: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
+        elif k is not None and k.rank >= c.max_workers:
+            p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
+    return p
+
+
+def _known_scheme(scheme: str) -> bool:
+    """Whether pyarrow resolves URIs of this scheme (asked with a dummy URI; an unknown scheme fails at once,
+    before any network access, while a known one may fail later for other reasons)."""
+    if scheme in ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock", "file"):
+        return True
+    try:
+        from pyarrow import fs as pafs
+
+        pafs.FileSystem.from_uri(f"{scheme}://rayspeed-scheme-probe/x")
+    except Exception as e:
+        return "Unrecognized filesystem type" not in str(e)
+    return True

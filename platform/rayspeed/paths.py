@@ -1,0 +1,96 @@
+"""Where a job's files live: the launch home, the storage root, the tracking store, node-local staging and the
+caches, and the names of the files in a run's directory. Torch-free, MLflow-free.
+
+    <storage>/<job>/                       the experiment directory (Ray Train's run directory as well)
+        checkpoint_stepNNNNNNNN/           one checkpoint (rayspeed.checkpoint.manifest)
+        summary.json                       SUMMARY: what the launcher writes at the end
+        worker_result.json                 WORKER_RESULT: what rank 0 returns
+        .resilience/                       RESILIENCE_DIR: events.jsonl, handled.jsonl, progress.json
+        .chaos/                            CHAOS_DIR: one marker per drill that fired
+        model/                             MODEL_DIR: the export, when it could not go to MLflow
+    <storage>/.cache/data, .cache/models   DATA_CACHE, MODEL_CACHE (local or NFS storage)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+AUTO = "auto"
+SUMMARY = "summary.json"
+WORKER_RESULT = "worker_result.json"
+RESILIENCE_DIR = ".resilience"
+CHAOS_DIR = ".chaos"
+MODEL_DIR = "model"
+DATA_CACHE = ".cache/data"
+MODEL_CACHE = ".cache/models"
+RUNS_DIR = "runs"
+RETRAIN_STATE = "runs/.retrain"
+MLFLOW_DB = "mlflow.db"
+ARTIFACTS_DIR = "mlartifacts"
+
+
+def home() -> Path:
+    """The repository the job was launched from. `make submit` passes RAYSPEED_HOME because `ray job submit
+    --working-dir` runs the driver from a temporary copy whose files vanish."""
+    env = os.environ.get("RAYSPEED_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(__file__).resolve().parents[2]
+
+
+def is_uri(path: Any) -> bool:
+    """True for 'scheme://...' other than file:// (those are local paths)."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def storage_path(cfg: Any) -> str:
+    """storage.path resolved: a local absolute path or an object-store URI (auto: <home>/runs)."""
+    if cfg.storage.path != AUTO:
+        p = cfg.storage.path
+        return p if "://" in p else str(Path(p).expanduser())
+    return str(home() / RUNS_DIR)
+
+
+def tracking_uri(cfg: Any) -> str:
+    """tracking.uri resolved: the key, else MLFLOW_TRACKING_URI, else the SQLite store at <home>/mlflow.db."""
+    if cfg.tracking.uri != AUTO:
+        return cfg.tracking.uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{home() / MLFLOW_DB}"
+
+
+def artifact_root() -> str:
+    """Artifact root for experiments created in the local SQLite store (absolute, see home())."""
+    return (home() / ARTIFACTS_DIR).as_uri()
+
+
+def staging_root(configured: str = AUTO) -> Path:
+    """Node-local folder for checkpoints on their way to / from an object store: storage.staging_dir, else
+    $RAYSPEED_STAGING, else <tmp>/rayspeed-staging. Must be on a local disk with room for one checkpoint."""
+    if configured and configured != AUTO:
+        return Path(configured).expanduser()
+    env = os.environ.get("RAYSPEED_STAGING")
+    return Path(env).expanduser() if env else Path(tempfile.gettempdir()) / "rayspeed-staging"
+
+
+def data_cache_dir(storage: str, staging_dir: str, job: str) -> str:
+    """Where the tokenized data (a local memmap) is cached when data.cache_dir is auto: next to the runs on a
+    local/NFS storage path, else in the node's staging folder (a memmap cannot live in a bucket)."""
+    if not is_uri(storage):
+        return str(Path(storage) / DATA_CACHE)
+    return str(staging_root(staging_dir) / job / DATA_CACHE)
+
+
+def model_cache_dir(storage: str) -> str | None:
+    """Where downloaded registered models are cached: beside the runs on local/NFS storage, else the default."""
+    return None if is_uri(storage) else str(Path(storage) / MODEL_CACHE)
+
+
+def chaos_marker(kind: str, rank: int, step: int) -> str:
+    """A drill's marker, relative to the experiment directory (the restarted rank may run on another node)."""
+    return f"{CHAOS_DIR}/{kind}_rank{rank}_step{step}"
