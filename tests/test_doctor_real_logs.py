@@ -138,7 +138,8 @@ def test_prose_in_library_messages_is_not_a_finding():
     # possible causes), TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC among ProcessGroupNCCL's logged settings
     assert {f.category for f in _diagnose("nccl_timeout_dump_signal.log")} == {"nccl_timeout"}
     found = _diagnose("nccl_timeout_blocking_env.log")
-    assert _ids(found) == [("nccl_timeout", "nccl_watchdog_timeout"), ("env_invalid", "env:TORCH_NCCL_BLOCKING_WAIT")]
+    assert [(f.category, f.extra.get("variable")) for f in found] == [
+        ("nccl_timeout", None), ("env_invalid", "TORCH_NCCL_BLOCKING_WAIT")], _ids(found)
 
 
 def test_nccl_info_lines_come_last_and_only_beside_a_failure():
