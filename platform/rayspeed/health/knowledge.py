@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 CATEGORIES = ("nccl_timeout", "oom", "nan_loss", "grad_explosion", "hang", "slow_throughput", "checkpoint_corrupt",
-              "env_invalid", "slow_rank", "topology", "bandwidth", "rank_failed")
+              "env_invalid", "slow_rank", "topology", "bandwidth", "rank_failed", "network", "worker_died",
+              "shm_exhausted", "checkpoint_missing")
 SEVERITIES = ("error", "warn", "info")
 ENV_STATUSES = ("invented", "deprecated", "debug", "tuning", "known")
 
