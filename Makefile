@@ -14,7 +14,7 @@ SERVICES := $(CURDIR)/.services
 export RAYSPEED_HOME := $(CURDIR)
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup train test test-multinode up down submit plan mlflow-ui bench retrain schedule unschedule clean
+.PHONY: setup lint train test test-slow test-multinode up down submit plan mlflow-ui bench retrain schedule unschedule clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,12 +27,22 @@ setup: $(STAMP)
 train: setup
 	$(BIN)/python jobs/train.py --config $(CONFIG) $(ARGS)
 
-test: setup
-	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/test_multinode.py tests
+# The habits of a kept codebase: lint and import order, the layering contract, types of the pure-Python core.
+lint: setup
+	$(BIN)/ruff check platform jobs scripts tests
+	cd platform && $(BIN)/lint-imports --config ../pyproject.toml
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q --durations=15 -m "not slow" --ignore=tests/train/test_multinode.py tests
+
+# Heavier end-to-end drills (checkpoint kill points under Ray Train); CI runs them after `make test`.
+test-slow: setup
+	$(BIN)/python -m pytest -q --durations=15 -m slow --ignore=tests/train/test_multinode.py tests
 
 # The multi-host drill (CI runs it after `make test`): three Ray nodes in network namespaces (root, ip netns).
 test-multinode: setup
-	$(BIN)/python -m pytest -q -s tests/test_multinode.py
+	$(BIN)/python -m pytest -q -s tests/train/test_multinode.py
 
 plan: setup
 	$(BIN)/rayspeed plan $(CONFIG) $(ARGS)
@@ -81,12 +91,12 @@ CRON ?=
 DRY_RUN ?=
 RETRAIN_LOG ?= $(CURDIR)/runs/retrain.log
 schedule: setup
-	@$(BIN)/python -m rayspeed.retrain.cron install --cron "$(CRON)" --config $(CONFIG) --repo $(CURDIR) \
+	@$(BIN)/rayspeed schedule install --cron "$(CRON)" --config $(CONFIG) --repo $(CURDIR) \
 	  --log $(RETRAIN_LOG) $(if $(strip $(ARGS)),--args '$(ARGS)') $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
 
 # Removes this repository's rayspeed-retrain lines (only CONFIG's when CONFIG is given on the command line).
 unschedule: setup
-	@$(BIN)/python -m rayspeed.retrain.cron remove --repo $(CURDIR) \
+	@$(BIN)/rayspeed schedule remove --repo $(CURDIR) \
 	  $(if $(filter command line,$(origin CONFIG)),--config $(CONFIG)) $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
 
 clean:

@@ -8,7 +8,7 @@ try:
 except ImportError:  # a bare checkout: use the source tree next to this file
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
 
-from rayspeed.train.launch import main
+from rayspeed.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]], prog="jobs/train.py"))

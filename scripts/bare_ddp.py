@@ -65,9 +65,9 @@ def _worker(args: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from rayspeed.config.load import load
+    from rayspeed.config.shape import ModelShape
     from rayspeed.data import RankBatches, build_token_file, make_schedule
     from rayspeed.engine.optim import lr_factor, param_groups
-    from rayspeed.config.shape import ModelShape
     from rayspeed.model.transformer import Transformer
     from rayspeed.planner import resolve
 

@@ -379,8 +379,8 @@ def bench_cpu(args, home: Path) -> dict[str, Any]:
     line = {
         "bench": "cpu_overhead",
         "config": os.path.relpath(args.config, ROOT) if os.path.isabs(args.config) else args.config,
-        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage, "micro_batch_size": p.micro_batch_size,
-                   "grad_accum": p.grad_accum},
+        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage,
+                   "micro_batch_size": p.micro_batch_size, "grad_accum": p.grad_accum},
         "workers": cfg.cluster.max_workers, "threads_per_worker": 1, "dtype": cfg.train.precision,
         "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.model.seq_len,
         "steps": args.steps, "log_every": args.log_every, "skip_windows": args.skip_windows, "reps": args.reps,
@@ -488,8 +488,10 @@ def bench_gpu(args) -> list[dict[str, Any]]:
     except Exception:
         has_cuda = False
     if not has_cuda:
-        return [{"bench": "gpu", "status": "skipped", "reason": "no CUDA device here; run scripts/bench_gpu.py on an H200"}]
-    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_gpu.py")], cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
+        return [{"bench": "gpu", "status": "skipped",
+                 "reason": "no CUDA device here; run scripts/bench_gpu.py on an H200"}]
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_gpu.py")], cwd=str(ROOT), stdout=subprocess.PIPE,
+                          text=True)
     lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
     return lines or [{"bench": "gpu", "status": "failed", "rc": proc.returncode}]
 

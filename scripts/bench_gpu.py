@@ -143,7 +143,6 @@ def result_line(a, mode: str, windows: list[float], peak_gib: Optional[float], f
 
 
 def worker_bare(a, workdir: Path, compiled: bool) -> dict[str, Any]:
-    import dataclasses
     from contextlib import nullcontext
     from types import SimpleNamespace
 
@@ -204,7 +203,8 @@ def worker_bare(a, workdir: Path, compiled: bool) -> dict[str, Any]:
             t0 = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return result_line(a, "compile" if compiled else "eager", windows, peak, t_first,
-                       {"optimizer": "torch AdamW fused", "weights": "fp32 + autocast bf16" if a.dtype == "bf16" else "fp32"})
+                       {"optimizer": "torch AdamW fused",
+                        "weights": "fp32 + autocast bf16" if a.dtype == "bf16" else "fp32"})
 
 
 # ---------------------------------------------------------------- the platform
@@ -268,12 +268,12 @@ def worker_platform(a, workdir: Path, compiled: bool) -> dict[str, Any]:
     cfg_path = job_yaml(a, workdir, f"bench-gpu-{mode}")
     catcher = _StepLog()
     logging.getLogger("rayspeed.worker").addHandler(catcher)
-    from rayspeed.train.launch import main as launch_main
+    from rayspeed.cli import main as cli
 
     if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    rc = launch_main(["--config", str(cfg_path), "--launcher", "local"])
+    rc = cli(["train", "--config", str(cfg_path), "--launcher", "local"])
     wall = time.perf_counter() - t0
     if rc != 0:
         raise RuntimeError(f"jobs/train.py --launcher local exited {rc}")
@@ -365,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             try:
                 with open(log_path, "w") as log:
-                    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=left, cwd=str(ROOT),
-                                          env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                                   RAYSPEED_BENCH_GPU_ID=str(os.getpid())))
+                    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=left,
+                                          cwd=str(ROOT), env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                                  RAYSPEED_BENCH_GPU_ID=str(os.getpid())))
                 found = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"bench"')]
                 if proc.returncode == 0 and found:
                     emit({**found[-1], "status": "ok", "process_s": round(time.monotonic() - t0, 1)})

@@ -1,13 +1,17 @@
-"""Kill the job inside checkpoint writes, again and again, and check every resume starts from a complete,
-verified checkpoint.
+"""Kill the job inside checkpoint writes, again and again, at random points of the save, and check that every
+resume starts from the newest checkpoint that committed and that the loss curve continues the uninterrupted run's.
 
-Each round runs tiny-cpu in-process (`--launcher local`) with `chaos.kill_rank_in_checkpoint` at the next
-checkpoint step: the process dies after writing its shard and before the manifest, leaving a torn
-checkpoint behind. The next round resubmits the same job name; it must resume from the newest checkpoint
-whose manifest verifies (never the torn one) and its loss at the resumed step must continue the curve.
+Each round resubmits tiny-cpu (the same job name) under Ray Train with --workers workers (default 2) and
+`chaos.kill_rank_in_checkpoint` at the next checkpoint step, on a random rank, at a random point of the save
+(before the shards, between a rank's shards, before the manifest, after the manifest). `max_failures: 0` makes
+the kill end the round. The next round must resume from the newest committed checkpoint: the previous round's
+kill step when the kill came after its manifest, else the checkpoint before it; a folder without a manifest is
+never loaded. A final round finishes the job; then every logged `train/loss` (one value per step: replayed steps
+are logged once) must equal an uninterrupted run's to 1e-5.
 
-    python scripts/checkpoint_kill_drill.py --kills 20 [--home /tmp/drill]
-Prints one JSON line per round and a summary line.
+    python scripts/checkpoint_kill_drill.py --kills 20 [--workers 2] [--seed 0] [--home /tmp/drill]
+    python scripts/checkpoint_kill_drill.py --kills 3 --launcher local     # world size 1, no Ray (faster)
+Prints one JSON line per round and a summary line; exit 0 when every round and the loss check passed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -26,76 +31,102 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 
 from rayspeed.checkpoint import manifest  # noqa: E402
+from rayspeed.train.chaos import CHECKPOINT_POINTS  # noqa: E402
 
 RESUMED = re.compile(r"resumed from (checkpoint_step\d+) at step (\d+)")
+NAME = "ckpt-kill-drill"
 
 
-def run_round(home: Path, name: str, kill_step: int, every: int, max_steps: int) -> dict:
+def _job(args: argparse.Namespace, max_steps: int, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "configs" / "tiny-cpu.yaml"),
+            "--launcher", args.launcher, "--set", f"cluster.num_workers={args.workers}",
+            "--set", f"train.max_steps={max_steps}", "--set", f"resilience.checkpoint_every_steps={args.every}",
+            "--set", "resilience.max_failures=0", "--set", "tracking.log_every_steps=1",
+            "--set", "train.eval_every_steps=0", "--set", "health.preflight=false",
+            "--set", "tracking.loss_landscape=false", "--set", "tracking.charts_every_checkpoints=0", *extra]
+
+
+def _run(cmd: list[str], home: Path) -> tuple[int, str]:
     env = dict(os.environ, RAYSPEED_HOME=str(home), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "configs" / "tiny-cpu.yaml"),
-           "--launcher", "local", "--set", f"name={name}", "--set", f"train.max_steps={max_steps}",
-           "--set", f"resilience.checkpoint_every_steps={every}", "--set", "tracking.log_every_steps=1",
-           "--set", "train.eval_every_steps=0", "--set", "health.preflight=false",
-           "--set", "tracking.loss_landscape=false", "--set", "tracking.charts_every_checkpoints=0",
-           "--set", f"chaos.kill_rank_in_checkpoint={{rank: 0, step: {kill_step}}}"]
-    t0 = time.time()
+    for k in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+        env.pop(k, None)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    out = r.stdout + r.stderr
+    return r.returncode, r.stdout + r.stderr
+
+
+def _losses(home: Path, name: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()], f"tags.`rayspeed.job` = '{name}'")
+    hist = c.get_metric_history(runs[0].info.run_id, "train/loss") if runs else []
+    steps = [m.step for m in hist]
+    if len(steps) != len(set(steps)):
+        raise AssertionError(f"{name}: a step was logged twice: {sorted(steps)}")
+    return {m.step: m.value for m in hist}
+
+
+def run_round(args: argparse.Namespace, home: Path, kill_step: int, max_steps: int, rng: random.Random) -> dict:
+    point = rng.choice(CHECKPOINT_POINTS)
+    rank = rng.randrange(args.workers if args.launcher == "ray" else 1)
+    t0 = time.time()
+    rc, out = _run(_job(args, max_steps, "--set", f"name={NAME}", "--set",
+                        f"chaos.kill_rank_in_checkpoint={{rank: {rank}, step: {kill_step}, point: {point}}}"), home)
     m = RESUMED.search(out)
-    root = home / "runs" / name
-    torn = root / manifest.dir_name(kill_step)
-    rec = {
-        "kill_step": kill_step,
-        "returncode": r.returncode,
-        "killed": r.returncode == -9 or "inside the checkpoint write" in out,
-        "resumed_from": m.group(1) if m else None,
-        "resumed_step": int(m.group(2)) if m else 0,
-        "torn_left_unverified": torn.exists() and not manifest.verify(torn).ok,
-        "seconds": round(time.time() - t0, 1),
-    }
+    root = home / "runs" / NAME
+    committed = manifest.verify(root / manifest.dir_name(kill_step)).ok if (root / manifest.dir_name(kill_step)).exists() \
+        else False
+    rec = {"kill_step": kill_step, "point": point, "rank": rank, "returncode": rc,
+           "killed": f"inside the checkpoint write of step {kill_step} ({point})" in out,
+           "resumed_from": m.group(1) if m else None, "resumed_step": int(m.group(2)) if m else 0,
+           "killed_checkpoint_committed": committed, "seconds": round(time.time() - t0, 1)}
     if m:
         rec["resumed_checkpoint_verified"] = manifest.verify(root / m.group(1)).ok
     return rec
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--every", type=int, default=2, help="checkpoint every N steps")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--launcher", choices=("ray", "local"), default="ray")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random kill points and ranks")
     ap.add_argument("--home", default=None)
     a = ap.parse_args()
+    if a.launcher == "local":
+        a.workers = 1
     home = Path(a.home or tempfile.mkdtemp(prefix="rayspeed-drill-"))
-    name = "ckpt-kill-drill"
+    rng = random.Random(a.seed)
     max_steps = a.every * (a.kills + 2)
     ok = True
-    prev_kill = None
+    expect = None  # the checkpoint the next round must resume from
     for i in range(a.kills):
         kill_step = a.every * (i + 1)
-        rec = run_round(home, name, kill_step, a.every, max_steps)
-        # Round i must resume from the last checkpoint that completed before the previous torn one.
-        expect = None if prev_kill is None else manifest.dir_name(prev_kill - a.every) if prev_kill - a.every > 0 else None
+        rec = run_round(a, home, kill_step, max_steps, rng)
         rec["expected_resume"] = expect
-        good = rec["killed"] and rec["torn_left_unverified"] and rec["resumed_from"] == expect
+        good = rec["killed"] and rec["resumed_from"] == expect and rec["returncode"] != 0
+        # Only a kill after the manifest leaves the killed step's checkpoint committed.
+        good = good and rec["killed_checkpoint_committed"] == (rec["point"] == "after_manifest")
         if rec["resumed_from"]:
             good = good and rec.get("resumed_checkpoint_verified", False)
         rec["ok"] = good
         ok = ok and good
         print(json.dumps(rec), flush=True)
-        prev_kill = kill_step
-    # A final clean round finishes the job from the newest verified checkpoint.
-    env = dict(os.environ, RAYSPEED_HOME=str(home))
-    env.pop("MLFLOW_TRACKING_URI", None)
-    r = subprocess.run([sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "configs" / "tiny-cpu.yaml"),
-                        "--launcher", "local", "--set", f"name={name}", "--set", f"train.max_steps={max_steps}",
-                        "--set", f"resilience.checkpoint_every_steps={a.every}", "--set", "train.eval_every_steps=0",
-                        "--set", "health.preflight=false", "--set", "tracking.loss_landscape=false"],
-                       env=env, capture_output=True, text=True)
-    m = RESUMED.search(r.stdout + r.stderr)
-    final = {"final_round_rc": r.returncode, "final_resumed_from": m.group(1) if m else None,
-             "kills": a.kills, "all_resumes_verified": ok, "home": str(home)}
+        last = kill_step if rec["point"] == "after_manifest" else kill_step - a.every
+        expect = manifest.dir_name(last) if last > 0 else None
+    rc, out = _run(_job(a, max_steps, "--set", f"name={NAME}"), home)  # finish the job
+    m = RESUMED.search(out)
+    ref_home = home / "reference"
+    ref_rc, _ = _run(_job(a, max_steps, "--set", "name=uninterrupted"), ref_home)
+    drilled, reference = _losses(home, NAME), (_losses(ref_home, "uninterrupted") if ref_rc == 0 else {})
+    bad = [s for s in reference if s not in drilled or abs(drilled[s] - reference[s]) > 1e-5 * abs(reference[s])]
+    same = ref_rc == 0 and sorted(drilled) == list(range(1, max_steps + 1)) and not bad
+    final = {"final_round_rc": rc, "final_resumed_from": m.group(1) if m else None,
+             "expected_final_resume": expect, "kills": a.kills, "all_resumes_verified": ok,
+             "loss_curve_continues": same, "steps_differing": bad[:10], "home": str(home)}
     print(json.dumps(final), flush=True)
-    return 0 if ok and r.returncode == 0 else 1
+    return 0 if ok and rc == 0 and same and final["final_resumed_from"] == expect else 1
 
 
 if __name__ == "__main__":

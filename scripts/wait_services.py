@@ -24,7 +24,7 @@ def answers(url: str) -> bool:
     try:
         urllib.request.urlopen(req, timeout=5)
         return True
-    except urllib.error.HTTPError as e:
+    except urllib.error.HTTPError:
         # /api/jobs/ must really work (200); elsewhere any answer (e.g. 401 without a token) means "up".
         return not url.endswith("/api/jobs/")
     except OSError:

@@ -38,7 +38,7 @@ class MotoS3:
             except OSError:
                 if time.time() > deadline:
                     self.stop()
-                    raise RuntimeError(f"moto_server did not listen within 60 s; see {log_path}")
+                    raise RuntimeError(f"moto_server did not listen within 60 s; see {log_path}") from None
                 time.sleep(0.2)
         self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",

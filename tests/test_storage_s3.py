@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from _cluster import ROOT
-from rayspeed import paths, storage
+from rayspeed import storage
 from rayspeed.checkpoint import manifest, staging
 
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -101,7 +101,8 @@ def test_staged_checkpoint_commits_and_restores_through_s3(s3, tmp_path):
     for step in (20, 25):
         d = staging.save_dir(node, 0, step)
         _fake_checkpoint(d, 0, step)
-        manifest.write_manifest(str(exp.child(manifest.dir_name(step))), step, {"world_size": 1}, staging.publish(exp, d))
+        manifest.write_manifest(str(exp.child(manifest.dir_name(step))), step, {"world_size": 1},
+                                staging.publish(exp, d))
     removed = [manifest.step_of(p) for p in manifest.prune(str(exp), keep=2)]
     assert sorted(removed) == [5, 10, 15]
     assert [manifest.step_of(p) for p in manifest.candidates(str(exp))] == [25, 20]

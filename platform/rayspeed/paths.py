@@ -41,6 +41,46 @@ def home() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def _working_dir_copy(path: Path) -> bool:
+    """Whether `path` lies in a copy Ray made for `ray job submit --working-dir` (deleted with the job)."""
+    return any(part in ("runtime_resources", "working_dir_files") for part in path.parts)
+
+
+def guessed_locations(cfg: Any) -> list[str]:
+    """The keys whose `auto` falls back to the launch home (storage.path; tracking.uri when MLFLOW_TRACKING_URI is
+    not set either)."""
+    keys = []
+    if cfg.storage.path == AUTO:
+        keys.append("storage.path")
+    if cfg.tracking.uri == AUTO and not os.environ.get("MLFLOW_TRACKING_URI"):
+        keys.append("tracking.uri")
+    return keys
+
+
+def auto_home_problem(cfg: Any, nodes: int) -> str | None:
+    """Why `auto` must not guess where this job's files go, or None when the guess is safe: the job may span more
+    than one node (a folder next to the launcher is not seen by the others), or the launch home is a Ray Jobs
+    working-dir copy or an installed package rather than a checkout, and RAYSPEED_HOME does not say otherwise."""
+    keys = guessed_locations(cfg)
+    if not keys:
+        return None
+    fix = ("set storage.path to a folder every node sees (NFS) or an object-store URI, and tracking.uri (or "
+           "MLFLOW_TRACKING_URI) to an MLflow server every node reaches; see docs/MULTINODE.md")
+    if nodes > 1 or cfg.cluster.num_nodes > 1:
+        return (f"{' and '.join(keys)}: auto would put checkpoints and the MLflow store next to the launcher "
+                f"({home()}), which the other {max(nodes, cfg.cluster.num_nodes) - 1} node(s) do not see; {fix}")
+    if os.environ.get("RAYSPEED_HOME"):
+        return None
+    here = Path(__file__).resolve().parents[2]
+    if _working_dir_copy(here):
+        return (f"{' and '.join(keys)}: auto would write into {here}, the temporary copy `ray job submit --working-dir` "
+                "made (deleted with the job); pass RAYSPEED_HOME (what `make submit` does) or " + fix)
+    if not (here / "platform" / "rayspeed").is_dir():
+        return (f"{' and '.join(keys)}: auto needs a rayspeed checkout or RAYSPEED_HOME to put runs in, and the "
+                f"package is installed at {Path(__file__).resolve().parent}; set RAYSPEED_HOME or " + fix)
+    return None
+
+
 def is_uri(path: Any) -> bool:
     """True for 'scheme://...' other than file:// (those are local paths)."""
     return isinstance(path, str) and "://" in path and not path.startswith("file://")

@@ -123,7 +123,8 @@ class Location:
         """(relative posix path, size) of every file under this folder, recursively, sorted."""
         if self.fs is None:
             root = Path(self.uri)
-            return sorted((str(p.relative_to(root).as_posix()), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+            return sorted((str(p.relative_to(root).as_posix()), p.stat().st_size)
+                          for p in root.rglob("*") if p.is_file())
         from pyarrow import fs as pafs
 
         base = self.fs_path.rstrip("/") + "/"
@@ -335,10 +336,29 @@ def locate(path: str | Path | Location) -> Location:
     return remote if remote is not None else Location(str(local_path(path)))
 
 
+def local_write_problem(path: str, key: str = "storage.path") -> str | None:
+    """None when this process can create and write `path` (a local or NFS folder); else one line naming the key.
+    Probes with a temporary folder in the nearest existing ancestor and removes it: nothing is left behind."""
+    import tempfile
+
+    p = local_path(path).expanduser()
+    ancestor = p
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{key}: {ancestor} (on the way to {p}) is a file, not a folder; choose another path"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rayspeed-probe-", dir=ancestor))
+    except OSError as e:
+        return (f"{key}: cannot write to {p} ({e.strerror} in {ancestor}); choose a folder this user can write, "
+                "or fix its permissions")
+    return None
+
+
 def check_reachable(path: str, key: str = "storage.path") -> str | None:
     """None when `path` is local or its bucket answers; else one line naming the key and the fix. Writes nothing."""
     if not is_uri(path):
-        return None
+        return local_write_problem(path, key)
     scheme = path.split("://", 1)[0]
     try:
         loc = locate(path)

@@ -1,10 +1,13 @@
 """Checkpoint commit protocol.
 
-Every rank writes its shard into `checkpoint_stepNNNNNNNN/`; then rank 0 writes one manifest (step,
-world and layout, every file with its size and sha256, versions, config hash) to a temporary name,
-fsyncs it and renames it into place. A checkpoint without a manifest that verifies does not exist:
-it is never resumed from (DeepSpeed unpickles what it loads, so only files this platform wrote and
-verified are ever loaded), and older checkpoints are deleted only after a newer one verified.
+On local or NFS storage every rank writes its shard into a hidden `.checkpoint_stepNNNNNNNN.saving/` folder,
+fsyncs and hashes its share of the files; rank 0 then writes one manifest (step, world and layout, every file
+with its size and sha256, versions, config hashes) into it (temporary name, fsync, rename) and renames the folder
+into place: that rename is the commit. A checkpoint without a manifest that verifies does not exist: it is never
+resumed from, and older checkpoints are deleted only after a newer one committed. The sha256s give integrity
+(the bytes are the ones the ranks wrote: no torn or truncated shard is ever loaded), not authenticity: anyone who
+can write to the storage can write a matching manifest. DeepSpeed unpickles what it loads, so keep the storage
+writable by the job's own identity only.
 
 Where checkpoints live: a local (or NFS) path, as a str or Path, takes the plain filesystem code path below
 (unchanged). A URI that Ray Train's storage accepts (s3://bucket/prefix, gs://..., any scheme pyarrow's
@@ -31,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rayspeed.paths import is_uri
-from rayspeed.storage import Location, local_path
-from rayspeed.storage import resolve
+from rayspeed.storage import Location, local_path, resolve
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +116,54 @@ def file_entries(ckpt_dir: Path, rels: list[Path], *, filesystem: Any = None) ->
     return entries
 
 
-def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None = None,
-                   *, filesystem: Any = None) -> Path:
+def durable_entries(ckpt_dir: Path, rels: list[Path]) -> dict[str, dict[str, Any]]:
+    """fsync each file (its bytes reach the disk before any manifest names them) and record its size and sha256,
+    read back while it is still in the page cache. Each rank does this for its share of the files, in parallel."""
+    out = {}
+    for rel in rels:
+        p = Path(ckpt_dir) / rel
+        with open(p, "rb") as fh:
+            os.fsync(fh.fileno())
+        out[str(rel)] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def saving_dir(root: Path, step: int) -> Path:
+    """Where checkpoint `step` is written before its commit: a hidden sibling that `candidates` never lists."""
+    return Path(root) / f".{dir_name(step)}.saving"
+
+
+def commit_dir(saving: Path, final: Path) -> None:
+    """Make a fully written (manifest included) folder the checkpoint: rename it into place. A checkpoint of the
+    same step already there (a re-save after a rollback or an older resume) is moved aside first and deleted
+    after, so no file of one save ever mixes with another's."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".{final.name}.replaced-{os.getpid()}-{time.time_ns()}")
+        os.replace(final, aside)
+    os.replace(saving, final)
+    _fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def clean_stale_saves(root: Path, keep: Path | None = None) -> list[Path]:
+    """Delete what crashed saves left (hidden .saving / .replaced folders), except `keep`."""
+    removed = []
+    root = Path(root)
+    if not root.is_dir():
+        return removed
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(f".{PREFIX}") and (".saving" in p.name or ".replaced-" in p.name):
+            if keep is not None and p == keep:
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any],
+                   files: dict[str, dict[str, Any]] | None = None, *, filesystem: Any = None) -> Path:
     """Commit: hash every file (unless given), write manifest.json.tmp, fsync, rename, fsync the folder.
     (On a pyarrow filesystem: the manifest in one PUT on object stores, tmp + move elsewhere; returns a str.)"""
     r = resolve(ckpt_dir, filesystem)
@@ -144,7 +192,8 @@ def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any], files:
     return ckpt_dir / MANIFEST
 
 
-def _remote_write_manifest(r: Location, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None) -> str:
+def _remote_write_manifest(r: Location, step: int, meta: dict[str, Any],
+                           files: dict[str, dict[str, Any]] | None) -> str:
     listed = list_files(r.fs_path, filesystem=r.fs)
     files = dict(files) if files is not None else file_entries(r.fs_path, listed, filesystem=r.fs)
     missing = [f for f in listed if str(f) not in files]

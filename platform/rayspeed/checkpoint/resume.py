@@ -11,9 +11,11 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from rayspeed import paths
 from rayspeed.checkpoint import manifest
 from rayspeed.config.layout import PARTITION_KEYS, Layout
 
@@ -22,6 +24,7 @@ log = logging.getLogger(__name__)
 DS_TAG = "ds"
 UNIVERSAL_TAG = "ds_universal"
 _DONE = ".converted"
+_FAILED = ".conversion_failed"
 
 
 def choose(root: str | Path, preferred: str | Path | None = None, deep: bool = True) -> Path | str | None:
@@ -58,27 +61,57 @@ def needs_universal(manifest: dict[str, Any], layout: dict[str, int]) -> bool:
     return any(int(old.get(k, -1)) != int(layout[k]) for k in PARTITION_KEYS)
 
 
-def convert_to_universal(ckpt_dir: str | Path) -> str:
-    """Convert `<ckpt>/ds` into `<ckpt>/ds_universal` once (idempotent; rank 0 only). Returns the tag.
+def conversion_workers() -> int:
+    """Worker processes for DeepSpeed's extract and merge phases: the node's cores, up to 8 (the phases are
+    I/O- and unpickling-bound; more workers than that only add memory)."""
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
 
-    The conversion runs in a subprocess: DeepSpeed's tool uses worker pools and prints a lot."""
+
+def convert_to_universal(ckpt_dir: str | Path) -> str:
+    """Convert `<ckpt>/ds` into `<ckpt>/ds_universal` once (idempotent; one converter per copy). Returns the tag.
+
+    The conversion runs in a subprocess (DeepSpeed's tool uses worker pools and prints a lot), with its parallel
+    extract and merge workers. It ends with a done-marker, or a failure marker carrying the reason: the other
+    ranks wait for one of the two (`wait_converted`), outside any collective, so a conversion longer than the
+    process-group timeout cannot tear the group down half-way."""
     ckpt_dir = Path(ckpt_dir)
     out = ckpt_dir / UNIVERSAL_TAG
     if (out / _DONE).exists():
         return UNIVERSAL_TAG
+    (ckpt_dir / _FAILED).unlink(missing_ok=True)
+    workers = str(conversion_workers())
     cmd = [
         sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
         "--input_folder", str(ckpt_dir / DS_TAG),
         "--output_folder", str(out),
         "--inject_missing_state",
-        "--num_extract_workers", "1",
-        "--num_merge_workers", "1",
+        "--num_extract_workers", workers,
+        "--num_merge_workers", workers,
     ]
-    env = dict(os.environ)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if r.returncode != 0:
         tail = (r.stdout + r.stderr)[-3000:]
-        raise RuntimeError(f"universal checkpoint conversion of {ckpt_dir.name} failed:\n{tail}")
+        reason = f"universal checkpoint conversion of {ckpt_dir.name} failed:\n{tail}"
+        (ckpt_dir / _FAILED).write_text(reason)
+        raise RuntimeError(reason)
     (out / _DONE).write_text("ok")
-    log.info("converted %s to a universal checkpoint for the new layout", ckpt_dir.name)
+    log.info("converted %s to a universal checkpoint for the new layout (%s extract/merge workers)",
+             ckpt_dir.name, workers)
     return UNIVERSAL_TAG
+
+
+def wait_converted(ckpt_dir: str | Path, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Block until the converter of this copy finished (its done-marker) or failed (its failure marker: raise with
+    its reason), at most timeout_s. Polls the folder; no collective is involved."""
+    ckpt_dir = Path(ckpt_dir)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if (ckpt_dir / UNIVERSAL_TAG / _DONE).exists():
+            return
+        failed = ckpt_dir / _FAILED
+        if failed.exists():
+            raise RuntimeError(failed.read_text()[:3000])
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"universal conversion of {ckpt_dir.name} not done after {timeout_s:.0f} s "
+                               "(resilience.conversion_timeout_s)")
+        time.sleep(poll_s)

@@ -12,9 +12,9 @@ allows it).
 Load (one downloader per node): local rank 0 of each node downloads the chosen checkpoint into
 `<staging>/<job>/node-<id>/load/checkpoint_stepN/` and verifies every file against the manifest (sizes and
 sha256); the node's other ranks wait at the barrier that follows. A copy that does not verify marks the
-checkpoint rejected in the store, so the restart that follows resumes from the newest older one. The node id is part of the path so hosts
-that share /tmp (containers, network namespaces) never write the same folder. The staged copy is deleted
-once the engine has loaded it.
+checkpoint rejected in the store, so the restart that follows resumes from the newest older one. The node id
+is part of the path so hosts that share /tmp (containers, network namespaces) never write the same folder. The
+staged copy is deleted once the engine has loaded it.
 """
 
 from __future__ import annotations

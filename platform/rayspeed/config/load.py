@@ -54,7 +54,7 @@ def describe_keys(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, st
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         key = prefix + f.name
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             out += describe_keys(tp, key + ".")
         else:
             out.append((key, _type_name(tp), field_doc(cls, f.name)))
@@ -133,7 +133,7 @@ def _coerce(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
         if not isinstance(value, dict):
             raise _Bad
         return {_coerce(kt, k, key, problems): _coerce(vt, v, key, problems) for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise _Bad
         return _build(tp, value, key + ".", problems)
@@ -152,11 +152,12 @@ def _build(cls: type, data: dict, prefix: str, problems: list[str]) -> Any:
             problems.append(f"{key}: unknown key; {hint}")
             continue
         tp = hints[k]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if v is None:
                 continue
             if not isinstance(v, dict):
-                problems.append(f"{key}: expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}, got {v!r}")
+                keys = ", ".join(f.name for f in dataclasses.fields(tp))
+                problems.append(f"{key}: expected a mapping with keys {keys}, got {v!r}")
                 continue
             kwargs[k] = _build(tp, v, key + ".", problems)
             continue
@@ -189,7 +190,8 @@ def _apply_override(data: dict, assignment: str, problems: list[str]) -> None:
         if part not in names:
             close = difflib.get_close_matches(part, list(names), n=1)
             where = ".".join(parts[:i]) or "the top level"
-            hint = f"did you mean '{'.'.join(parts[:i] + [close[0]])}'?" if close else f"keys under {where}: {', '.join(names)}"
+            hint = (f"did you mean '{'.'.join(parts[:i] + [close[0]])}'?" if close
+                    else f"keys under {where}: {', '.join(names)}")
             problems.append(f"--set {key}: unknown key; {hint}")
             return
         hint_t = typing.get_type_hints(cls)[part]
@@ -216,7 +218,8 @@ def _strip_optional(tp: Any) -> Any:
 # ---------------------------------------------------------------- entry points
 
 
-def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>") -> JobConfig:
+def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
+          lint_cluster_env: bool = True) -> JobConfig:
     """A mapping (from YAML) plus --set overrides -> checked JobConfig. Raises ConfigError with all problems."""
     problems: list[str] = []
     if data is None:
@@ -228,24 +231,32 @@ def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>")
         _apply_override(data, o, problems)
     cfg = _build(JobConfig, data, "", problems)
     if not problems:
-        problems += check(cfg)
+        problems += check(cfg, lint_cluster_env)
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
-def load(path: str, overrides: list[str] | None = None) -> JobConfig:
+def load(path: str, overrides: list[str] | None = None, lint_cluster_env: bool = True) -> JobConfig:
     if not os.path.exists(path):
         raise ConfigError(f"--config {path}: no such file (see configs/ for examples)")
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path}: is a directory; give the job's YAML file (e.g. {path.rstrip('/')}/"
+                          "tiny-cpu.yaml)")
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason}); give the job's YAML file, "
+                          "saved as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); check the path and its permissions") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
-    return parse(data, overrides, source=path)
+    return parse(data, overrides, source=path, lint_cluster_env=lint_cluster_env)
 
 
 def _deep_copy(d: Any) -> Any:

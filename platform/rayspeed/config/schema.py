@@ -8,10 +8,10 @@ gets logged and what the workers run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Final, Literal, Optional, Union
 
 Auto = Literal["auto"]
-AUTO = "auto"
+AUTO: Final = "auto"
 
 
 @dataclass
@@ -64,8 +64,9 @@ class TrainConfig:
     """Optimizer steps to train."""
     lr: Union[float, Auto] = 3.0e-4
     """Peak learning rate, or auto: the playbook rule from global batch and GPU count."""
-    min_lr: float = 3.0e-5
-    """Learning rate at the end of the cosine decay."""
+    min_lr: Union[float, Auto] = AUTO
+    """Learning rate at the end of the cosine decay; auto: lr / 10. Never changed by the planner: above the lr
+    the rule gives (lr: auto) it is an error."""
     warmup_steps: int = 5
     """Linear warm-up steps."""
     weight_decay: float = 0.1
@@ -153,6 +154,12 @@ class ClusterConfig:
     def max_workers(self) -> int:
         return self.num_workers[-1] if isinstance(self.num_workers, list) else self.num_workers
 
+    def effective_min_workers(self, stability_threshold: float) -> int:
+        """The fewest workers a (re)start accepts: max(min, ceil(stability_threshold x max)), at most max."""
+        import math
+
+        return min(self.max_workers, max(self.min_workers, math.ceil(stability_threshold * self.max_workers - 1e-9)))
+
     @property
     def elastic(self) -> bool:
         return isinstance(self.num_workers, list) and self.num_workers[0] != self.num_workers[-1]
@@ -172,6 +179,16 @@ class ResilienceConfig:
     """keep_global: same global batch via accumulation; playbook: bsz * (1 - lost/total) ** 0.8, lr rescaled."""
     collective_timeout_s: float = 600.0
     """Process-group timeout: a collective blocked longer than this fails the step instead of hanging."""
+    stability_threshold: float = 0.7
+    """Elastic jobs: a job does not (re)start below this fraction of cluster.num_workers' max; the effective
+    minimum is max(min, ceil(stability_threshold x max)) workers (`rayspeed plan --explain` shows it). Lower it to
+    let a job run on fewer workers."""
+    capacity_wait_s: float = 600.0
+    """How long a (re)start waits for the effective minimum of workers before the job fails (exit 1)."""
+    conversion_timeout_s: float = 3600.0
+    """How long the other ranks wait for a universal-checkpoint conversion (after a change of data-parallel size
+    or ZeRO stage) before the attempt fails. They wait outside any collective, so this is independent of
+    collective_timeout_s."""
     worker_start_timeout_s: float = 30.0
     """How long Ray Train may take to start a worker group before the attempt counts as failed (Ray's
     default, 60 s, is what a restart waits when capacity is gone)."""
@@ -220,7 +237,8 @@ class HealthConfig:
     fail_on_slow_rank: bool = False
     """Fail the preflight when a rank is flagged slow (default: flag and log it only)."""
     watchdog: Literal["off", "skip", "rollback"] = "skip"
-    """On a NaN/Inf loss or a grad-norm spike: skip the step, roll back to the last verified checkpoint, or do nothing."""
+    """On a NaN/Inf loss or a grad-norm spike: skip the step, roll back to the last verified checkpoint, or do
+    nothing."""
     grad_norm_spike_factor: float = 10.0
     """A grad norm above this multiple of the median of the recent window is a spike."""
     watchdog_window: int = 20
@@ -235,6 +253,9 @@ class KillAt:
     """Rank whose process dies."""
     step: int = 1
     """Step at which it dies (once per job)."""
+    point: Optional[Literal["before_shards", "between_shards", "before_manifest", "after_manifest"]] = None
+    """Only for chaos.kill_rank_in_checkpoint: where in the save it dies (null: before_manifest, i.e. after its
+    shards are durable and before the manifest commits)."""
 
 
 @dataclass
@@ -242,8 +263,9 @@ class ChaosConfig:
     kill_rank_at_step: Optional[KillAt] = None
     """{rank: 1, step: 12}: that rank's process dies once, at that step."""
     kill_rank_in_checkpoint: Optional[KillAt] = None
-    """{rank: 0, step: 10}: that rank dies once while writing the checkpoint of that step (after its shard,
-    before the manifest): the drill for torn checkpoints."""
+    """{rank: 0, step: 10, point: before_manifest}: that rank dies once while writing the checkpoint of that step,
+    at `point` (before_shards | between_shards | before_manifest | after_manifest): the drill for torn
+    checkpoints."""
     hang_rank_at_step: Optional[KillAt] = None
     """{rank: 1, step: 12}: that rank stops answering once, at that step (the others' collectives must time
     out after resilience.collective_timeout_s and the job restart)."""

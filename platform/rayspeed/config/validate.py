@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
 
@@ -34,8 +35,9 @@ def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) ->
     return problems
 
 
-def check(cfg: JobConfig) -> list[str]:
-    """Static cross-field checks (those that need no cluster). All problems, not the first."""
+def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
+    """Every check that needs no cluster: cross-field arithmetic, storage, chaos, the health section and (unless the
+    caller is the lint itself: `rayspeed doctor --env`) the linted cluster.env. All problems, not the first."""
     p: list[str] = []
     m, t, par, c, r = cfg.model, cfg.train, cfg.parallel, cfg.cluster, cfg.resilience
     kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
@@ -64,9 +66,11 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
     if t.max_steps < 1:
         p.append(f"train.max_steps: must be >= 1, got {t.max_steps}")
-    if t.lr != AUTO and t.lr <= 0:
+    if not isinstance(t.lr, str) and t.lr <= 0:
         p.append(f"train.lr: must be > 0 (or auto), got {t.lr}")
-    if t.lr != AUTO and t.min_lr > t.lr:
+    if not isinstance(t.min_lr, str) and t.min_lr < 0:
+        p.append(f"train.min_lr: must be >= 0 (or auto), got {t.min_lr}")
+    if not isinstance(t.lr, str) and not isinstance(t.min_lr, str) and t.min_lr > t.lr:
         p.append(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
     if t.warmup_steps < 0:
         p.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
@@ -74,11 +78,11 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"train.eval_batches: must be >= 1, got {t.eval_batches}")
     for key in ("dp", "tp", "pp", "micro_batch_size", "grad_accum"):
         v = getattr(par, key)
-        if v != AUTO and v < 1:
+        if isinstance(v, int) and v < 1:
             p.append(f"parallel.{key}: must be >= 1 or auto, got {v}")
     if par.zero_stage != AUTO and par.zero_stage not in (0, 1, 2, 3):
         p.append(f"parallel.zero_stage: must be 0, 1, 2, 3 or auto, got {par.zero_stage}")
-    if par.tp != AUTO and par.tp >= 1:
+    if isinstance(par.tp, int) and par.tp >= 1:
         if m.num_heads % par.tp or kv % par.tp:
             p.append(
                 f"parallel.tp ({par.tp}) must divide model.num_heads ({m.num_heads}) and "
@@ -87,8 +91,9 @@ def check(cfg: JobConfig) -> list[str]:
         if m.vocab_size % par.tp:
             p.append(f"parallel.tp ({par.tp}) must divide model.vocab_size ({m.vocab_size}) (vocab-parallel embedding)")
         if c.use_gpu and par.tp > c.gpus_per_node:
-            p.append(f"parallel.tp ({par.tp}) must not exceed cluster.gpus_per_node ({c.gpus_per_node}): tp never spans nodes")
-    if par.pp != AUTO and par.pp >= 1 and par.pp > m.num_layers:
+            p.append(f"parallel.tp ({par.tp}) must not exceed cluster.gpus_per_node ({c.gpus_per_node}): tp never "
+                     "spans nodes")
+    if isinstance(par.pp, int) and par.pp >= 1 and par.pp > m.num_layers:
         p.append(f"parallel.pp ({par.pp}) must not exceed model.num_layers ({m.num_layers})")
     if par.pp not in (AUTO, 1) and par.zero_stage not in (AUTO, 0, 1):
         p.append(
@@ -106,19 +111,28 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"cluster.cpus_per_worker: must be > 0, got {c.cpus_per_worker}")
     if c.gpus_per_node < 1 or c.num_nodes < 1:
         p.append("cluster.gpus_per_node and cluster.num_nodes: must be >= 1")
-    if c.local_num_cpus != AUTO and c.local_num_cpus < 1:
+    if isinstance(c.local_num_cpus, int) and c.local_num_cpus < 1:
         p.append(f"cluster.local_num_cpus: must be >= 1 or auto, got {c.local_num_cpus}")
     if r.keep_checkpoints < 2:
-        p.append(f"resilience.keep_checkpoints: never fewer than 2 (got {r.keep_checkpoints}): a newer checkpoint must verify before an older one goes")
+        p.append(f"resilience.keep_checkpoints: never fewer than 2 (got {r.keep_checkpoints}): a newer checkpoint "
+                 "must verify before an older one goes")
     if r.max_failures < 0:
         p.append(f"resilience.max_failures: must be >= 0, got {r.max_failures}")
     if r.checkpoint_every_steps < 0:
         p.append(f"resilience.checkpoint_every_steps: must be >= 0, got {r.checkpoint_every_steps}")
+    if not 0.0 <= r.stability_threshold <= 1.0:
+        p.append(f"resilience.stability_threshold: must be in [0, 1] (a fraction of cluster.num_workers' max), "
+                 f"got {r.stability_threshold}")
+    if r.capacity_wait_s <= 0:
+        p.append(f"resilience.capacity_wait_s: must be > 0, got {r.capacity_wait_s}")
+    if r.conversion_timeout_s <= 0:
+        p.append(f"resilience.conversion_timeout_s: must be > 0, got {r.conversion_timeout_s}")
     if r.collective_timeout_s <= 0:
         p.append(f"resilience.collective_timeout_s: must be > 0, got {r.collective_timeout_s}")
     if cfg.tracking.log_every_steps < 1:
         p.append(f"tracking.log_every_steps: must be >= 1, got {cfg.tracking.log_every_steps}")
-    if cfg.storage.path != AUTO and "://" not in cfg.storage.path and not os.path.isabs(os.path.expanduser(cfg.storage.path)):
+    local = cfg.storage.path != AUTO and "://" not in cfg.storage.path
+    if local and not os.path.isabs(os.path.expanduser(cfg.storage.path)):
         p.append(f"storage.path: must be absolute (all nodes must see it), got {cfg.storage.path!r}")
     if cfg.storage.path != AUTO and "://" in cfg.storage.path and not cfg.storage.path.startswith("file://"):
         scheme = cfg.storage.path.split("://", 1)[0]
@@ -133,7 +147,9 @@ def check(cfg: JobConfig) -> list[str]:
             p.append(f"chaos.{key}: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
         elif k is not None and k.rank >= c.max_workers:
             p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
-    return p
+        if k is not None and k.point is not None and key != "kill_rank_in_checkpoint":
+            p.append(f"chaos.{key}.point: only chaos.kill_rank_in_checkpoint has a point (where in the save)")
+    return p + health_problems(cfg, lint_cluster_env)
 
 
 def _known_scheme(scheme: str) -> bool:
@@ -148,3 +164,43 @@ def _known_scheme(scheme: str) -> bool:
     except Exception as e:
         return "Unrecognized filesystem type" not in str(e)
     return True
+
+
+def capacity_problems(cfg: JobConfig, cluster_resources: dict[str, float]) -> list[str]:
+    """What stops the cluster (its total resources) from ever holding the job's minimum number of workers."""
+    c = cfg.cluster
+    per_worker = {"CPU": c.cpus_per_worker, **c.resources_per_worker}
+    if c.use_gpu:
+        per_worker["GPU"] = 1.0
+    problems = []
+    for res, amount in per_worker.items():
+        have = float(cluster_resources.get(res, 0.0))
+        need = amount * c.min_workers
+        if need > have + 1e-9:
+            problems.append(
+                f"cluster.num_workers ({c.num_workers}): {c.min_workers} workers x {amount:g} {res} = {need:g} {res}, "
+                f"but the Ray cluster has {have:g} {res} in all; lower cluster.num_workers or "
+                f"cluster.{'cpus_per_worker' if res == 'CPU' else 'resources_per_worker'}, or add nodes"
+            )
+    return problems
+
+
+def health_problems(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
+    """The health section and the linted cluster.env (an error-level lint issue stops the job)."""
+    h, out = cfg.health, []
+    if not h.grad_norm_spike_factor > 1:
+        out.append(f"health.grad_norm_spike_factor: {h.grad_norm_spike_factor} must be > 1 (a spike is a multiple of "
+                   "the recent median; 10 is the default)")
+    if h.watchdog_window < 1:
+        out.append(f"health.watchdog_window: {h.watchdog_window} must be >= 1")
+    if h.watchdog_max_skips < 0:
+        out.append(f"health.watchdog_max_skips: {h.watchdog_max_skips} must be >= 0 (0: never escalate to a rollback)")
+    if not 0 < h.slow_rank_factor <= 1:
+        out.append(f"health.slow_rank_factor: {h.slow_rank_factor} must be in (0, 1] (0.5: half the others' median)")
+    if h.preflight_min_busbw_gbps < 0:
+        out.append(f"health.preflight_min_busbw_gbps: {h.preflight_min_busbw_gbps} must be >= 0")
+    env = (cfg.cluster.env or {}) if lint_cluster_env else {}
+    for issue in lint_env(env, production=h.production, world_size=cfg.cluster.max_workers):
+        if issue.severity == "error":
+            out.append(f"cluster.env.{issue.variable}: {issue.cause}; {issue.remedy}")
+    return out

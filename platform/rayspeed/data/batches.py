@@ -84,7 +84,8 @@ class GlobalBatchSchedule:
         return int(self.indices(step, [position])[0])
 
     def __repr__(self) -> str:
-        return f"GlobalBatchSchedule(num_sequences={self.num_sequences}, global_batch_size={self.global_batch_size}, seed={self.seed})"
+        return (f"GlobalBatchSchedule(num_sequences={self.num_sequences}, "
+                f"global_batch_size={self.global_batch_size}, seed={self.seed})")
 
 
 def make_schedule(split: TokenSplit, seq_len: int, global_batch_size: int, seed: int) -> GlobalBatchSchedule:
@@ -114,8 +115,8 @@ class RankBatches:
             raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
         G = dp_size * micro_batch_size * grad_accum
         if G != schedule.global_batch_size:
-            raise ValueError(f"dp_size {dp_size} * micro_batch_size {micro_batch_size} * grad_accum {grad_accum} = {G}, "
-                             f"not the global batch size {schedule.global_batch_size}")
+            raise ValueError(f"dp_size {dp_size} * micro_batch_size {micro_batch_size} * grad_accum {grad_accum} "
+                             f"= {G}, not the global batch size {schedule.global_batch_size}")
         n = split.num_sequences(seq_len)
         if n != schedule.num_sequences:
             raise ValueError(f"schedule has {schedule.num_sequences} sequences but the {split.name} split "
@@ -149,7 +150,8 @@ class RankBatches:
         self.step = step + 1  # advanced only once the step's data exists: state_dict = next step to train
         return step, batches
 
-    def iterate(self, start_step: Optional[int] = None, num_steps: Optional[int] = None) -> Iterator[tuple[int, list[MicroBatch]]]:
+    def iterate(self, start_step: Optional[int] = None,
+                num_steps: Optional[int] = None) -> Iterator[tuple[int, list[MicroBatch]]]:
         """Yield (step, micro-batches) from start_step (default: the current position), num_steps of them
         (default: forever)."""
         if start_step is not None:
@@ -199,7 +201,8 @@ def val_batches(split: TokenSplit, seq_len: int, batch_size: int, num_batches: i
     (b = batch_size per rank, B = b * dp_size), the first num_batches*B windows in all. num_batches is
     capped by the windows available. Same b*dp_size and num_batches => same validation set."""
     if min(batch_size, num_batches, dp_size) < 1:
-        raise ValueError(f"batch_size, num_batches and dp_size must be >= 1, got {batch_size}, {num_batches}, {dp_size}")
+        raise ValueError("batch_size, num_batches and dp_size must be >= 1, "
+                         f"got {batch_size}, {num_batches}, {dp_size}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
     B = batch_size * dp_size

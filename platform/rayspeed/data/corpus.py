@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from rayspeed.errors import ConfigError
 from rayspeed.data.tokenizer import encode_array, load_tokenizer
+from rayspeed.errors import ConfigError
 
 FORMAT_VERSION = "rayspeed-tokens-v1"
 SOURCES = ("python-stdlib", "files", "bin")
@@ -380,6 +380,14 @@ def build_token_file(source: str = "python-stdlib", path: Optional[Union[str, os
         return TokenFile(real, meta["dtype"], meta["num_tokens"], meta["content_hash"], f"bin:{real}",
                          vocab, meta["max_token_id"], None, built, key)
 
+    if source == "files" and path and _glob.has_magic(path):
+        files = _glob_files(path)
+        bins = [f for f in files if f.endswith(".bin")]
+        if bins and len(bins) != len(files):
+            raise ConfigError(f"data.path: {path!r} matches both token files (.bin) and text files; point it at one "
+                              "kind (a glob of .bin files is read as tokens, never as text)")
+        if bins:  # several pre-tokenized files: one token stream, in sorted order, never byte-tokenized as text
+            return _concatenated_bins(bins, path, tok, cache_dir)
     if tok is None:
         raise ConfigError("data.tokenizer: required to tokenize text")
     if source == "python-stdlib":
@@ -397,3 +405,40 @@ def build_token_file(source: str = "python-stdlib", path: Optional[Union[str, os
     meta, built = _cached(cache_dir, key, lambda bin_path: _write_token_file(bin_path, _read_texts(files), tok, dtype))
     return TokenFile(meta["data_path"], meta["dtype"], meta["num_tokens"], meta["content_hash"], desc,
                      meta["vocab_size"], meta["max_token_id"], meta["num_documents"], built, key)
+
+
+def _concatenated_bins(files: list[str], pattern: str, tok: Any, cache_dir: str) -> TokenFile:
+    """A glob of .bin token files as one token file in the cache (every file's dtype must agree)."""
+    dtypes = {bin_dtype(f).str for f in files}
+    if len(dtypes) != 1:
+        raise ConfigError(f"data.path: the token files of {pattern!r} have different dtypes ({sorted(dtypes)}); "
+                          "re-export them with one dtype")
+    dtype = np.dtype(dtypes.pop())
+
+    def build(bin_path: str) -> dict:
+        h, n, max_id = hashlib.sha256(), 0, -1
+        tmp = _tmp_name(bin_path)
+        with open(tmp, "wb") as out:
+            for f in files:
+                meta = _hash_bin(f, dtype)  # checks the file holds whole tokens
+                mm = _open_memmap(f, dtype, meta["num_tokens"])
+                for a in range(0, meta["num_tokens"], _HASH_CHUNK):
+                    chunk = np.asarray(mm[a:a + _HASH_CHUNK])
+                    out.write(chunk.tobytes())
+                    h.update(chunk.tobytes())
+                del mm
+                n += meta["num_tokens"]
+                max_id = max(max_id, meta["max_token_id"])
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, bin_path)
+        return {"data_path": bin_path, "dtype": dtype.str, "num_tokens": n, "content_hash": h.hexdigest(),
+                "vocab_size": None, "max_token_id": max_id, "num_documents": None}
+
+    key = _key([FORMAT_VERSION, "bins", _stats(files), dtype.str])
+    meta, built = _cached(cache_dir, key, build)
+    if tok is not None and meta["max_token_id"] >= tok.vocab_size:
+        raise ConfigError(f"data.tokenizer: {pattern} holds token id {meta['max_token_id']} but the tokenizer "
+                          f"vocabulary has {tok.vocab_size} ids")
+    return TokenFile(meta["data_path"], meta["dtype"], meta["num_tokens"], meta["content_hash"], f"bins:{pattern}",
+                     tok.vocab_size if tok is not None else None, meta["max_token_id"], None, built, key)

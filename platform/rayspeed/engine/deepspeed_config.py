@@ -18,9 +18,11 @@ _DEFAULT_BUCKET = 500_000_000
 def batch_arithmetic_problems(cfg: JobConfig) -> list[str]:
     """train_batch_size = micro x accumulation x dp, checked before DeepSpeed sees it."""
     p = cfg.parallel
-    unresolved = [k for k in ("dp", "micro_batch_size", "grad_accum", "zero_stage", "tp", "pp") if getattr(p, k) == AUTO]
+    unresolved = [k for k in ("dp", "micro_batch_size", "grad_accum", "zero_stage", "tp", "pp")
+                  if getattr(p, k) == AUTO]
     if unresolved:
-        return [f"parallel.{k}: still auto when building the DeepSpeed config (the planner must resolve it)" for k in unresolved]
+        return [f"parallel.{k}: still auto when building the DeepSpeed config (the planner must resolve it)"
+                for k in unresolved]
     g = cfg.train.global_batch_size
     if p.micro_batch_size * p.grad_accum * p.dp != g:
         return [
@@ -48,7 +50,8 @@ def deepspeed_config(cfg: JobConfig, plan: dict[str, Any] | None = None) -> dict
     par, train = cfg.parallel, cfg.train
     precision = train.precision
     if precision == AUTO:
-        raise ConfigError("train.precision: still auto when building the DeepSpeed config (the planner must resolve it)")
+        raise ConfigError("train.precision: still auto when building the DeepSpeed config "
+                          "(the planner must resolve it)")
     ds_plan = (plan or {}).get("deepspeed", {}) or {}
     reduce_bucket = int(ds_plan.get("reduce_bucket_size", _DEFAULT_BUCKET))
     allgather_bucket = int(ds_plan.get("allgather_bucket_size", _DEFAULT_BUCKET))

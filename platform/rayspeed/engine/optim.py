@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rayspeed.config.schema import JobConfig
+from rayspeed.config.schema import AUTO, JobConfig
 
 
 def lr_factor(step: int, cfg: JobConfig) -> float:
@@ -17,7 +17,7 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
         return (step + 1) / t.warmup_steps
     span = max(1, t.max_steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
-    floor = t.min_lr / peak
+    floor = 0.1 if t.min_lr == AUTO else float(t.min_lr) / peak  # min_lr auto: lr / 10, as the planner resolves it
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

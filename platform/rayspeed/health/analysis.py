@@ -12,7 +12,8 @@ from typing import Any, Hashable, Mapping
 from rayspeed.health.knowledge import Finding, load
 
 # What each per-rank measurement is called in findings.
-RANK_METRICS = {"matmul_gflops": "matmul GFLOP/s", "copy_gbps": "memory copy GB/s", "link_gbps": "link to next rank GB/s"}
+RANK_METRICS = {"matmul_gflops": "matmul GFLOP/s", "copy_gbps": "memory copy GB/s",
+                "link_gbps": "link to next rank GB/s"}
 
 
 def outliers(values: Mapping[Hashable, float], factor: float) -> list[tuple[Hashable, float, float]]:
@@ -73,8 +74,8 @@ def device_findings(ranks: list[dict[str, Any]], hw, fraction: float = 0.5) -> l
             v = r.get(metric)
             if v and ref and v < fraction * ref:
                 out.append(kb.entry("slow_rank").finding(
-                    evidence=[f"rank {r['rank']} ({r.get('node', '')}): {RANK_METRICS[metric]} {v:.4g}, the hardware table "
-                              f"({hw.name}) expects about {ref:.4g}"],
+                    evidence=[f"rank {r['rank']} ({r.get('node', '')}): {RANK_METRICS[metric]} {v:.4g}, "
+                              f"the hardware table ({hw.name}) expects about {ref:.4g}"],
                     rank=r["rank"], node=r.get("node", ""), metric=metric, value=v, expected=ref))
     return out
 

@@ -118,7 +118,7 @@ def allreduce_sweep(group=None, sizes: list[int] | None = None, device: Any = "c
         _sync(dev)
         oks.append(bool(x[0].item() == n and x[-1].item() == n))
         x.zero_()  # zeros stay zeros: repeated in-place sums cannot overflow
-        times.append(_timed(lambda: dist.all_reduce(x, group=group), iters, warmup, dev, group))
+        times.append(_timed(lambda x=x: dist.all_reduce(x, group=group), iters, warmup, dev, group))
         rows.append({"op": "allreduce", "bytes": count * ELEMENT_BYTES, "count": count, "dtype": "float32",
                      "iters": iters})
         del x
@@ -148,7 +148,7 @@ def allgather_sweep(group=None, sizes: list[int] | None = None, device: Any = "c
         _all_gather(out, inp, group)
         _sync(dev)
         oks.append(bool(out[0].item() == 1 and out[-1].item() == n))
-        times.append(_timed(lambda: _all_gather(out, inp, group), iters, warmup, dev, group))
+        times.append(_timed(lambda out=out, inp=inp: _all_gather(out, inp, group), iters, warmup, dev, group))
         rows.append({"op": "allgather", "bytes": per_rank * n * ELEMENT_BYTES, "count": per_rank * n,
                      "dtype": "float32", "iters": iters})
         del inp, out

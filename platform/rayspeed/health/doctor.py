@@ -28,12 +28,18 @@ from rayspeed.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ConfigError
 from rayspeed.health.diagnosis import diagnose
 from rayspeed.health.envprofile import lint_env
 from rayspeed.health.knowledge import CATEGORIES, Finding
-from rayspeed.health.log_detectors import (MAX_EVIDENCE, env_from_log, grad_norm_spikes, throughput_drop,
-                                           throughput_series)
+from rayspeed.health.log_detectors import (
+    MAX_EVIDENCE,
+    env_from_log,
+    grad_norm_spikes,
+    throughput_drop,
+    throughput_series,
+)
 from rayspeed.health.ranking import CATEGORY_TIERS, TIER_NAMES
 
-__all__ = ["diagnose", "main", "render", "read_source", "parse_env_lines", "fetch_job_logs", "grad_norm_spikes",
-           "throughput_series", "throughput_drop", "env_from_log", "CATEGORY_MEANINGS"]
+__all__ = ["diagnose", "doctor_command", "categories_epilog", "render", "read_source", "parse_env_lines",
+           "fetch_job_logs", "grad_norm_spikes", "throughput_series", "throughput_drop", "env_from_log",
+           "CATEGORY_MEANINGS"]
 
 _JOB_ID = re.compile(r"^(raysubmit_[A-Za-z0-9]+|[0-9a-f]{8,}|[A-Za-z][A-Za-z0-9_-]{2,})$")
 
@@ -58,7 +64,8 @@ CATEGORY_MEANINGS = {
 }
 
 
-def _epilog() -> str:
+def categories_epilog() -> str:
+    """`rayspeed doctor --help`'s list of categories, in the order findings are ranked."""
     width = max(map(len, CATEGORIES))
     out = ["categories, in the order findings are ranked (what explains the failure first; info-level notes last):"]
     for tier, name in enumerate(TIER_NAMES):
@@ -137,33 +144,15 @@ def render(findings: list[Finding], source: str) -> str:
     return "\n".join(out)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="rayspeed doctor", description=__doc__.split("\n\n")[0], epilog=_epilog(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("source", nargs="?", help="log file, '-' for stdin, or a Ray job id (with --env: NAME=VALUE lines)")
-    ap.add_argument("--env", action="store_true", help="lint environment variables instead of reading a log")
-    ap.add_argument("--json", action="store_true", help='one JSON object: {"findings": [...]}')
-    ap.add_argument("--config", help="the job file (OOM advice from the planner; --env: its profile and cluster.env)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job-file key")
-    ap.add_argument("--workers", type=int, help="--env: cluster size for the profile (default: the job's)")
-    ap.add_argument("--address", help="Ray dashboard / Jobs API address for a job id (default: RAY_API_SERVER_ADDRESS "
-                                      "or http://127.0.0.1:8265)")
-    ap.add_argument("--debug", action="store_true", help="not a production run: debug knobs are information only")
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as e:
-        return EXIT_OK if e.code == 0 else EXIT_BAD_INPUT
+def doctor_command(args: argparse.Namespace) -> int:
     production = not args.debug
     try:
         cfg = None
         if args.config:
             from rayspeed.config.load import load as load_job
 
-            cfg = load_job(args.config, args.set)
+            # --env lints cluster.env itself: loading must not refuse the job for what the lint reports.
+            cfg = load_job(args.config, args.overrides, lint_cluster_env=not args.env)
             production = production and cfg.health.production
         if args.env:
             findings, source, extra = _env_mode(args, cfg, production)
@@ -171,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.source:
                 raise ConfigError("rayspeed doctor: give a log file, '-' for stdin, or a Ray job id (or --env)")
             text, source = read_source(args.source, args.address)
-            log_dir = Path(args.source).resolve().parent if source not in ("stdin",) and Path(args.source).is_file() else None
+            log_dir = (Path(args.source).resolve().parent
+                       if source not in ("stdin",) and Path(args.source).is_file() else None)
             findings, extra = diagnose(text, cfg, production, log_dir), {"lines": len(text.splitlines())}
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
@@ -184,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _env_mode(args, cfg, production: bool) -> tuple[list[Finding], str, dict]:
-    from rayspeed.health.envprofile import profile, relevant_env
+    from rayspeed.config.env_lint import relevant_env
+    from rayspeed.health.envprofile import profile
 
     extra: dict[str, Any] = {}
     if args.source:

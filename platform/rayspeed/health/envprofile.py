@@ -10,11 +10,12 @@ job's size and hardware, with the job's own `cluster.env` on top (the user's val
 
 from __future__ import annotations
 
-import difflib
 import logging
 from typing import Any, Mapping
 
-from rayspeed.health.knowledge import Finding, load
+from rayspeed.config import env_lint
+from rayspeed.config.env_lint import EnvIssue
+from rayspeed.health.knowledge import Finding
 
 log = logging.getLogger("rayspeed.health")
 
@@ -82,77 +83,16 @@ def log_profile(cfg, world_size: int | None = None) -> dict[str, str]:
 # ---------------------------------------------------------------- lint
 
 
-def _relevant(name: str, kb) -> bool:
-    return name in kb.env or any(name.startswith(p) for p in kb.lint_prefixes)
-
-
-def _finding(name: str, value: str, severity: str, cause: str, use: str, status: str, source: str) -> Finding:
-    return Finding(category="env_invalid", cause=cause, remedy=f"use {use}" if use else "remove it",
-                   severity=severity, id=f"env:{name}", source=source or "NCCL user guide; PyTorch ProcessGroupNCCL",
-                   evidence=[f"{name}={value}"], extra={"variable": name, "value": value, "use": use, "status": status})
-
-
-def _lint_alloc_conf(name: str, value: str, kb) -> list[Finding]:
-    out = []
-    for item in filter(None, (s.strip() for s in value.split(","))):
-        key = item.split(":", 1)[0].strip()
-        if key not in kb.alloc_conf_keys:
-            close = difflib.get_close_matches(key, sorted(kb.alloc_conf_keys), n=1)
-            out.append(_finding(name, value, "error",
-                                f"{name}: '{key}' is not an allocator option (PyTorch refuses to start with it)",
-                                f"{close[0]}" if close else "one of " + ", ".join(sorted(kb.alloc_conf_keys)),
-                                "invented", "PyTorch CUDA semantics (PYTORCH_CUDA_ALLOC_CONF)"))
-    return out
+def to_finding(issue: EnvIssue) -> Finding:
+    return Finding(category="env_invalid", cause=issue.cause, remedy=issue.remedy, severity=issue.severity,
+                   id=f"env:{issue.variable}", source=issue.source, evidence=[f"{issue.variable}={issue.value}"],
+                   extra={"variable": issue.variable, "value": issue.value, "use": issue.use, "status": issue.status})
 
 
 def lint_env(env: Mapping[str, str], production: bool = True, world_size: int | None = None) -> list[Finding]:
-    """Findings for the communication-related variables in `env` (other variables are ignored).
-
-    error: the variable does not exist, is deprecated, or (production) is a debug-only knob with a harmful value;
-    warn: an undocumented NCCL_/TORCH_NCCL_ name (NCCL ignores unknown names silently: usually a typo), or a
-    harmful value outside production; info: debug knobs outside production.
-    """
-    kb = load()
-    out: list[Finding] = []
-    for name in sorted(env):
-        if not _relevant(name, kb):
-            continue
-        value = str(env[name])
-        r = kb.env.get(name)
-        if name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-            out += _lint_alloc_conf(name, value, kb)
-            continue
-        if r is None:
-            close = difflib.get_close_matches(name, [k for k, e in kb.env.items() if e["status"] != "invented"], n=1,
-                                              cutoff=0.75)
-            out.append(_finding(name, value, "warn",
-                                f"{name} is not a variable NCCL or PyTorch documents; unknown names are ignored "
-                                "silently, so this is usually a typo",
-                                close[0] if close else "", "unknown", "NCCL user guide (environment variables)"))
-            continue
-        status, use, why, src = r["status"], str(r.get("use") or ""), str(r.get("why") or ""), str(r.get("source") or "")
-        if status == "invented":
-            out.append(_finding(name, value, "error", f"{name} does not exist: {why}", use, status, src))
-        elif status == "deprecated":
-            out.append(_finding(name, value, "error", f"{name} is deprecated: {why}", use, status, src))
-        elif status == "debug":
-            if r["bad"] and value.strip().upper() not in r["bad"]:
-                continue
-            sev = "error" if production else "info"
-            where = "a debug-only knob in production" if production else "a debug-only knob (fine while debugging)"
-            out.append(_finding(name, value, sev, f"{name}={value} is {where}: {why}", use, status, src))
-        elif status == "known" and r["bad"] and value.strip().upper() in r["bad"]:
-            above = r.get("required_above_gpus")
-            sev = "error" if (above and world_size and world_size > int(above)) else "warn"
-            out.append(_finding(name, value, sev, f"{name}={value}: {why}", use, status, src))
-    return out
+    """rayspeed.config.env_lint's issues with `env`, as doctor findings."""
+    return [to_finding(i) for i in env_lint.lint_env(env, production, world_size)]
 
 
 def errors(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.severity == "error"]
-
-
-def relevant_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The part of an environment the lint looks at."""
-    kb = load()
-    return {k: str(v) for k, v in environ.items() if _relevant(k, kb)}

@@ -91,8 +91,9 @@ class HealthRank:
         import torch
         import torch.distributed as dist
 
+        from rayspeed.config.env_lint import relevant_env
         from rayspeed.health import collectives
-        from rayspeed.health.envprofile import lint_env, relevant_env
+        from rayspeed.health.envprofile import lint_env
 
         gpu = opts["use_gpu"]
         if gpu:
@@ -113,7 +114,8 @@ class HealthRank:
             out["env"] = relevant_env(os.environ)
             out["lint"] = [f.to_json() for f in lint_env(out["env"], production=opts["production"], world_size=world)]
             out.update(collectives.local_bench(device))
-            out["link_gbps"] = round(collectives.ring_sendrecv(None, opts["link_bytes"], device), 4) if world > 1 else None
+            out["link_gbps"] = (round(collectives.ring_sendrecv(None, opts["link_bytes"], device), 4)
+                                if world > 1 else None)
             out["allreduce"] = collectives.allreduce_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
             out["allgather"] = collectives.allgather_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
             out["per_node"] = collectives.node_bandwidth(opts["nodes"], device, opts["link_bytes"], opts["iters"])
@@ -128,9 +130,9 @@ class HealthRank:
 def run_healthcheck(cfg, use_gpu: bool | None = None, sizes: list[int] | None = None, iters: int | None = None,
                     timeout_s: float = 300.0) -> dict[str, Any]:
     """Connect (or start) Ray, run the check for cfg.cluster.max_workers ranks, and return the report dict."""
-    from rayspeed.train.launch import _connect_ray
+    from rayspeed.cluster import connect_ray
 
-    info = _connect_ray(cfg)
+    info = connect_ray(cfg)
     import ray
 
     try:
@@ -190,7 +192,8 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
         for i in range(world):
             opts: dict[str, Any] = dict(num_cpus=float(c.cpus_per_worker), num_gpus=1 if use_gpu else 0,
                                         resources=dict(c.resources_per_worker) or None,
-                                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                            pg, placement_group_bundle_index=i))
             if runtime_env:
                 opts["runtime_env"] = runtime_env
             actors.append(actor_cls.options(**opts).remote())
@@ -261,7 +264,8 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
     for f, rks in lint.values():
         base = {k: f[k] for k in ("category", "cause", "remedy", "severity", "id", "source")}
         findings.append(Finding(**base, evidence=f["evidence"],
-                                extra={**{k: v for k, v in f.items() if k not in base and k != "evidence"}, "ranks": rks}))
+                                extra={**{k: v for k, v in f.items() if k not in base and k != "evidence"},
+                                       "ranks": rks}))
     findings += analysis.rank_findings(ranks, cfg.health.slow_rank_factor)
     findings += analysis.device_findings(ranks, hw)
     findings += analysis.bandwidth_findings(allreduce, hw, nodes_used, "allreduce")
@@ -319,7 +323,8 @@ def render(rep: dict[str, Any]) -> str:
             continue
         gpus = f"{n['gpu_count']} GPU(s)" + (f" {n['gpus'][0]['name']}" if n.get("gpus") else "")
         topo = n.get("topology", {})
-        t = (f"; NVLink pairs {topo['nvlink_pairs']}, PCIe pairs {topo['pcie_pairs']}, NUMA {','.join(topo['numa_nodes']) or '-'}"
+        t = (f"; NVLink pairs {topo['nvlink_pairs']}, PCIe pairs {topo['pcie_pairs']}, "
+             f"NUMA {','.join(topo['numa_nodes']) or '-'}"
              if topo.get("available") else "")
         lines.append(f"node {n['ip']} ({n['hostname']}): {n['cpus']} CPUs, {n['memory_gib']} GiB, {gpus}, driver "
                      f"{n.get('driver') or '-'}, CUDA {n.get('cuda') or '-'}, NCCL {n.get('nccl') or '-'}, torch "
@@ -338,8 +343,8 @@ def render(rep: dict[str, Any]) -> str:
         lines.append(f"{op} (busbw = algbw x {factor})")
         lines.append(f"{'size':>8} {'count':>10} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'ok':>3}")
         for row in rep[op]:
-            lines.append(f"{_human(row['bytes']):>8} {row['count']:>10} {row['time_us']:>10.1f} {row['algbw_gbps']:>12.4f} "
-                         f"{row['busbw_gbps']:>12.4f} {'ok' if row['ok'] else 'BAD':>3}")
+            lines.append(f"{_human(row['bytes']):>8} {row['count']:>10} {row['time_us']:>10.1f} "
+                         f"{row['algbw_gbps']:>12.4f} {row['busbw_gbps']:>12.4f} {'ok' if row['ok'] else 'BAD':>3}")
     if rep["findings"]:
         lines.append("findings:")
         for f in rep["findings"]:
@@ -352,41 +357,22 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="rayspeed healthcheck", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, help="ranks to run (default: the job's cluster.num_workers, else 2)")
-    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    ap.add_argument("--config", help="a job file: its cluster section shapes the placement group and environment")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job-file key")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="one GPU per rank, NCCL")
-    g.add_argument("--cpu", dest="gpu", action="store_false", help="CPU ranks, gloo")
-    ap.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
-    ap.add_argument("--max-bytes", default=None, help="largest message (default 16M on CPU, 1G on GPU)")
-    ap.add_argument("--iters", type=int, default=None, help="timed repetitions per size (default 5 CPU, 20 GPU)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck rank is reported (300)")
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
+def healthcheck_command(args: argparse.Namespace) -> int:
     from rayspeed.config.load import load
     from rayspeed.config.schema import JobConfig
     from rayspeed.logs import setup
 
     setup()
     try:
-        args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as e:  # argparse already printed the message
-        return EXIT_OK if e.code == 0 else EXIT_BAD_INPUT
-    try:
-        cfg = load(args.config, args.set) if args.config else JobConfig()
+        cfg = load(args.config, args.overrides) if args.config else JobConfig()
         if args.workers is not None:
             if args.workers < 1:
                 raise ConfigError(f"--workers {args.workers}: need at least 1")
             cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_workers=args.workers))
         if args.gpu is not None:
             cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=args.gpu))
-        use_gpu = args.gpu if args.gpu is not None else (True if cfg.cluster.use_gpu else None if not args.config else False)
+        use_gpu = (args.gpu if args.gpu is not None
+                   else (True if cfg.cluster.use_gpu else None if not args.config else False))
         sizes = None
         if args.max_bytes or args.min_bytes != "1K":
             hi = parse_bytes(args.max_bytes) if args.max_bytes else ((1 << 30) if use_gpu else (16 << 20))

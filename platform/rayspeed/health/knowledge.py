@@ -14,11 +14,12 @@ from typing import Any
 
 import yaml
 
+from rayspeed.config import env_lint
+
 CATEGORIES = ("nccl_timeout", "oom", "nan_loss", "grad_explosion", "hang", "slow_throughput", "checkpoint_corrupt",
               "env_invalid", "slow_rank", "topology", "bandwidth", "rank_failed", "network", "worker_died",
               "shm_exhausted", "checkpoint_missing")
 SEVERITIES = ("error", "warn", "info")
-ENV_STATUSES = ("invented", "deprecated", "debug", "tuning", "known")
 
 
 @dataclass
@@ -66,9 +67,13 @@ class Entry:
 @dataclass(frozen=True)
 class Knowledge:
     entries: tuple
-    env: dict
-    alloc_conf_keys: frozenset
-    lint_prefixes: tuple
+    env_table: env_lint.EnvTable
+    """Variables from an `env:` section of the parsed text (tests); the lint's own table is config/env_vars.yaml."""
+
+    @property
+    def env(self) -> dict:
+        """The variables the lint knows (config/env_vars.yaml), or the parsed text's own when it has some."""
+        return self.env_table.env or env_lint.table().env
 
     def entry(self, entry_id: str) -> Entry:
         for e in self.entries:
@@ -109,17 +114,8 @@ def parse(text: str) -> Knowledge:
             remedy=" ".join(str(r["remedy"]).split()), source=str(r["source"]),
             signature=tuple(re.compile(s, re.IGNORECASE) for s in sigs), detector=r.get("detector"),
         ))
-    env = {}
-    for name, r in (raw.get("env") or {}).items():
-        r = dict(r or {})
-        if r.get("status") not in ENV_STATUSES:
-            raise ValueError(f"knowledge.yaml env {name}: unknown status {r.get('status')!r}")
-        if r["status"] in ("invented", "deprecated") and not r.get("use"):
-            raise ValueError(f"knowledge.yaml env {name}: an {r['status']} variable needs `use` (its replacement)")
-        r["bad"] = [str(v).upper() for v in r.get("bad") or []]
-        env[name] = r
-    return Knowledge(entries=tuple(entries), env=env, alloc_conf_keys=frozenset(raw.get("alloc_conf_keys") or ()),
-                     lint_prefixes=tuple(raw.get("lint_prefixes") or ()))
+    env = env_lint.parse_table(raw)
+    return Knowledge(entries=tuple(entries), env_table=env)
 
 
 @functools.lru_cache(maxsize=1)

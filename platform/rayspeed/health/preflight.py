@@ -23,8 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rayspeed.config.env_lint import relevant_env
 from rayspeed.health import analysis, collectives
-from rayspeed.health.envprofile import errors, lint_env, relevant_env
+from rayspeed.health.envprofile import lint_env
 from rayspeed.health.knowledge import Finding
 
 log = logging.getLogger("rayspeed.health")
@@ -59,7 +60,8 @@ class PreflightReport:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "seconds": round(self.seconds, 3), "world_size": self.world_size,
                 "backend": self.backend, "nodes": self.nodes, "allreduce": self.allreduce, "groups": self.groups,
-                "per_node": self.per_node, "ranks": self.ranks, "findings": [f.to_json() for f in self.findings], "reason": self.reason}
+                "per_node": self.per_node, "ranks": self.ranks, "findings": [f.to_json() for f in self.findings],
+                "reason": self.reason}
 
     def summary(self) -> str:
         top = max(self.allreduce, key=lambda r: r["bytes"]) if self.allreduce else None
@@ -90,7 +92,8 @@ def _subgroups(groups, world: int) -> list[tuple[str, Any]]:
     if groups is None:
         return []
     out = []
-    for name, size_attr, grp_attr in (("tp", "tp_size", "tp_group"), ("dp", "dp", "dp_group"), ("pp", "pp", "pp_group")):
+    for name, size_attr, grp_attr in (("tp", "tp_size", "tp_group"), ("dp", "dp", "dp_group"),
+                                      ("pp", "pp", "pp_group")):
         size = getattr(groups, size_attr, 1)
         if 1 < size < world:
             out.append((name, getattr(groups, grp_attr)))
@@ -118,8 +121,10 @@ def run_preflight(cfg, groups=None, device: Any = "cpu", sizes: list[int] | None
 
     lint = lint_env(relevant_env(os.environ), production=h.production, world_size=world)
     bench = collectives.local_bench(dev, quick=True)
-    link = collectives.ring_sendrecv(None, (64 << 20) if dev.type == "cuda" else (1 << 20), dev, iters=2) if world > 1 else 0.0
-    sweep = collectives.allreduce_sweep(None, sizes=sizes or _sizes(dev), device=dev, iters=3, warmup=1) if world > 1 else []
+    link = (collectives.ring_sendrecv(None, (64 << 20) if dev.type == "cuda" else (1 << 20), dev, iters=2)
+            if world > 1 else 0.0)
+    sweep = (collectives.allreduce_sweep(None, sizes=sizes or _sizes(dev), device=dev, iters=3, warmup=1)
+             if world > 1 else [])
     sub = {}
     for name, grp in _subgroups(groups, world):
         rows = collectives.allreduce_sweep(grp, sizes=[max(sizes or _sizes(dev))], device=dev, iters=2, warmup=1)
@@ -147,7 +152,8 @@ def run_preflight(cfg, groups=None, device: Any = "cpu", sizes: list[int] | None
             seen.setdefault(key, (f, []))[1].append(r["rank"])
     lint_errors = []
     for f, ranks in seen.values():
-        extra = {k: v for k, v in f.items() if k not in ("category", "cause", "remedy", "severity", "id", "source", "evidence")}
+        extra = {k: v for k, v in f.items()
+                 if k not in ("category", "cause", "remedy", "severity", "id", "source", "evidence")}
         finding = Finding(category=f["category"], cause=f["cause"], remedy=f["remedy"], severity=f["severity"],
                           id=f["id"], source=f["source"], evidence=f["evidence"], extra={**extra, "ranks": ranks})
         findings.append(finding)
@@ -177,8 +183,8 @@ def run_preflight(cfg, groups=None, device: Any = "cpu", sizes: list[int] | None
     elif h.fail_on_slow_rank and any(f.category == "slow_rank" for f in findings):
         reason = "slow: " + "; ".join(f.evidence[0] for f in findings if f.category == "slow_rank")
     report = PreflightReport(ok=not reason, seconds=time.perf_counter() - t0, world_size=world,
-                             backend=dist.get_backend(), nodes=nodes, allreduce=sweep, groups=groups_bw, per_node=node_table,
-                             ranks=ranks, findings=findings, reason=reason)
+                             backend=dist.get_backend(), nodes=nodes, allreduce=sweep, groups=groups_bw,
+                             per_node=node_table, ranks=ranks, findings=findings, reason=reason)
     if rank == 0:
         (log.error if reason else log.info)("%s", report.summary())
         for line in analysis.per_node_lines(node_table):

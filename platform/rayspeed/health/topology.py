@@ -122,7 +122,8 @@ def findings(topo: dict[str, Any], node: str = "") -> list[Finding]:
         ev = [f"{p['a']}-{p['b']}: {p['link']} ({p['kind']})" for p in slow[:8]]
         out.append(kb.entry("gpu_pairs_without_nvlink").finding(
             evidence=ev, node=node,
-            cause=f"{len(slow)} of {len(topo['pairs'])} GPU pairs{where} have no NVLink: " + kb.entry("gpu_pairs_without_nvlink").cause))
+            cause=f"{len(slow)} of {len(topo['pairs'])} GPU pairs{where} have no NVLink: "
+                  + kb.entry("gpu_pairs_without_nvlink").cause))
     elif slow and len(topo["gpus"]) > 1:
         ev = [f"{p['a']}-{p['b']}: {p['link']} ({p['kind']})" for p in slow[:8]]
         e = kb.entry("gpu_pairs_without_nvlink")

@@ -1,7 +1,7 @@
 """The decoder-only transformer. The DeepSpeed pipeline form lives in rayspeed.model.pipeline
 (imported on demand: it pulls in deepspeed)."""
 
-from .transformer import (
+from rayspeed.model.transformer import (
     Block,
     OutputHead,
     RMSNorm,

@@ -241,7 +241,8 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
             zero=layout["zero_stage"], precision=precision, weights_from=weights_from, complete=meta["complete"],
             limitations="".join(f"- limitation: {x}\n" for x in limitations),
         ))
-    log.info("model exported to %s (%s, %.1f s)", out, "complete" if meta["complete"] else "INCOMPLETE", meta["seconds"])
+    log.info("model exported to %s (%s, %.1f s)", out, "complete" if meta["complete"] else "INCOMPLETE",
+             meta["seconds"])
 
 
 def _barrier() -> None:
@@ -298,7 +299,8 @@ def load_model(path: str, device: Any = "cpu", dtype: Any = None, strict: bool =
         spec = json.load(fh)
     if not (p / WEIGHTS).exists():
         meta = json.loads((p / META).read_text()) if (p / META).exists() else {}
-        raise FileNotFoundError(f"{p / WEIGHTS} missing: {'; '.join(meta.get('limitations', [])) or 'incomplete export'}")
+        why = "; ".join(meta.get("limitations", [])) or "incomplete export"
+        raise FileNotFoundError(f"{p / WEIGHTS} missing: {why}")
     state = torch.load(p / WEIGHTS, map_location="cpu", weights_only=True)
     model = _build(spec["model"], int(spec.get("seed", 0)))
     model.load_state_dict(state, strict=strict)

@@ -36,13 +36,12 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..parallel.comm import gather_sequence_to_replicated, split_to_sequence
-from ..parallel.groups import ParallelGroups, TensorParallel
-from ..parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
-from ..parallel.loss import linear_cross_entropy
 from rayspeed.config.shape import ModelShape
-
-from .transformer import Block, OutputHead, RMSNorm, check_mode, check_split
+from rayspeed.model.transformer import Block, OutputHead, RMSNorm, check_mode, check_split
+from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
+from rayspeed.parallel.groups import ParallelGroups, TensorParallel
+from rayspeed.parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
+from rayspeed.parallel.loss import linear_cross_entropy
 
 
 class EmbeddingPipe(VocabParallelEmbedding):
@@ -196,7 +195,8 @@ def build_pipeline_module(
     specs.append(LayerSpec(FinalNormPipe, dims, tp, sp))
     if dims.tie_embeddings:
         specs.append(
-            TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=tied_head_forward, tied_weight_attr=["weight"])
+            TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=tied_head_forward,
+                          tied_weight_attr=["weight"])
         )
     else:
         specs.append(LayerSpec(HeadPipe, dims, tp, sp, seed))

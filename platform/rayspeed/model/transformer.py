@@ -18,10 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
-
-from ..parallel.comm import copy_to_tp, gather_from_tp
-from ..parallel.groups import TensorParallel
-from ..parallel.layers import (
+from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
+from rayspeed.parallel.groups import TensorParallel
+from rayspeed.parallel.layers import (
     NO_TP,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -30,7 +29,7 @@ from ..parallel.layers import (
     gather_full,
     sharded_parameter,
 )
-from ..parallel.loss import linear_cross_entropy
+from rayspeed.parallel.loss import linear_cross_entropy
 
 CHECKPOINTING_MODES = ("none", "selective", "full")
 
@@ -45,7 +44,8 @@ def check_split(shape: ModelShape, tp: TensorParallel, sequence_parallel: bool) 
 
 def check_mode(activation_checkpointing: str) -> str:
     if activation_checkpointing not in CHECKPOINTING_MODES:
-        raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING_MODES}, got {activation_checkpointing!r}")
+        raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING_MODES}, "
+                         f"got {activation_checkpointing!r}")
     return activation_checkpointing
 
 
@@ -57,7 +57,8 @@ class RMSNorm(nn.Module):
     backward) makes every rank see the full-sequence gradient.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-5, tp: Optional[TensorParallel] = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.tp = tp or NO_TP
         self.eps = eps

@@ -7,8 +7,8 @@
 Each is cheap when idle, imports torch/deepspeed lazily, and never raises into the training loop.
 """
 
-from .comm_timer import CommTimer
-from .landscape import loss_landscape
-from .system import SystemSampler, gather_system_metrics, lineage_params
+from rayspeed.monitoring.comm_timer import CommTimer
+from rayspeed.monitoring.landscape import loss_landscape
+from rayspeed.monitoring.system import SystemSampler, gather_system_metrics, lineage_params
 
 __all__ = ["CommTimer", "SystemSampler", "gather_system_metrics", "lineage_params", "loss_landscape"]

@@ -185,7 +185,8 @@ def _landscape(module, data, loss_fn, seed, steps, span, two_d, group) -> dict[s
     def direction(i: int, k: int):
         p = params[i]
         # Per-parameter seed: regenerating one direction never depends on the others.
-        gen = torch.Generator(device=p.device).manual_seed((int(seed) * 1_000_003 + 7919 * (k + 1) + 104_729 * i) % 2**63)
+        gen = torch.Generator(device=p.device).manual_seed(
+            (int(seed) * 1_000_003 + 7919 * (k + 1) + 104_729 * i) % 2**63)
         return _direction(p, gen, row_norms[i])
 
     cached = [[direction(i, k) for i in range(len(params))] for k in range(n_dirs)] if cache_dirs else None

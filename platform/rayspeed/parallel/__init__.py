@@ -1,8 +1,8 @@
 """Tensor, sequence and pipeline parallel machinery: process groups, communication, layers, loss."""
 
-from .groups import ParallelGroups, TensorParallel, check_tp_within_nodes, layout
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .loss import chunked_linear_cross_entropy, linear_cross_entropy, vocab_parallel_cross_entropy
+from rayspeed.parallel.groups import ParallelGroups, TensorParallel, check_tp_within_nodes, layout
+from rayspeed.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from rayspeed.parallel.loss import chunked_linear_cross_entropy, linear_cross_entropy, vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",

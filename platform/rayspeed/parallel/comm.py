@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .groups import TensorParallel
+from rayspeed.parallel.groups import TensorParallel
 
 SEQ_DIM = 1
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (
+from rayspeed.parallel.comm import (
     all_gather_along,
     copy_to_tp,
     gather_from_sequence,
@@ -29,7 +29,7 @@ from .comm import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
-from .groups import TensorParallel
+from rayspeed.parallel.groups import TensorParallel
 
 NO_TP = TensorParallel()
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .groups import TensorParallel
+from rayspeed.parallel.groups import TensorParallel
 
 IGNORE_INDEX = -100
 # Largest logits block (tokens x vocab) materialised at once in fp32: 2**26 floats = 256 MiB.

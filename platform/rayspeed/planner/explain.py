@@ -4,8 +4,8 @@ why they lost, the field guide's rules."""
 from __future__ import annotations
 
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS
-from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.hardware import GIB
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import COMPONENTS
 from rayspeed.planner.search import Estimate
 
@@ -155,6 +155,8 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     lr = rules["lr"]
     used = "used for train.lr: auto" if lr.get("applied") else "not used: train.lr is set in the job"
     L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g} ({used})" + (f"; {lr['floored']}" if "floored" in lr else ""))
+    if lr.get("applied") and "warning" in lr:
+        L.append(f"    WARNING: {lr['warning']}")
     cap = rules["accumulation_cap"]
     L.append(f"  accumulation cap: {cap['rule']} = {cap['max_grad_accum']}; chosen {lay.grad_accum}")
     c = rules["comm_profile"]
@@ -165,8 +167,7 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L.append(f"  precision: {p['precision']} ({p['why']}); TF32 for fp32 matmuls: {p['tf32']}"
              + (f"; {p['warning']}" if "warning" in p else ""))
     ck = rules["checkpointing"]
-    L.append(f"  activation checkpointing template: {ck['template']} (mode {ck['mode']}, preserve_rng_state False, "
-             f"contiguous_memory_optimization True)")
+    L.append(f"  activation checkpointing: {ck['template']} (mode {ck['mode']}); not applied: {ck['not_applied']}")
     t = rules["topology"]
     L.append(f"  topology: {t['nodes']} node(s) x {t['ranks_per_node']}; tp within a node: {t['tp_within_node']}; "
              f"symmetric: {t['symmetric']}; >= 4 per node: {t['min_4_per_node']}; {t['order']}")

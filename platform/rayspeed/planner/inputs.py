@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayspeed.planner.hardware import Hardware
 from rayspeed.config.shape import ModelShape
+from rayspeed.planner.hardware import Hardware
+
 
 @dataclass(frozen=True)
 class Ctx:

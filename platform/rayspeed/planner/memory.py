@@ -7,9 +7,9 @@ everything. Activations are counted tensor by tensor for this platform's block (
 from __future__ import annotations
 
 from rayspeed.config.layout import Layout
-from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.hardware import GIB
 from rayspeed.config.shape import ModelShape
+from rayspeed.planner.hardware import GIB
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.model_math import stage_params
 
 COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "logits_loss",

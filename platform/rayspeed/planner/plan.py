@@ -6,16 +6,25 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.errors import ConfigError
-from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
-from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.explain import render
 from rayspeed.planner.hardware import GIB
+from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import bytes_per_param
 from rayspeed.planner.rules import all_rules, lr_rule
-from rayspeed.planner.search import (Estimate, accumulation_cap, build_ctx, deepspeed_options, enumerate_layouts,
-                                     evaluate, fixed_keys, hpz_applies, rank)
+from rayspeed.planner.search import (
+    Estimate,
+    accumulation_cap,
+    build_ctx,
+    deepspeed_options,
+    enumerate_layouts,
+    evaluate,
+    fixed_keys,
+    hpz_applies,
+    rank,
+)
 
 
 @dataclass
@@ -79,6 +88,12 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5) -> P
     en, estimates, ranked, notes = _search(cfg, ctx, fixed)
     if not ranked:
         raise ConfigError(_why_nothing(cfg, ctx, fixed, en, estimates))
+    c, r = cfg.cluster, cfg.resilience
+    if c.elastic:
+        notes.append(f"elastic {c.min_workers}-{c.max_workers} workers: a (re)start needs at least "
+                     f"{c.effective_min_workers(r.stability_threshold)} (resilience.stability_threshold "
+                     f"{r.stability_threshold:g} x {c.max_workers}, not below {c.min_workers}) and waits for them up "
+                     f"to resilience.capacity_wait_s ({r.capacity_wait_s:g} s); planned here for {ctx.world}")
     best = ranked[0]
     alts = _diverse(ranked, top_k)
     rules = all_rules(ctx, best.layout, best, ranked, estimates, cfg.train.precision,
@@ -187,8 +202,12 @@ def resolve(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, P
     par = dataclasses.replace(cfg.parallel, **{k: getattr(lay, k) for k in LAYOUT_KEYS})
     train = dataclasses.replace(cfg.train, precision=ctx.precision,
                                 lr=cfg.train.lr if cfg.train.lr != AUTO else res.best["lr"])
-    if train.min_lr > train.lr:
-        train = dataclasses.replace(train, min_lr=train.lr * 0.1)
+    if train.min_lr == AUTO:
+        train = dataclasses.replace(train, min_lr=float(train.lr) * 0.1)
+    elif train.min_lr > train.lr:  # only with lr: auto (validation refuses a fixed lr below min_lr)
+        raise ConfigError(f"train.min_lr ({train.min_lr:g}) is above the learning rate lr: auto gives this job "
+                          f"({train.lr:.3g}, {res.rules['lr']['rule']}); lower train.min_lr (or set it to auto: "
+                          "lr / 10), or set train.lr")
     if getattr(train, "compile", False) == AUTO:
         # torch.compile before DeepSpeed keeps part of its gain (H200 anchor) where the engine allows it:
         # GPUs, no pipeline engine, no ZeRO-3 parameter gathers, no collectives inside tp layers.

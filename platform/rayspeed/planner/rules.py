@@ -59,9 +59,18 @@ def strategy_rule(ctx: Ctx, best: Estimate | None, ranked: list[Estimate], all_e
 # ---------------------------------------------------------------- 3. learning rate
 
 
-def lr_rule(global_batch: int, gpus: int) -> dict:
+# Peak learning rates of published pretraining recipes for 1B-70B decoders (docs/PLANNER.md cites each): Llama 2
+# 7B/13B 3e-4, 70B 1.5e-4; Llama 3 8B 3e-4, 70B 1.5e-4; OLMo 1B 4e-4, 7B 3e-4; Pythia 1B 3e-4, 1.4B 2e-4,
+# 6.9B 1.2e-4 (rounded into the band below). The field guide's rule is kept visible; a value outside this band
+# for a model in this size band is warned about, never changed.
+PUBLISHED_LR_BAND = (1.5e-4, 6e-4)
+PUBLISHED_LR_PARAMS = (0.9e9, 80e9)
+
+
+def lr_rule(global_batch: int, gpus: int, params: int | None = None) -> dict:
     """base = 1e-4 * sqrt(B / 1024); lr = base * min(1, log2(gpus) / 7). As written it is 0 on one GPU:
-    the GPU factor is floored at 1/7 (log2 taken as at least 1, i.e. the 2-GPU value)."""
+    the GPU factor is floored at 1/7 (log2 taken as at least 1, i.e. the 2-GPU value). With the model's parameter
+    count, a value outside the published recipes' band for 1B-70B models carries a one-line warning."""
     base = 1e-4 * math.sqrt(global_batch / 1024)
     raw = min(1.0, math.log2(gpus) / 7) if gpus >= 1 else 0.0
     factor = min(1.0, max(1.0, math.log2(max(gpus, 1))) / 7)
@@ -77,6 +86,11 @@ def lr_rule(global_batch: int, gpus: int) -> dict:
     if factor != raw:
         out["floored"] = (f"log2({gpus})/7 = {raw:.3f} would give lr {base * raw:.3g}; the factor is floored at 1/7 "
                           "(log2 taken as at least 1), so lr is never 0")
+    lo, hi = PUBLISHED_LR_BAND
+    if params is not None and PUBLISHED_LR_PARAMS[0] <= params <= PUBLISHED_LR_PARAMS[1] and not lo <= lr <= hi:
+        out["warning"] = (f"lr: auto gives {lr:.2g} for a {params / 1e9:.1f}B model, outside the {lo:.1e}-{hi:.0e} "
+                          "that published recipes use at 1B-70B (Llama 2/3, OLMo, Pythia; docs/PLANNER.md); "
+                          "set train.lr to override the field guide's rule")
     return out
 
 
@@ -149,15 +163,19 @@ def precision_rule(ctx: Ctx, requested: str) -> dict:
 
 
 def checkpointing_template(ctx: Ctx, lay: Layout) -> dict:
+    """What recomputation the runtime really applies (rayspeed.model.transformer.Block): torch.utils.checkpoint,
+    non-reentrant, per block or per sub-block. DeepSpeed's activation-checkpointing options (partitioned activations,
+    contiguous buffers, CPU checkpointing) act only through deepspeed.checkpointing.checkpoint, which this model does
+    not call, so they are neither set nor claimed."""
+    what = {"none": "nothing recomputed", "selective": "attention and MLP sub-blocks recomputed in backward",
+            "full": "whole transformer blocks recomputed in backward"}[lay.activation_checkpointing]
     return {
         "mode": lay.activation_checkpointing,
-        "template": "selective recomputation of attention and MLP blocks, RNG state not preserved, contiguous buffers",
-        "preserve_rng_state": False,  # torch.utils.checkpoint(preserve_rng_state=False): the model has no dropout
-        "contiguous_memory_optimization": True,
-        "number_checkpoints": ctx.shape.num_layers // lay.pp,
-        "partition_activations": lay.tp > 1,
-        "cpu_checkpointing": False,
-        "synchronize_checkpoint_boundary": False,
+        "template": f"{what} (torch.utils.checkpoint, non-reentrant, RNG state not preserved)",
+        "preserve_rng_state": False,  # the model has no dropout
+        "number_checkpoints": ctx.shape.num_layers // lay.pp if lay.activation_checkpointing != "none" else 0,
+        "not_applied": "DeepSpeed partition_activations / contiguous_memory_optimization / cpu_checkpointing "
+                       "(they need deepspeed.checkpointing.checkpoint, which the model does not use)",
     }
 
 
@@ -188,7 +206,7 @@ def all_rules(ctx: Ctx, lay: Layout, best: Estimate | None, ranked, all_est, req
               collective_timeout_s: float | None) -> dict:
     return {
         "strategy": strategy_rule(ctx, best, ranked, all_est),
-        "lr": lr_rule(ctx.global_batch, ctx.world),
+        "lr": lr_rule(ctx.global_batch, ctx.world, ctx.shape.params),
         "accumulation_cap": {"rule": "max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33))",
                              "max_grad_accum": accumulation_cap(ctx)},
         "comm_profile": comm_profile(ctx, lay, collective_timeout_s),

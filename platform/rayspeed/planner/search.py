@@ -6,13 +6,13 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.config.shape import ModelShape
 from rayspeed.errors import ConfigError
 from rayspeed.planner import hardware
-from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
-from rayspeed.config.shape import ModelShape
 from rayspeed.planner.timing import StepTime, step_time
 
 GIB = hardware.GIB

@@ -13,7 +13,8 @@ the line (cron starts jobs with an almost empty environment). '%' is escaped (cr
 fake that keeps the table in a temporary file.
 
 CLI (what `make schedule` / `make unschedule` call):
-    python -m rayspeed.retrain.cron install --cron "0 3 * * *" --config C --repo DIR --log FILE [--args "..."] [--dry-run]
+    python -m rayspeed.retrain.cron install --cron "0 3 * * *" --config C --repo DIR --log FILE
+        [--args "..."] [--dry-run]
     python -m rayspeed.retrain.cron remove --repo DIR [--config C] [--dry-run]
     python -m rayspeed.retrain.cron show [--repo DIR]
 """
@@ -51,7 +52,8 @@ def check_schedule(cron: str) -> str:
         return s
     fields = s.split(" ")
     if len(fields) != 5:
-        raise CronError(f"CRON {cron!r}: expected 5 fields (minute hour day-of-month month day-of-week), got {len(fields)}")
+        raise CronError(f"CRON {cron!r}: expected 5 fields (minute hour day-of-month month day-of-week), "
+                        f"got {len(fields)}")
     for f in fields:
         if not re.fullmatch(r"[0-9A-Za-z*/,\-]+", f):
             raise CronError(f"CRON {cron!r}: field {f!r} is not a cron field")
@@ -174,30 +176,13 @@ def remove(repo_dir: str, config: Optional[str] = None, crontab_cmd: Optional[st
 # ---------------------------------------------------------------- CLI
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rayspeed.retrain.cron", description="Schedule `make retrain` with cron.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("install", help="install (or update) the cron line")
-    a.add_argument("--cron", default="", help='schedule, e.g. "0 3 * * *"')
-    a.add_argument("--config", required=True)
-    a.add_argument("--repo", default=".")
-    a.add_argument("--log", default=None, help="log file (default <repo>/runs/retrain.log)")
-    a.add_argument("--args", default="", help="ARGS passed to make retrain")
-    a.add_argument("--dry-run", action="store_true", help="print the line, change nothing")
-    a.add_argument("--crontab-cmd", default=None)
-    r = sub.add_parser("remove", help="remove the cron line(s) of this repository")
-    r.add_argument("--repo", default=".")
-    r.add_argument("--config", default=None, help="only the line of this config")
-    r.add_argument("--dry-run", action="store_true")
-    r.add_argument("--crontab-cmd", default=None)
-    s = sub.add_parser("show", help="print the rayspeed-retrain lines")
-    s.add_argument("--repo", default=None)
-    s.add_argument("--crontab-cmd", default=None)
-    args = ap.parse_args(argv)
+def schedule_command(args: argparse.Namespace) -> int:
+    """`rayspeed schedule install|remove|show` (what `make schedule` / `make unschedule` run)."""
     try:
-        if args.cmd == "install":
+        if args.action == "install":
             repo = _norm_repo(args.repo)
-            line = cron_line(args.cron, args.config, repo, args.log or str(Path(repo) / "runs" / "retrain.log"), args.args)
+            line = cron_line(args.cron, args.config, repo, args.log or str(Path(repo) / "runs" / "retrain.log"),
+                             args.args)
             if args.dry_run:
                 print(line)
                 return 0
@@ -205,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(line)
             print(f"cron line {what}", file=sys.stderr)
             return 0
-        if args.cmd == "remove":
+        if args.action == "remove":
             gone = remove(args.repo, args.config, args.crontab_cmd, dry_run=args.dry_run)
             for x in gone:
                 print(x)
@@ -223,6 +208,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"schedule: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

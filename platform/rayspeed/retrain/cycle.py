@@ -42,6 +42,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from rayspeed.retrain import champion, history
+from rayspeed.tracking.client import mlflow_client
+
 log = logging.getLogger("rayspeed.retrain")
 
 EXIT_DONE = 0
@@ -53,13 +56,12 @@ EXIT_REJECTED = 4
 OUTCOME_CODES = {"promoted": EXIT_DONE, "failed": EXIT_FAILED, "bad_input": EXIT_BAD_INPUT,
                  "skipped": EXIT_SKIPPED, "rejected": EXIT_REJECTED}
 
-CHAMPION = "champion"
+CHAMPION = champion.CHAMPION
 TAG_DATA_HASH = "rayspeed.data_hash"
 TAG_DECISION = "rayspeed.retrain.decision"
 TAG_WARM_START = "rayspeed.retrain.warm_start_from"
 TAG_JOB = "rayspeed.retrain.cycle_job"
 TAG_BASELINE = "rayspeed.retrain.baseline"
-HISTORY_KEEP = 50
 
 
 @dataclasses.dataclass
@@ -117,139 +119,6 @@ def decide(new_val: Optional[float], champion_val: Optional[float], margin: floa
                    + (f" by the margin {margin:g} (needs < {need:.6g})" if margin else ""))
 
 
-# ---------------------------------------------------------------- state
-
-
-def state_dir(storage: str) -> Path:
-    if "://" in storage:  # remote storage: the cycle's bookkeeping stays with the repository
-        from rayspeed.paths import home
-
-        return home() / "runs" / ".retrain"
-    return Path(storage) / ".retrain"
-
-
-def read_state(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as fh:
-            d = json.load(fh)
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(state, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def _record(state_file: Path, result: CycleResult, started: float, trained: bool, uri: str) -> None:
-    """History for every cycle; last_data_hash only for cycles that trained and decided (a failed cycle retries
-    the same data next time)."""
-    state = read_state(state_file)
-    entry = {k: v for k, v in result.to_json().items() if v is not None}
-    entry["started"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
-    hist = state.get("history") or []
-    hist.append(entry)
-    state["history"] = hist[-HISTORY_KEEP:]
-    if trained and result.outcome in ("promoted", "rejected"):
-        state["last_data_hash"] = result.data_hash
-        state["tracking_uri"], state["registered_model"] = uri, result.registered_model
-        state["last_cycle"] = entry
-    if result.champion_after is not None:
-        state["champion"] = result.champion_after
-    try:
-        write_state(state_file, state)
-    except OSError as e:
-        log.warning("could not write %s: %s", state_file, e)
-
-
-# ---------------------------------------------------------------- MLflow
-
-
-def _client(uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-
-def champion_version(uri: str, name: str, alias: str = CHAMPION) -> Optional[Any]:
-    """The ModelVersion the alias points at; None when the model or the alias does not exist. Raises when the
-    store cannot be read (a cycle must not train from scratch because the server is down)."""
-    from mlflow.exceptions import MlflowException
-
-    c = _client(uri)
-    try:
-        model = c.get_registered_model(name)
-    except MlflowException as e:
-        if getattr(e, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
-            return None
-        raise
-    aliases = getattr(model, "aliases", None) or {}
-    version = aliases.get(alias)
-    if version is None:
-        return None
-    return c.get_model_version(name, str(version))
-
-
-def _metric(tags: dict[str, str], key: str = "val/loss") -> Optional[float]:
-    try:
-        return float(tags[f"metric.{key}"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _version_of_run(uri: str, name: str, run_id: str) -> Optional[str]:
-    found = [mv for mv in _client(uri).search_model_versions(f"run_id = '{run_id}'") if mv.name == name]
-    if not found:
-        return None
-    return str(max(int(mv.version) for mv in found))
-
-
-# ---------------------------------------------------------------- data and evaluation
-
-
-def _token_file(cfg: Any, storage: str) -> Any:
-    from rayspeed.config.schema import AUTO
-    from rayspeed.data import build_token_file
-
-    c = cfg.data
-    from rayspeed.paths import data_cache_dir
-
-    cache = c.cache_dir if c.cache_dir != AUTO else data_cache_dir(storage, cfg.storage.staging_dir, cfg.name)  # as the workers do
-    return build_token_file(c.source, c.path, c.tokenizer, cache)
-
-
-def evaluate_model_dir(model_dir: str, cfg: Any, token_file: Any) -> float:
-    """Mean validation loss of an exported model on the job's held-out split: the same sequences the job's
-    workers evaluate (eval_batches global batches of the val split), fp32 on the CPU."""
-    import torch
-
-    from rayspeed.data import val_batches
-    from rayspeed.model.export import load_model
-
-    model = load_model(model_dir)
-    _, val = token_file.split(cfg.data.val_fraction, cfg.model.seq_len)
-    batches = val_batches(val, cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, 0, 1)
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for x, y in batches:
-            total += float(model(x, y).double())
-            n += 1
-    return total / max(1, n)
-
-
-def _eval_gflop(model_cfg: dict[str, Any], cfg: Any) -> float:
-    from types import SimpleNamespace
-
-    from rayspeed.model.transformer import count_parameters
-
-    params = count_parameters(SimpleNamespace(**model_cfg))
-    tokens = cfg.train.eval_batches * cfg.train.global_batch_size * cfg.model.seq_len
-    return 2.0 * params * tokens / 1e9
-
-
 # ---------------------------------------------------------------- the cycle
 
 
@@ -296,6 +165,10 @@ def run_cycle(config: str, overrides: Sequence[str] = (), *, force: bool = False
                       job_cmd, env, t0)
     except _Stop as s:
         return CycleResult(s.outcome, s.reason, seconds=round(time.time() - t0, 1))
+    except Exception as e:  # anything unexpected: a failed cycle with the reason, never a traceback to cron
+        log.exception("retrain cycle failed")
+        return CycleResult("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                           seconds=round(time.time() - t0, 1))
 
 
 def _cycle(config: str, overrides: list[str], force: bool, margin: float, launcher: str, cold: bool,
@@ -303,8 +176,8 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
            env: Optional[dict[str, str]], t0: float) -> CycleResult:
     from rayspeed.config.load import load
     from rayspeed.errors import ConfigError
-    from rayspeed.retrain.lock import CycleLock, Locked
     from rayspeed.paths import storage_path, tracking_uri
+    from rayspeed.retrain.lock import CycleLock, Locked
     from rayspeed.tracking.runs import registered_model_name
 
     if not 0.0 <= margin < 1.0:
@@ -316,7 +189,7 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
     except ConfigError as e:
         raise _Stop("bad_input", e.render()) from None
     base, reg, uri, storage = cfg.name, registered_model_name(cfg), tracking_uri(cfg), storage_path(cfg)
-    sdir = state_dir(storage)
+    sdir = history.state_dir(storage)
     state_file = sdir / f"{base}.json"
     lock = CycleLock(sdir / f"{base}.lock")
     try:
@@ -338,7 +211,7 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
     finally:
         result.seconds = round(time.time() - t0, 1)
         if result.outcome != "skipped" or not result.reason.startswith("locked"):
-            _record(state_file, result, t0, trained, uri)
+            history.record(state_file, result, t0, trained, uri)
         if result.job and result.outcome in ("promoted", "rejected"):
             for name in prune_cycles(storage, base, keep_cycles, current=result.job):
                 log.info("pruned old cycle folder %s", name)
@@ -355,7 +228,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
 
     # 3. data
     try:
-        tf = _token_file(cfg, storage)
+        tf = champion.token_file(cfg, storage)
     except ConfigError as e:
         raise _Stop("bad_input", e.render()) from None
     data_hash = result.data_hash = tf.content_hash
@@ -363,13 +236,14 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
 
     # 4. the champion, and whether the data changed since the last cycle that trained (no champion: always train)
     try:
-        champ = champion_version(uri, reg)
+        champ = champion.champion_version(uri, reg)
     except Exception as e:
-        raise _Stop("failed", f"MLflow at {uri} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+        raise _Stop("failed", f"MLflow at {uri} cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
     champ_tags = dict(getattr(champ, "tags", None) or {}) if champ is not None else {}
     result.champion_before = result.champion_after = str(champ.version) if champ is not None else None
     if champ is not None and not force:
-        state = read_state(state_file)
+        state = history.read_state(state_file)
         last = state.get("last_cycle") or {}
         if state.get("last_data_hash") and state.get("tracking_uri") == uri and state.get("registered_model") == reg:
             last_hash = state["last_data_hash"]
@@ -430,13 +304,13 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     if version is None:
         version = exp.read_json("worker_result.json").get("registered_model_version")
     if version is None and result.mlflow_run_id:
-        version = _version_of_run(uri, reg, result.mlflow_run_id)
+        version = champion.version_of_run(uri, reg, result.mlflow_run_id)
     if version is None:
         raise _Stop("failed", f"training job {job} finished but registered no version of {reg} (see its log)")
     version = result.version = str(version)
-    c = _client(uri)
+    c = mlflow_client(uri)
     mv = c.get_model_version(reg, version)
-    new_val = _metric(dict(mv.tags or {}))
+    new_val = champion.metric_of(dict(mv.tags or {}))
     if new_val is None and trained_val is not None:
         new_val = float(trained_val)
     result.val_loss = new_val
@@ -445,7 +319,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     # 7. compare and decide
     champ_val, baseline = None, None
     if champ is not None:
-        champ_val = _metric(champ_tags)
+        champ_val = champion.metric_of(champ_tags)
         baseline = f"version {champ.version}: recorded val/loss"
         if champ_tags.get(TAG_DATA_HASH) != data_hash:
             champ_val, baseline = _rebaseline(champ, champ_val, cfg, tf, uri, storage, reeval_max_gflop)
@@ -481,23 +355,14 @@ def _rebaseline(champ: Any, recorded: Optional[float], cfg: Any, tf: Any, uri: s
     try:
         cache = str(Path(storage) / ".cache" / "models") if "://" not in storage else None
         model_dir = resolve_init_from(f"models:/{champ.name}/{champ.version}", uri, cache)  # cached after warm start
-        gflop = _eval_gflop(read_model_config(model_dir), cfg)
+        gflop = champion.eval_gflop(read_model_config(model_dir), cfg)
         if gflop > max_gflop:
             return recorded, (f"{label}: recorded val/loss (on other data; re-evaluating it on this data would take "
                               f"~{gflop:.0f} GFLOP on the CPU > {max_gflop:g})")
-        value = evaluate_model_dir(model_dir, cfg, tf)
+        value = champion.evaluate_model_dir(model_dir, cfg, tf)
         log.info("champion %s re-evaluated on the current held-out split: val/loss %.6g (recorded %s)",
                  label, value, recorded)
         return value, f"{label}: re-evaluated on the current held-out split (recorded {recorded})"
     except Exception as e:
         log.warning("could not re-evaluate the champion on the current data (%s); using its recorded val/loss", e)
         return recorded, f"{label}: recorded val/loss (on other data; re-evaluation failed: {str(e)[:200]})"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as fh:
-            d = json.load(fh)
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}

@@ -31,6 +31,9 @@ import textwrap
 import threading
 from typing import Any, Optional
 
+from rayspeed.tracking.client import mlflow_client
+from rayspeed.tracking.run_history import LANDSCAPE_JSON, RunHistory, previous_landscape
+
 log = logging.getLogger(__name__)
 
 CHART_FILES = (
@@ -40,49 +43,7 @@ CHART_FILES = (
     "loss_landscape.png",
     "memory_fragmentation.png",
 )
-LANDSCAPE_JSON = "loss_landscape.json"
 _SYS = re.compile(r"^system/node(\d+)/rank(\d+)/(.+)$")
-
-
-# ------------------------------------------------------------------------------------------- data
-class RunHistory:
-    """The metric histories of one run (fetched once per key) plus its params."""
-
-    def __init__(self, client: Any, run_id: str):
-        self.client, self.run_id = client, run_id
-        run = client.get_run(run_id)
-        self.params: dict[str, str] = dict(run.data.params)
-        self.tags: dict[str, str] = dict(run.data.tags)
-        self.keys: list[str] = sorted(run.data.metrics)
-        self.name = run.info.run_name or run_id
-        self._cache: dict[str, list[tuple[int, float]]] = {}
-
-    def series(self, key: str) -> list[tuple[int, float]]:
-        """[(step, value)] sorted by step; a step logged twice (a restart replaying it) keeps the latest."""
-        if key not in self._cache:
-            if key not in self.keys:
-                self._cache[key] = []
-            else:
-                by_step: dict[int, tuple[int, float]] = {}
-                for m in self.client.get_metric_history(self.run_id, key):
-                    prev = by_step.get(m.step)
-                    if prev is None or m.timestamp >= prev[0]:
-                        by_step[m.step] = (m.timestamp, m.value)
-                self._cache[key] = sorted((s, v) for s, (_, v) in by_step.items())
-        return self._cache[key]
-
-    def restarts(self) -> list[int]:
-        """Steps at which the run restarted (resilience/restarts went up)."""
-        out, prev = [], None
-        for step, v in self.series("resilience/restarts"):
-            if prev is not None and v > prev:
-                out.append(step)
-            prev = v
-        return out
-
-    def on_gpu(self) -> Optional[bool]:
-        v = self.params.get("cluster.use_gpu")
-        return None if v is None else v.lower() == "true"
 
 
 # ------------------------------------------------------------------------------------------- drawing helpers
@@ -184,8 +145,10 @@ def chart_utilization(h: RunHistory, path: str) -> str:
     yedges = np.arange(len(cells) + 1) - 0.5
     fig = _figure(10.0, max(3.6, 1.4 + 0.32 * len(cells)))
     ax = fig.add_subplot(1, 1, 1)
-    vmax = 100.0 if metric != "proc_cpu_percent" else max(100.0, float(np.nanmax(grid)) if np.isfinite(grid).any() else 100.0)
-    mesh = ax.pcolormesh(xedges, yedges, np.ma.masked_invalid(grid), cmap="viridis", vmin=0.0, vmax=vmax, shading="flat")
+    vmax = (100.0 if metric != "proc_cpu_percent"
+            else max(100.0, float(np.nanmax(grid)) if np.isfinite(grid).any() else 100.0))
+    mesh = ax.pcolormesh(xedges, yedges, np.ma.masked_invalid(grid), cmap="viridis", vmin=0.0, vmax=vmax,
+                         shading="flat")
     cb = fig.colorbar(mesh, ax=ax, pad=0.02)
     cb.set_label(label)
     ax.set_yticks(range(len(cells)))
@@ -261,7 +224,8 @@ def chart_compute_comm(h: RunHistory, path: str) -> str:
     ax.set_title(title + " per step", fontsize=12)
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="best", fontsize=9)
-    note = "f = comm/grad_sync_fraction (measured). Above 1: compute dominates; below 1: the step is communication-bound."
+    note = ("f = comm/grad_sync_fraction (measured). Above 1: compute dominates; "
+            "below 1: the step is communication-bound.")
     if zero_steps:
         note += f" {len(zero_steps)} step(s) with f = 0 (infinite ratio) not drawn."
     _note(fig, note + f" run: {h.name}")
@@ -359,20 +323,6 @@ def chart_fragmentation(h: RunHistory, path: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- entry points
-def _previous_landscape(client: Any, run_id: str) -> Optional[dict]:
-    """The landscape a previous render logged next to the charts (charts/loss_landscape.json), if any."""
-    try:
-        names = {a.path for a in client.list_artifacts(run_id, "charts")}
-        if f"charts/{LANDSCAPE_JSON}" not in names:
-            return None
-        d = tempfile.mkdtemp(prefix="rayspeed-landscape-")
-        p = client.download_artifacts(run_id, f"charts/{LANDSCAPE_JSON}", d)
-        with open(p) as fh:
-            return json.load(fh)
-    except Exception:
-        return None
-
-
 def render_charts(tracking_uri: str, run_id: str, out_dir: str, landscape: Optional[dict] = None,
                   reuse_logged_landscape: bool = True) -> list[str]:
     """Write the five PNGs (CHART_FILES) into out_dir from the run's metric history; returns their paths.
@@ -383,13 +333,11 @@ def render_charts(tracking_uri: str, run_id: str, out_dir: str, landscape: Optio
     becomes an image saying so. Raises only if the run cannot be read at all (server away): callers on
     the training path should use ChartPublisher, which never raises.
     """
-    from mlflow.tracking import MlflowClient
-
     os.makedirs(out_dir, exist_ok=True)
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     h = RunHistory(client, run_id)
     if landscape is None and reuse_logged_landscape:
-        landscape = _previous_landscape(client, run_id)
+        landscape = previous_landscape(client, run_id)
     if landscape is not None:
         try:
             with open(os.path.join(out_dir, LANDSCAPE_JSON), "w") as fh:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import queue
-import tempfile
 import threading
 import time
 from typing import Any
@@ -55,16 +54,27 @@ class NullLogger:
     def close(self, timeout_s: float = 60.0) -> None:
         pass
 
+    def last_step(self, key: str) -> int:
+        return 0
+
 
 class MlflowLogger(NullLogger):
+    def last_step(self, key: str) -> int:
+        """The highest step `key` was logged at in this run so far (0 when none, or when the server is away)."""
+        try:
+            return max((int(m.step) for m in self.client.get_metric_history(self.run_id, key)), default=0)
+        except Exception as e:  # tracking never blocks training: at worst a replayed step is logged twice
+            log.warning("MLflow: could not read the history of %s (%s)", key, _short(e))
+            return 0
+
     def __init__(self, tracking_uri: str, run_id: str, retry_max_s: float = 30.0,
                  metrics_every_s: float = METRICS_EVERY_S):
         # Short HTTP retries inside mlflow: our own loop retries forever without blocking the caller.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        from mlflow.tracking import MlflowClient
+        from rayspeed.tracking.client import mlflow_client
 
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.client = mlflow_client(tracking_uri)
         self.run_id = run_id
         self._q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         self._retry_max_s = retry_max_s
@@ -203,11 +213,3 @@ def _param_value(v: Any) -> str:
 def _short(e: Exception) -> str:
     s = str(e).splitlines()[0] if str(e) else type(e).__name__
     return s[:200]
-
-
-def write_temp_json(obj: Any, name: str) -> str:
-    d = tempfile.mkdtemp(prefix="rayspeed-")
-    path = os.path.join(d, name)
-    with open(path, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-    return path

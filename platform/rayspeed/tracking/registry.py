@@ -19,16 +19,12 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from rayspeed.tracking.client import mlflow_client
+
 log = logging.getLogger(__name__)
 
 CHAMPION = "champion"
 MODEL_ARTIFACT = "model"
-
-
-def _client(uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
 
 
 def _bounded(fn: Callable[[], Any], what: str, timeout_s: float, attempts: int = 3) -> tuple[bool, Any]:
@@ -76,7 +72,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
     (created if missing) with source = the run's artifact URI of model/, run_id, and the metrics as
     version tags `metric.<name>`. Returns the version number (str), or None if anything failed (logged)."""
     def upload() -> None:
-        _client(tracking_uri).log_artifacts(run_id, model_dir, MODEL_ARTIFACT)
+        mlflow_client(tracking_uri).log_artifacts(run_id, model_dir, MODEL_ARTIFACT)
 
     ok, _ = _bounded(upload, "model upload", timeout_s)
     if not ok:
@@ -88,7 +84,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
     def register() -> str:
         from mlflow.exceptions import MlflowException
 
-        c = _client(tracking_uri)
+        c = mlflow_client(tracking_uri)
         attempt["n"] += 1
         if attempt["n"] > 1:  # a retry must not register the same export twice
             for mv in c.search_model_versions(f"run_id = '{run_id}'"):
@@ -126,8 +122,9 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
 def set_alias(tracking_uri: str, registered_name: str, version: str | int, alias: str = CHAMPION,
               timeout_s: float = 60.0) -> bool:
     """Point `alias` (default champion) at version. True if done."""
-    ok, _ = _bounded(lambda: _client(tracking_uri).set_registered_model_alias(registered_name, alias, str(version)),
-                     f"set alias {alias}", timeout_s)
+    ok, _ = _bounded(
+        lambda: mlflow_client(tracking_uri).set_registered_model_alias(registered_name, alias, str(version)),
+        f"set alias {alias}", timeout_s)
     return ok
 
 
@@ -138,7 +135,7 @@ def get_alias_version(tracking_uri: str, registered_name: str, alias: str = CHAM
         from mlflow.exceptions import MlflowException
 
         try:
-            return str(_client(tracking_uri).get_model_version_by_alias(registered_name, alias).version)
+            return str(mlflow_client(tracking_uri).get_model_version_by_alias(registered_name, alias).version)
         except MlflowException:
             return None
 
@@ -146,17 +143,11 @@ def get_alias_version(tracking_uri: str, registered_name: str, alias: str = CHAM
     return v if ok else None
 
 
-def delete_alias(tracking_uri: str, registered_name: str, alias: str = CHAMPION, timeout_s: float = 60.0) -> bool:
-    ok, _ = _bounded(lambda: _client(tracking_uri).delete_registered_model_alias(registered_name, alias),
-                     f"delete alias {alias}", timeout_s, attempts=1)
-    return ok
-
-
 def version_metrics(tracking_uri: str, registered_name: str, version: str | int,
                     timeout_s: float = 60.0) -> Optional[dict[str, float]]:
     """The metrics a version was registered with (its `metric.*` tags), e.g. to compare with the champion."""
     def get() -> dict[str, float]:
-        mv = _client(tracking_uri).get_model_version(registered_name, str(version))
+        mv = mlflow_client(tracking_uri).get_model_version(registered_name, str(version))
         out = {}
         for k, v in (mv.tags or {}).items():
             if k.startswith("metric."):

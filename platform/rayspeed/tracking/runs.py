@@ -1,12 +1,14 @@
-"""Which MLflow run a job writes to: one run per job name, across restarts, resizes and resubmissions. mlflow is imported lazily so planning and config checks never pay for it."""
+"""Which MLflow run a job writes to: one run per job name, across restarts, resizes and resubmissions.
+mlflow is imported lazily so planning and config checks never pay for it."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.paths import artifact_root, tracking_uri
+from rayspeed.tracking.client import mlflow_client
 
 log = logging.getLogger(__name__)
 
@@ -15,12 +17,6 @@ JOB_TAG = "rayspeed.job"
 
 def registered_model_name(cfg: JobConfig) -> str:
     return cfg.tracking.register_model if cfg.tracking.register_model != AUTO else f"rayspeed-{cfg.name}"
-
-
-def _client(uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
 
 
 def experiment_id(client: Any, name: str, uri: str) -> str:
@@ -43,7 +39,7 @@ def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None)
     """(run id, resumed): the job's existing run if one exists (same experiment, tag rayspeed.job = name),
     else a new one. Resubmitting a job name therefore continues its run."""
     uri = tracking_uri(cfg)
-    client = _client(uri)
+    client = mlflow_client(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, uri)
     runs = client.search_runs(
         [exp_id],
@@ -61,10 +57,31 @@ def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None)
     return run.info.run_id, False
 
 
+def supersede_run(cfg: JobConfig) -> Optional[str]:
+    """--fresh: the job's current run stops being the job's run (its rayspeed.job tag gets a suffix), so the next
+    find_or_create_run starts a new one; returns the old run id (None when there was none or tracking is away)."""
+    import time
+
+    try:
+        uri = tracking_uri(cfg)
+        client = mlflow_client(uri)
+        exp_id = experiment_id(client, cfg.tracking.experiment, uri)
+        runs = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{cfg.name}'")
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        for r in runs:
+            client.set_tag(r.info.run_id, JOB_TAG, f"{cfg.name}@superseded-{stamp}")
+            if r.info.status == "RUNNING":
+                client.set_terminated(r.info.run_id, status="KILLED")
+        return runs[0].info.run_id if runs else None
+    except Exception as e:  # tracking must never stop training
+        log.warning("could not set the previous MLflow run of %s aside: %s", cfg.name, e)
+        return None
+
+
 def finish_run(cfg: JobConfig, run_id: str, status: str, label: str | None = None) -> None:
     """Close the run: MLflow status FINISHED/FAILED, tag rayspeed.status = label (e.g. preflight_failed)."""
     try:
-        client = _client(tracking_uri(cfg))
+        client = mlflow_client(tracking_uri(cfg))
         client.set_tag(run_id, "rayspeed.status", label or status.lower())
         client.set_terminated(run_id, status=status)
     except Exception as e:  # tracking must never fail the job

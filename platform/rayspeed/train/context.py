@@ -6,7 +6,6 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass

@@ -4,7 +4,6 @@ The controller side (`ResilienceCallback`, running in Ray Train's controller act
 event to `<storage>/<name>/.resilience/events.jsonl` the moment it sees a worker failure or decides to
 resize. The restarted rank 0 reads the newest unhandled event, and once its first step is done logs
 `resilience/recovery_s` (event -> first step done), lost steps, the world size and the cause.
-The batch policy for a changed world lives here too.
 
 All of it goes through rayspeed.storage, so the experiment may live on an object store (each file
 then has one writer: events.jsonl the controller, handled.jsonl and progress.json rank 0).
@@ -13,17 +12,13 @@ then has one writer: events.jsonl the controller, handled.jsonl and progress.jso
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-
+from rayspeed import compat, paths
 from rayspeed.storage import Location, locate
-from rayspeed.config.schema import JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,49 +27,23 @@ HANDLED = "handled.jsonl"
 
 
 def resilience_dir(experiment_dir: str | Path | Location) -> Location:
-    return locate(experiment_dir).child(".resilience")
+    return locate(experiment_dir).child(paths.RESILIENCE_DIR)
 
 
-def count_live_workers_only() -> None:
-    """Make Ray Train's elastic sizing count only nodes that are alive.
-
-    After a node dies, the autoscaling coordinator's reservations still list it for a while, so the elastic
-    policy retries the old size and waits out the whole worker-group start timeout for capacity that is
-    gone (64 s measured). Filtering the reservations by the GCS's live-node table makes the first restart
-    decision use the world that actually exists. Applied once, in the controller process."""
-    from ray.train.v2._internal.execution.scaling_policy import elastic
-
-    policy = elastic.ElasticScalingPolicy
-    if getattr(policy._count_possible_workers, "_rayspeed_live_only", False):
-        return
-    original = policy._count_possible_workers
-
-    def _count(self, reserved_resources):
-        try:
-            import ray
-
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            live = {k: v for k, v in reserved_resources.items() if k in alive}
-            if len(live) != len(reserved_resources):
-                log.warning("rayspeed: ignoring reservations on %d dead node(s) when sizing the worker group",
-                            len(reserved_resources) - len(live))
-            reserved_resources = live
-        except Exception as e:  # fall back to Ray's own view
-            log.warning("rayspeed: could not read live nodes (%s); using Ray's reservations", e)
-        return original(self, reserved_resources)
-
-    _count._rayspeed_live_only = True  # type: ignore[attr-defined]
-    policy._count_possible_workers = _count
+_ControllerCallback, _WorkerGroupCallback = compat.controller_callback_bases()
 
 
-class ResilienceCallback(ControllerCallback, WorkerGroupCallback):
+class ResilienceCallback(_ControllerCallback, _WorkerGroupCallback):
     """Runs in the Ray Train controller: timestamps failures and resize decisions as they happen."""
 
     def after_controller_start(self, train_run_context) -> None:
-        count_live_workers_only()
+        compat.count_live_workers_only()
+        if self.capacity_message:
+            compat.fail_after_capacity_wait(self.capacity_wait_s, self.capacity_message)
 
-    def __init__(self, experiment_dir: str):
+    def __init__(self, experiment_dir: str, capacity_wait_s: float = 600.0, capacity_message: str = ""):
         self.dir = str(resilience_dir(experiment_dir))  # a str: the callback is pickled to the controller
+        self.capacity_wait_s, self.capacity_message = capacity_wait_s, capacity_message
         self._failure_seen = False
         self._group_started = False  # the first "resize" is the initial start, not an incident
 
@@ -88,13 +57,16 @@ class ResilienceCallback(ControllerCallback, WorkerGroupCallback):
         errors = getattr(worker_group_status, "errors", None)
         if errors and not self._failure_seen:
             self._failure_seen = True
-            causes = {str(r): f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}" for r, e in errors.items()}
+            causes = {str(r): f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                      for r, e in errors.items()}
             self._record("failure", ranks=sorted(int(r) for r in errors), causes=causes)
         elif not errors:
             self._failure_seen = False
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
-        if self._group_started:
+        # The first decision is the initial start; one that restarts a failed group belongs to that failure's
+        # incident (already recorded); any other is a resize of a running job (it grows into new capacity).
+        if self._group_started and not self._failure_seen:
             self._record("resize", num_workers=int(getattr(resize_decision, "num_workers", 0)))
         self._group_started = True
         self._failure_seen = False
@@ -109,6 +81,22 @@ def pending_event(experiment_dir: str | Path) -> dict[str, Any] | None:
         if e.get("kind") in ("failure", "resize") and round(e["time"], 6) not in handled:
             return e
     return None
+
+
+def count_restarts(experiment_dir: str | Path) -> int:
+    """Restarts of this job: the failures and resizes the Ray Train controller recorded (a failure before the
+    first checkpoint counts too; a new submission is not a restart)."""
+    return sum(1 for e in resilience_dir(experiment_dir).read_jsonl(EVENTS) if e.get("kind") in ("failure", "resize"))
+
+
+def close_incidents(experiment_dir: str | Path, why: str) -> int:
+    """Mark every pending event handled without a recovery (a new submission starts: an old incident's clock must
+    not run into it). Returns how many were closed."""
+    n = 0
+    while pending_event(experiment_dir) is not None:
+        mark_recovered(experiment_dir, {"recovery_s": None, "closed": why})
+        n += 1
+    return n
 
 
 def mark_recovered(experiment_dir: str | Path, record: dict[str, Any]) -> None:
@@ -175,26 +163,3 @@ class ProgressRecorder:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             self.flush()
-
-
-def apply_batch_policy(job: JobConfig, world_size: int) -> tuple[JobConfig, str]:
-    """keep_global: the same global batch (accumulation absorbs the change). playbook: PLAYBOOK B.11,
-    new_batch = batch * (1 - lost/total) ** 0.8 with total = the requested workers, and the learning rate
-    scaled by sqrt(new/old) (the square-root rule the lr rule itself uses)."""
-    total = job.cluster.max_workers
-    policy = job.resilience.batch_policy
-    if policy == "keep_global" or world_size >= total:
-        return job, f"batch policy {policy}: global batch {job.train.global_batch_size} kept (world {world_size}/{total})"
-    lost = total - world_size
-    g0 = job.train.global_batch_size
-    want = g0 * (1 - lost / total) ** 0.8
-    g = max(1, int(round(want)))
-    # The planner needs G divisible by dp x micro-batch; round down to a multiple of the world size.
-    step = max(1, world_size)
-    g = max(step, (g // step) * step)
-    train = replace(job.train, global_batch_size=g)
-    if job.train.lr != "auto":
-        train = replace(train, lr=float(job.train.lr) * math.sqrt(g / g0), min_lr=job.train.min_lr * math.sqrt(g / g0))
-    line = (f"batch policy playbook: {lost} of {total} workers lost -> global batch {g0} x (1 - {lost}/{total})^0.8 "
-            f"= {want:.1f}, rounded to {g} (a multiple of the world size {world_size}); lr scaled by sqrt({g}/{g0})")
-    return replace(job, train=train), line

@@ -1,0 +1,179 @@
+"""Every use of a Ray or DeepSpeed internal, in one place, each written for the pinned versions below.
+
+A new Ray or DeepSpeed release may move any of these. `check()` (run by tests/test_compat.py) verifies that the
+installed versions are the ones written for and that every internal still exists, and says which to revisit.
+Nothing here is imported by the planner: Ray and DeepSpeed are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("rayspeed.compat")
+
+RAY_VERSION = "2.60.0"
+DEEPSPEED_VERSION = "0.19.8"
+
+
+# ---------------------------------------------------------------- Ray Train v2 (written for ray 2.60.0)
+
+
+def controller_callback_bases() -> tuple[type, type]:
+    """(ControllerCallback, WorkerGroupCallback): Ray Train v2's callback interfaces, still under `_internal` in
+    2.60. rayspeed's ResilienceCallback implements both to timestamp failures and resize decisions."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    return ControllerCallback, WorkerGroupCallback
+
+
+def count_live_workers_only() -> None:
+    """Make Ray Train's elastic sizing count only nodes that are alive.
+
+    After a node dies, the autoscaling coordinator's reservations still list it for a while, so the elastic
+    policy retries the old size and waits out the whole worker-group start timeout for capacity that is gone
+    (64 s measured). Filtering the reservations by the GCS's live-node table makes the first restart decision use
+    the world that actually exists. Patches `ElasticScalingPolicy._count_possible_workers` (ray 2.60.0); applied
+    once, in the controller process."""
+    from ray.train.v2._internal.execution.scaling_policy import elastic
+
+    policy = elastic.ElasticScalingPolicy
+    if getattr(policy._count_possible_workers, "_rayspeed_live_only", False):
+        return
+    original = policy._count_possible_workers
+
+    def _count(self, reserved_resources):
+        try:
+            import ray
+
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            live = {k: v for k, v in reserved_resources.items() if k in alive}
+            if len(live) != len(reserved_resources):
+                log.warning("rayspeed: ignoring reservations on %d dead node(s) when sizing the worker group",
+                            len(reserved_resources) - len(live))
+            reserved_resources = live
+        except Exception as e:  # fall back to Ray's own view
+            log.warning("rayspeed: could not read live nodes (%s); using Ray's reservations", e)
+        return original(self, reserved_resources)
+
+    _count._rayspeed_live_only = True  # type: ignore[attr-defined]
+    policy._count_possible_workers = _count
+
+
+def fail_after_capacity_wait(wait_s: float, message: str) -> None:
+    """A (re)start that finds fewer workers than the minimum waits in Ray Train's elastic policy forever (it returns
+    NoopDecision every poll). Patches `ElasticScalingPolicy.make_decision_for_non_running_worker_group` (ray
+    2.60.0) to log once when the wait begins and to raise RuntimeError(message) after wait_s: the controller turns
+    it into the run's failure. Applied once, in the controller process."""
+    import time
+
+    from ray.train.v2._internal.execution.scaling_policy import elastic
+
+    policy = elastic.ElasticScalingPolicy
+    if getattr(policy.make_decision_for_non_running_worker_group, "_rayspeed_capacity", False):
+        return
+    original = policy.make_decision_for_non_running_worker_group
+
+    def _decide(self):
+        decision = original(self)
+        if type(decision).__name__ != "NoopDecision":
+            self._rayspeed_waiting_since = None
+            return decision
+        since = getattr(self, "_rayspeed_waiting_since", None)
+        now = time.monotonic()
+        if since is None:
+            self._rayspeed_waiting_since = now
+            log.warning("rayspeed: waiting for capacity: fewer than %d workers can start; failing after %.0f s",
+                        self.scaling_config.min_workers, wait_s)
+        elif now - since > wait_s:
+            raise RuntimeError(message)
+        return decision
+
+    _decide._rayspeed_capacity = True  # type: ignore[attr-defined]
+    policy.make_decision_for_non_running_worker_group = _decide
+
+
+# Callbacks that start an idle actor and do nothing for a job without Ray Datasets / on a throwaway cluster.
+_ALWAYS_SKIPPED = ("DatasetsCallback",)
+_SKIPPED_ON_EMBEDDED = ("PlacementGroupCleanerCallback",)
+
+
+def lean_trainer_class(embedded: bool) -> Any:
+    """TorchTrainer without the callbacks that do nothing for this job (each one an idle actor, ~0.009 cores).
+
+    DatasetsCallback is skipped on every cluster when no Ray Dataset is passed (rayspeed reads its own token
+    memmaps): it would start a DatasetManager actor per attempt; on the embedded cluster also the placement-group
+    cleaner (the placement group dies with the cluster). The controller builds its callbacks in
+    `TorchTrainer._create_default_callbacks` (ray 2.60.0); if that method goes away the plain trainer is used."""
+    from ray.train.torch import TorchTrainer
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return TorchTrainer
+    skip = {*_ALWAYS_SKIPPED, *(_SKIPPED_ON_EMBEDDED if embedded else ())}
+
+    class RayspeedTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [cb for cb in callbacks if type(cb).__name__ not in skip]
+
+    return RayspeedTrainer
+
+
+# ---------------------------------------------------------------- DeepSpeed (written for deepspeed 0.19.8)
+
+
+def skip_deepspeed_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (used by its inference all-reduce, not
+    by training's gloo collectives) at init_distributed: a C++ build on every fresh machine (measured ~60 s) and
+    a lock every worker waits on. Marking the op incompatible in `deepspeed.ops.__compatible_ops__` skips it."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    except Exception as e:  # an older/newer DeepSpeed without it: nothing to skip
+        log.debug("shm comm op not skipped: %s", e)
+
+
+# ---------------------------------------------------------------- the check
+
+
+def check() -> list[str]:
+    """Problems with the installed Ray/DeepSpeed for the internals above (empty when all is as written for)."""
+    problems = []
+    import deepspeed
+    import ray
+
+    if ray.__version__ != RAY_VERSION:
+        problems.append(f"ray {ray.__version__} is installed, rayspeed.compat was written for {RAY_VERSION}: "
+                        "re-check every Ray internal in rayspeed/compat.py")
+    if deepspeed.__version__ != DEEPSPEED_VERSION:
+        problems.append(f"deepspeed {deepspeed.__version__} is installed, rayspeed.compat was written for "
+                        f"{DEEPSPEED_VERSION}: re-check every DeepSpeed internal in rayspeed/compat.py")
+    try:
+        controller_callback_bases()
+    except ImportError as e:
+        problems.append(f"ray.train.v2._internal.execution.callback moved ({e})")
+    try:
+        from ray.train.v2._internal.execution.scaling_policy import elastic
+
+        if not hasattr(elastic.ElasticScalingPolicy, "_count_possible_workers"):
+            problems.append("ElasticScalingPolicy._count_possible_workers is gone: count_live_workers_only is a no-op")
+        if not hasattr(elastic.ElasticScalingPolicy, "make_decision_for_non_running_worker_group"):
+            problems.append("ElasticScalingPolicy.make_decision_for_non_running_worker_group is gone: "
+                            "fail_after_capacity_wait cannot bound the wait for workers")
+    except ImportError as e:
+        problems.append(f"ray.train.v2._internal.execution.scaling_policy.elastic moved ({e})")
+    from ray.train.torch import TorchTrainer
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class falls back to TorchTrainer")
+    import deepspeed.ops
+
+    if not hasattr(deepspeed.ops, "__compatible_ops__"):
+        problems.append("deepspeed.ops.__compatible_ops__ is gone: the CPU shm comm op is compiled again at start")
+    return problems

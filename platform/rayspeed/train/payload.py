@@ -1,0 +1,59 @@
+"""What crosses the launcher -> worker boundary and back: the launch payload (pickled by Ray into every
+worker) and the run result (rank 0 writes it to the experiment directory; the launcher reads it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class LaunchPayload:
+    job: dict[str, Any]
+    """The user's job as parsed (its "auto"s intact): every worker re-plans it for the world it got."""
+    tracking_uri: str
+    """The MLflow store the run lives in."""
+    storage_path: str
+    """storage.path resolved (local absolute path or object-store URI)."""
+    experiment_dir: str
+    """<storage>/<job name>: checkpoints, events, summary."""
+    launched_at: float
+    """Wall-clock time the launcher started the job."""
+    mlflow_run_id: Optional[str] = None
+    """The job's one MLflow run (None: tracking unavailable, training goes on)."""
+    resume: str = "auto"
+    """auto | fresh | anyway: what the launcher decided about an existing checkpoint's config (--fresh,
+    --resume-anyway)."""
+
+
+@dataclass
+class RunResult:
+    status: str
+    """finished | preflight_failed."""
+    steps: int = 0
+    final_loss: Optional[float] = None
+    val_loss: Optional[float] = None
+    restarts: int = 0
+    world_size: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    recovery_s: Optional[float] = None
+    checkpoint_stall_s: Optional[float] = None
+    """Median time training was blocked by a checkpoint save."""
+    checkpoint_write_s: Optional[float] = None
+    """Median time a save took end to end (background part included)."""
+    checkpoint_bytes: Optional[int] = None
+    """Bytes of the newest checkpoint, every rank's files together."""
+    model_state_bytes: Optional[dict[str, int]] = None
+    layout: Optional[dict[str, Any]] = None
+    registered_model_version: Optional[str] = None
+    error: Optional[str] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RunResult":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known}) if d else cls(status="unknown")

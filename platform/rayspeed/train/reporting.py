@@ -1,0 +1,300 @@
+"""What a training run tells MLflow and the log: the start (params, tags, config and plan artifacts), the metric
+windows (loss, throughput, grad-sync share, MFU, system metrics), the first step (model-state bytes, recovery),
+validation, checkpoints and the end. One rank-0 gate, here: every other rank holds a NullLogger, so callers
+never check ranks; the collectives inside (the window's loss mean, the system-metric gather) run on every rank.
+
+    reporter = Reporter(cfg, plan, ctx, payload, groups, device, attempt_started)
+    with reporter.timed_step(step):         # the comm timer measures log steps only
+        loss = train_step(...)
+    reporter.step_done(step, loss, state, engine)    # window, progress, first-step report
+    if reporter.should_log(step): reporter.log_window(step, lr, grad_norm)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rayspeed.config.load import flatten, to_dict, to_yaml
+from rayspeed.config.schema import JobConfig
+from rayspeed.logs import log_rank
+from rayspeed.parallel.objects import gather_objects
+from rayspeed.train import resilience
+
+log = logging.getLogger("rayspeed.worker")
+
+
+def plain(obj: Any) -> Any:
+    """JSON-safe copy: dicts, lists and scalars kept, anything else as its str."""
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def versions() -> dict[str, str]:
+    import deepspeed
+
+    v = {"versions.torch": torch.__version__, "versions.deepspeed": deepspeed.__version__}
+    try:
+        import ray
+
+        v["versions.ray"] = ray.__version__
+    except Exception:
+        pass
+    v["versions.cuda"] = str(torch.version.cuda)
+    if torch.cuda.is_available():
+        v["versions.nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return v
+
+
+def mfu_terms(cfg: JobConfig) -> tuple[float, Optional[float]]:
+    """(model FLOPs per token = 6N + 12 L h s, peak FLOP/s of one GPU) from the planner's tables; no MFU on CPU."""
+    try:
+        from rayspeed.config.shape import ModelShape
+        from rayspeed.planner.hardware import get as hardware
+
+        flops = ModelShape.from_config(cfg.model).flops_per_token
+        if not cfg.cluster.use_gpu:
+            return float(flops), None
+        return float(flops), float(hardware(cfg.cluster.gpu, cfg.cluster.hardware).peak(cfg.train.precision))
+    except Exception as e:
+        log.warning("MFU unavailable: %s", e)
+        return 0.0, None
+
+
+class StepWindow:
+    """Steps and wall time since the last log step; checkpoint and validation time are not step time."""
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), device=device)
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss.detach().float()
+        self.steps += 1
+
+    def step_time(self) -> float:
+        return (time.perf_counter() - self.t0) / max(1, self.steps)
+
+    def restart(self) -> None:
+        self.loss.zero_()
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    def pause_excluded(self) -> None:
+        """Time spent outside steps (evaluation, checkpoint) does not count towards the next step time."""
+        self.t0 = time.perf_counter()
+
+
+class Reporter:
+    def __init__(self, cfg: JobConfig, plan: Any, ctx: Any, payload: Any, groups: Any, device: torch.device,
+                 attempt_started: float):
+        from rayspeed.monitoring.comm_timer import CommTimer
+        from rayspeed.tracking.logger import MlflowLogger, NullLogger
+
+        self.cfg, self.plan, self.ctx, self.payload, self.groups = cfg, plan, ctx, payload, groups
+        self.device, self.attempt_started = device, attempt_started
+        self.log_every = cfg.tracking.log_every_steps
+        self.tracker: Any = NullLogger()
+        if ctx.is_rank0 and payload.mlflow_run_id:
+            try:
+                self.tracker = MlflowLogger(payload.tracking_uri, payload.mlflow_run_id)
+            except Exception as e:  # tracking must never kill training
+                log.warning("MLflow unavailable (%s): training continues without tracking", e)
+        self.comm = CommTimer(enabled=True)
+        self.window = StepWindow(device)
+        self.sampler: Any = None
+        self.charts: Any = None
+        self.flops_per_token, self.peak_flops = mfu_terms(cfg)
+        self.progress = resilience.ProgressRecorder(ctx.experiment_dir) if ctx.is_rank0 else None
+        self.first_step_done = False
+        self.recovery_s: Optional[float] = None
+        self.restarts = 0
+        # Steps already in the run's history (a replay after a restart, or a resubmission): not logged twice.
+        self.logged_until = self._logged_until() if ctx.is_rank0 else 0
+        self.model_state_bytes: Optional[dict[str, int]] = None
+        self.checkpoints = 0
+        self.last_loss = float("nan")
+
+    def _logged_until(self) -> int:
+        return int(self.tracker.last_step("train/loss"))
+
+    # ------------------------------------------------------------------ start
+    def start_monitors(self) -> None:
+        from rayspeed.monitoring.system import SystemSampler
+
+        if self.cfg.tracking.system_metrics:
+            self.sampler = SystemSampler(self.ctx.rank, self.ctx.node_id, interval_s=5.0)
+        if self.ctx.is_rank0 and self.payload.mlflow_run_id:
+            from rayspeed.tracking.charts import ChartPublisher
+
+            self.charts = ChartPublisher(self.tracker, self.payload.tracking_uri, self.payload.mlflow_run_id)
+
+    def log_start(self, state: dict[str, Any], ds_config: dict[str, Any], node_ids: list[Any]) -> None:
+        if not self.ctx.is_rank0:
+            return
+        c, t, world = self.cfg, self.tracker, self.ctx.world_size
+        params = flatten(to_dict(c))
+        params.update({f"plan.{k}": v for k, v in flatten(plain(self.plan.best)).items()})
+        params.update(versions())
+        params["cluster.world_size_at_start"] = world
+        try:
+            from rayspeed.monitoring.system import lineage_params
+
+            params.update(lineage_params(node_ids, use_gpu=c.cluster.use_gpu))
+        except Exception as e:
+            log.warning("lineage params unavailable: %s", e)
+        t.log_params(params)
+        t.set_tags({"rayspeed.job": c.name, "rayspeed.status": "running", "rayspeed.world_size": str(world)})
+        t.log_text(to_yaml(c), "config/resolved.yaml")
+        t.log_text(json.dumps(ds_config, indent=2, sort_keys=True), "config/deepspeed.json")
+        t.log_text(json.dumps(plain(self.plan.to_json()), indent=2, default=str), "plan/plan.json")
+        t.log_text(self.plan.explain, "plan/explain.txt")
+        t.log_metrics({"resilience/world_size": world,
+                       "resilience/restarts": resilience.count_restarts(self.ctx.experiment_dir)}, step=state["step"])
+        p = c.parallel
+        log.info("plan: dp=%s tp=%s pp=%s zero=%s micro=%s accum=%s ac=%s precision=%s global_batch=%s (world %d)",
+                 p.dp, p.tp, p.pp, p.zero_stage, p.micro_batch_size, p.grad_accum, p.activation_checkpointing,
+                 c.train.precision, c.train.global_batch_size, world)
+
+    def log_preflight(self, report: Any) -> None:
+        """Rank 0's tracker keeps the report (every other rank's is a NullLogger)."""
+        self.tracker.log_text(json.dumps(report.to_json(), indent=2, default=str), "health/preflight.json")
+
+    # ------------------------------------------------------------------ steps
+    def should_log(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.cfg.train.max_steps
+
+    def timed_step(self, step: int) -> Any:
+        return self.comm.step(measure=self.should_log(step))
+
+    def first_step(self, step: int, state: dict[str, Any], engine: Any) -> None:
+        """Once per attempt (a collective): model-state bytes of the real engine, and the recovery it closes."""
+        from rayspeed.engine.state_bytes import model_state_bytes
+
+        self.first_step_done = True
+        now = time.time()
+        # The optimizer state exists from the first step on.
+        every = gather_objects(model_state_bytes(engine))
+        self.model_state_bytes = {k: max(int(r[k]) for r in every) for k in every[0]}
+        if not self.ctx.is_rank0:
+            return
+        self.tracker.log_metrics({f"memory/{k}_bytes": float(v) for k, v in self.model_state_bytes.items()}, step=step)
+        log.info("first step done %.1f s after this attempt started", now - self.attempt_started)
+        restarts = resilience.count_restarts(self.ctx.experiment_dir)
+        self.restarts = restarts
+        metrics: dict[str, float] = {"resilience/world_size": self.ctx.world_size, "resilience/restarts": restarts}
+        # Whatever failed before (even before the first checkpoint): this first step ends its recovery.
+        event = resilience.pending_event(self.ctx.experiment_dir)
+        if event is not None:
+            recovery = now - event["time"]
+            progress = resilience.read_progress(self.ctx.experiment_dir)
+            lost = max(0, int(progress.get("step", state["step"])) - state["step"])
+            metrics.update({"resilience/recovery_s": recovery, "resilience/lost_steps": lost})
+            cause = event.get("kind", "restart")
+            if event.get("causes"):
+                cause += ": " + "; ".join(f"rank {r}: {c}" for r, c in event["causes"].items())
+            self.tracker.set_tags({f"rayspeed.restart.{restarts}": cause[:4000]})
+            resilience.mark_recovered(self.ctx.experiment_dir,
+                                      {"recovery_s": recovery, "lost_steps": lost, "step": step})
+            log.info("recovered in %.1f s from %s (%d steps lost; this attempt started %.1f s after it)",
+                     recovery, event.get("kind"), lost, self.attempt_started - event["time"])
+            self.recovery_s = recovery
+        self.tracker.log_metrics(metrics, step=step)
+
+    def step_done(self, step: int, loss: torch.Tensor, state: dict[str, Any], engine: Any) -> None:
+        self.window.add(loss)
+        if not self.first_step_done:
+            self.first_step(step, state, engine)
+        if self.progress is not None:
+            self.progress.update(step)
+
+    def log_window(self, step: int, lr: float, grad_norm: Optional[float]) -> dict[str, float]:
+        """Metrics at a log step: the loss (the step's only host read), throughput, gradient-sync fraction, MFU on
+        GPU, and every rank's system metrics (a collective: all ranks call this). Restarts the window."""
+        c, ctx, w = self.cfg, self.ctx, self.window
+        step_time = w.step_time()
+        mean_loss = self.dp_mean(w.loss / max(1, w.steps))
+        tokens_per_s = c.train.global_batch_size * c.model.seq_len / step_time
+        metrics = {
+            "train/loss": mean_loss,
+            "train/lr": lr,
+            "train/global_batch_size": c.train.global_batch_size,
+            "perf/step_time_s": step_time,
+            "perf/tokens_per_s": tokens_per_s,
+            "resilience/world_size": ctx.world_size,
+        }
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = float(grad_norm)
+        metrics.update(self.comm.metrics())
+        if self.peak_flops:
+            metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * ctx.world_size)
+        if self.sampler is not None:
+            from rayspeed.monitoring.system import gather_system_metrics
+
+            snap = self.sampler.snapshot()
+            last = self.comm.last()
+            if last:
+                snap["comm_s"] = last["comm_s"]
+            system = gather_system_metrics(snap, self.groups, node_id=ctx.node_id)
+            if system:
+                metrics.update(system)
+        if step > self.logged_until:  # a step replayed after a restart is already in the run's history
+            self.tracker.log_metrics(metrics, step=step)
+        self.last_loss = mean_loss
+        log_rank(log, "step %d/%d loss %.4f lr %.2e %.3f s/step", step, c.train.max_steps, mean_loss, lr, step_time)
+        w.restart()
+        return metrics
+
+    def dp_mean(self, t: torch.Tensor) -> float:
+        t = t.detach().clone().to(self.device, dtype=torch.float64)
+        if self.groups.dp > 1:
+            dist.all_reduce(t, group=self.groups.dp_group)
+            t /= self.groups.dp
+        return float(t.item())
+
+    # ------------------------------------------------------------------ validation, checkpoints, the end
+    def log_validation(self, step: int, val_loss: float) -> None:
+        if step > self.logged_until:
+            self.tracker.log_metrics({"val/loss": val_loss}, step=step)
+        log_rank(log, "step %d val loss %.4f", step, val_loss)
+        self.window.pause_excluded()
+
+    def log_checkpoint(self, step: int, stall: float) -> None:
+        self.checkpoints += 1
+        if step > self.logged_until:
+            self.tracker.log_metrics({"perf/checkpoint_stall_s": stall}, step=step)
+        n = self.cfg.tracking.charts_every_checkpoints
+        if self.charts is not None and n and self.checkpoints % n == 0 and step != self.cfg.train.max_steps:
+            self.charts.publish()  # renders off the training thread
+        self.window.pause_excluded()
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tracker.set_tags(tags)
+
+    def on_failure(self) -> None:
+        """A peer died or a collective timed out: the metrics of the steps done so far are still in the logger's
+        queue (it coalesces them); deliver them before Ray tears the group down."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.ctx.is_rank0:
+            self.tracker.flush(5.0)
+
+    def close(self, status: str) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.ctx.is_rank0:
+            self.tracker.set_tags({"rayspeed.status": status})
+            self.tracker.close(timeout_s=120)
