@@ -15,8 +15,30 @@ from rayspeed.engine.optim import build_optimizer, build_scheduler
 log = logging.getLogger(__name__)
 
 
+def loads_pretrained(cfg: JobConfig) -> bool:
+    """Whether the initial weights come from model.pretrained's safetensors (train.init_from overrides them)."""
+    return bool(cfg.model.pretrained) and cfg.model.init == "pretrained" and not cfg.train.init_from
+
+
 def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
-    """The model for this rank: the whole Transformer (sharded over tp), or this stage of the pipeline."""
+    """The model for this rank: the whole Transformer (sharded over tp), or this stage of the pipeline. With
+    model.pretrained (init: pretrained) its weights are this rank's slices of the checkpoint."""
+    if not loads_pretrained(cfg):
+        return _build_model(cfg, groups)
+    from rayspeed.model.hf_weights import load_hf_weights, local_model_dir
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():  # every value is overwritten by the load: no seeded full tensors
+        model = _build_model(cfg, groups)
+    model_dir = local_model_dir(str(cfg.model.pretrained))
+    report = load_hf_weights(model, model_dir, ModelShape.from_config(cfg.model),
+                             tp=groups.tp if cfg.parallel.tp > 1 else None)
+    log.info("model.pretrained %s: %d parameters, %d elements (%.1f MB) read from %s", cfg.model.pretrained,
+             report["parameters"], report["elements"], report["bytes_read"] / 1e6, model_dir)
+    return model
+
+
+def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
     par = cfg.parallel
     tp = groups.tp if par.tp > 1 else None
     mcfg = ModelShape.from_config(cfg.model)
