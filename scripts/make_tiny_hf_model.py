@@ -13,8 +13,11 @@ the UTF-8 bytes (the byte tokenizer's), so the folder is a complete Hugging Face
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
 
 
 def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
@@ -54,31 +57,6 @@ def make_model(config: Any, seed: int = 0) -> Any:
     return model.eval()
 
 
-def byte_tokenizer() -> Any:
-    """A transformers tokenizer whose ids are the UTF-8 bytes of the text (rayspeed's byte tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = _bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, which the ByteLevel pre-tokenizer applies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def save(out: str, arch: str = "llama", seed: int = 0, shards: int = 1, tokenizer: bool = False, **shape: Any) -> Any:
     """Create and save the model into `out`; returns the transformers model."""
     model = make_model(hf_config(arch, **shape), seed)
@@ -88,6 +66,8 @@ def save(out: str, arch: str = "llama", seed: int = 0, shards: int = 1, tokenize
         kwargs["max_shard_size"] = max(1, total // shards + 1)
     model.save_pretrained(out, **kwargs)
     if tokenizer:
+        from rayspeed.model.hf_export import byte_tokenizer
+
         byte_tokenizer().save_pretrained(out)
     return model
 

@@ -19,6 +19,8 @@ commands:
   retrain --config FILE [--set K=V]... [--force] [--margin M] [--launcher ray|local] [--cold]
                       one retraining cycle: warm start, train, evaluate, register, promote on improvement
                       (exit 0 promoted, 3 skipped, 4 rejected, 1 failed, 2 bad input)
+  export RUN_ID|CHECKPOINT_DIR --format hf OUT [--tracking-uri URI] [--byte-tokenizer]
+                      the model as a Hugging Face directory (config.json, safetensors, tokenizer)
 """
 
 
@@ -58,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from rayspeed.retrain.cli import main as retrain_main
 
         return retrain_main(rest)
+    if cmd == "export":
+        from rayspeed.hf_export_command import main as export_main
+
+        return export_main(rest)
     print(f"rayspeed: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

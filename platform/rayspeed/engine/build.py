@@ -138,14 +138,25 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
 def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None) -> dict[str, Any]:
     """Resolve train.init_from (downloaded once per machine into <storage>/.cache/models) and load it into the
     freshly built model; the optimizer starts fresh."""
-    from rayspeed.model.warm_start import load_initial_weights
+    from pathlib import Path
+
+    from rayspeed.model.warm_start import CONFIG, WarmStartError, load_initial_weights
     from rayspeed.paths import model_cache_dir, storage_path, tracking_uri
     from rayspeed.tracking.model_fetch import resolve_init_from
 
     spec = str(cfg.train.init_from)
     tp = groups.tp if (groups is not None and cfg.parallel.tp > 1) else None
     model_dir = resolve_init_from(spec, tracking_uri(cfg), model_cache_dir(storage_path(cfg)))
-    report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)
+    if (Path(model_dir) / CONFIG).is_file():
+        report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)
+    else:  # a Hugging Face directory: same shape required, weights only
+        from rayspeed.model.hf_weights import hf_dir_mismatches, load_hf_weights
+
+        shape = ModelShape.from_config(cfg.model)
+        bad = hf_dir_mismatches(model_dir, shape)
+        if bad:
+            raise WarmStartError(f"train.init_from: {spec} is a different model than this job's ({'; '.join(bad)})")
+        report = load_hf_weights(model, model_dir, shape, tp=tp, what="train.init_from")
     report["init_from"] = spec
     log.info("warm start from %s (%s): %d parameters, %d elements loaded; optimizer starts fresh",
              spec, model_dir, report["parameters"], report["elements"])

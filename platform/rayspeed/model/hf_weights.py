@@ -119,3 +119,22 @@ def hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, t
             raise ValueError(f"{name}: weights hold {tuple(value.shape)}, the shape says {want}")
         out[hf_name(name)] = value.detach().to("cpu").contiguous()
     return out
+
+
+def hf_dir_mismatches(model_dir: str, shape: ModelShape) -> list[str]:
+    """'key: saved X, job Y' for every field of the model function that differs between the Hugging Face
+    directory's config.json and the job's shape (seq_len, init_std and the position limit may differ)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from rayspeed.config.hf_config import model_keys_from_hf, read_pretrained_config
+
+    hf, path = read_pretrained_config(model_dir)
+    keys, problems = model_keys_from_hf(hf, str(path), seq_len=shape.seq_len)
+    if problems:
+        return problems
+    saved = ModelShape.from_config(SimpleNamespace(**keys, seq_len=shape.seq_len, init_std=shape.init_std))
+    skip = {"seq_len", "init_std", "max_position_embeddings"}
+    return [f"model.{f.name}: saved {getattr(saved, f.name)!r}, job {getattr(shape, f.name)!r}"
+            for f in dataclasses.fields(ModelShape)
+            if f.name not in skip and getattr(saved, f.name) != getattr(shape, f.name)]

@@ -31,7 +31,7 @@ def _client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def _bounded(fn: Callable[[], Any], what: str, timeout_s: float, attempts: int = 3) -> tuple[bool, Any]:
+def bounded(fn: Callable[[], Any], what: str, timeout_s: float, attempts: int = 3) -> tuple[bool, Any]:
     """fn() with retries, on a daemon thread, for at most timeout_s. (ok, result)."""
     box: dict[str, Any] = {}
 
@@ -58,7 +58,7 @@ def _bounded(fn: Callable[[], Any], what: str, timeout_s: float, attempts: int =
     return False, None
 
 
-def _metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
+def metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
     tags = {}
     for k, v in (metrics or {}).items():
         try:
@@ -78,7 +78,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
     def upload() -> None:
         _client(tracking_uri).log_artifacts(run_id, model_dir, MODEL_ARTIFACT)
 
-    ok, _ = _bounded(upload, "model upload", timeout_s)
+    ok, _ = bounded(upload, "model upload", timeout_s)
     if not ok:
         return None
 
@@ -105,7 +105,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
                 c.get_registered_model(registered_name)  # created concurrently: fine if it exists now
         run = c.get_run(run_id)
         source = run.info.artifact_uri.rstrip("/") + "/" + MODEL_ARTIFACT
-        tags = _metric_tags(metrics or {})
+        tags = metric_tags(metrics or {})
         tags.update({"rayspeed.job": run.data.tags.get("rayspeed.job", ""), "rayspeed.run_id": run_id,
                      "rayspeed.export_id": export_id})
         tags.update(extra_tags or {})
@@ -117,7 +117,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
             pass
         return str(mv.version)
 
-    ok, version = _bounded(register, "model registration", timeout_s, attempts=3)
+    ok, version = bounded(register, "model registration", timeout_s, attempts=3)
     if ok:
         log.info("registered %s version %s from run %s", registered_name, version, run_id)
     return version if ok else None
@@ -126,7 +126,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
 def set_alias(tracking_uri: str, registered_name: str, version: str | int, alias: str = CHAMPION,
               timeout_s: float = 60.0) -> bool:
     """Point `alias` (default champion) at version. True if done."""
-    ok, _ = _bounded(lambda: _client(tracking_uri).set_registered_model_alias(registered_name, alias, str(version)),
+    ok, _ = bounded(lambda: _client(tracking_uri).set_registered_model_alias(registered_name, alias, str(version)),
                      f"set alias {alias}", timeout_s)
     return ok
 
@@ -142,12 +142,12 @@ def get_alias_version(tracking_uri: str, registered_name: str, alias: str = CHAM
         except MlflowException:
             return None
 
-    ok, v = _bounded(get, f"read alias {alias}", timeout_s, attempts=1)
+    ok, v = bounded(get, f"read alias {alias}", timeout_s, attempts=1)
     return v if ok else None
 
 
 def delete_alias(tracking_uri: str, registered_name: str, alias: str = CHAMPION, timeout_s: float = 60.0) -> bool:
-    ok, _ = _bounded(lambda: _client(tracking_uri).delete_registered_model_alias(registered_name, alias),
+    ok, _ = bounded(lambda: _client(tracking_uri).delete_registered_model_alias(registered_name, alias),
                      f"delete alias {alias}", timeout_s, attempts=1)
     return ok
 
@@ -166,7 +166,7 @@ def version_metrics(tracking_uri: str, registered_name: str, version: str | int,
                     pass
         return out
 
-    ok, v = _bounded(get, "read version metrics", timeout_s, attempts=1)
+    ok, v = bounded(get, "read version metrics", timeout_s, attempts=1)
     return v if ok else None
 
 

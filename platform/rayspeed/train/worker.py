@@ -436,6 +436,8 @@ class Trainer:
     def _manifest_meta(self) -> dict[str, Any]:
         import deepspeed
 
+        from rayspeed.checkpoint.consolidate import manifest_model_meta
+
         c = self.cfg
         return {
             "job": c.name,
@@ -444,6 +446,7 @@ class Trainer:
             "global_batch_size": c.train.global_batch_size,
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
             "config_hash": _config_hash(c),
+            **manifest_model_meta(c),  # lets `rayspeed export <checkpoint dir>` rebuild the model on its own
         }
 
     # ------------------------------------------------------------------ chaos drills
@@ -749,14 +752,16 @@ class Trainer:
         if not ctx.is_rank0 or not self.launch.get("mlflow_run_id"):
             return
         if out_dir:
-            from rayspeed.tracking.registry import log_and_register
+            from rayspeed.tracking.hf_model import job_tokenizer, log_and_register_hf
 
             self.tracker.flush(60)
             metrics = {"train/loss": last_loss}
             if val_loss is not None:
                 metrics["val/loss"] = val_loss
-            self.model_version = log_and_register(self.launch["tracking_uri"], self.launch["mlflow_run_id"], out_dir,
-                                                  registered_model_name(c), metrics)
+            # Hugging Face format with its tokenizer, as the run's logged model, registered.
+            self.model_version = log_and_register_hf(
+                self.launch["tracking_uri"], self.launch["mlflow_run_id"], out_dir, registered_model_name(c), metrics,
+                tokenizer=job_tokenizer(c.data.tokenizer, c.model.pretrained, for_serving=True))
             if self.model_version:
                 log.info("model registered as %s version %s", registered_model_name(c), self.model_version)
         if self.charts is not None:
