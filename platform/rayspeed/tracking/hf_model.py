@@ -140,8 +140,12 @@ def register_logged_model(tracking_uri: str, info: Any, registered_name: str, ru
     for mv in c.search_model_versions(f"run_id = '{run_id}'"):  # a retry must not register twice
         if mv.name == registered_name and (mv.tags or {}).get("rayspeed.export_id") == tags["rayspeed.export_id"]:
             return str(mv.version)
-    mv = c.create_model_version(registered_name, source=info.model_uri, run_id=run_id, tags=tags,
-                                description=f"run {run_id}", model_id=info.model_id)
+    import mlflow
+
+    mlflow.set_registry_uri(tracking_uri)
+    # register_model also records the version on the logged model (mlflow.modelVersions), which the UI follows.
+    mv = mlflow.register_model(info.model_uri, registered_name, tags=tags)
+    c.update_model_version(registered_name, mv.version, description=f"run {run_id}")
     c.set_tag(run_id, "rayspeed.registered_version", f"{registered_name}/{mv.version}")
     c.set_tag(run_id, "rayspeed.logged_model_id", info.model_id)
     return str(mv.version)
