@@ -201,3 +201,27 @@ def test_bad_checkpoint_exits_2_before_anything_is_written(qwen_dir, tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "FalconForCausalLM is not supported" in r.stderr
     assert list(home.iterdir()) == []  # no mlflow.db, no runs/
+
+
+def test_hub_id_resolves_through_the_huggingface_cache(qwen_dir, tmp_path):
+    """A hub id goes to huggingface_hub exactly as users pass it; here its cache is pre-filled and the hub is
+    offline (HF_HUB_OFFLINE), the way a machine without network reuses earlier downloads."""
+    import shutil
+
+    rev = "0" * 40
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-qwen"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    shutil.copytree(qwen_dir, repo / "snapshots" / rev)
+    code = ("from rayspeed.config.load import parse; from rayspeed.model.hf_weights import local_model_dir; "
+            "c = parse({'model': {'seq_len': 32}}, ['model.pretrained=tiny-org/tiny-qwen']); "
+            "print(c.model.architecture, c.model.num_kv_heads, local_model_dir('tiny-org/tiny-qwen'))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "platform"), "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    arch, kv, snapshot = r.stdout.split()
+    assert (arch, kv) == ("Qwen2ForCausalLM", "2") and snapshot.endswith(f"snapshots/{rev}")
+    r = subprocess.run([sys.executable, "-c", code.replace("tiny-org/tiny-qwen", "tiny-org/absent", 1)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "cannot fetch config.json from the Hugging Face hub" in r.stderr
