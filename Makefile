@@ -69,9 +69,11 @@ down:
 	    for i in $$(seq 1 60); do kill -0 $$pid 2>/dev/null || break; sleep 0.5; done; \
 	    kill -KILL -- -$$pid 2>/dev/null; rm -f $(SERVICES)/$$s.pid; echo "stopped $$s"; fi; done
 
+# The working-dir copy has no .git: the commit travels to the run's mlflow.source.git.commit tag as an env var.
+GIT_COMMIT = $(shell git rev-parse HEAD 2>/dev/null)
 submit: setup
 	RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:8265 $(BIN)/ray job submit --working-dir . \
-	  --runtime-env-json '{"env_vars": {"MLFLOW_TRACKING_URI": "http://127.0.0.1:$(MLFLOW_PORT)", "RAYSPEED_HOME": "$(CURDIR)"}, "excludes": [".venv", "runs", "mlartifacts", ".services", "mlflow.db", ".git"]}' \
+	  --runtime-env-json '{"env_vars": {"MLFLOW_TRACKING_URI": "http://127.0.0.1:$(MLFLOW_PORT)", "RAYSPEED_HOME": "$(CURDIR)", "RAYSPEED_GIT_COMMIT": "$(GIT_COMMIT)"}, "excludes": [".venv", "runs", "mlartifacts", ".services", "mlflow.db", ".git"]}' \
 	  -- python jobs/train.py --config $(CONFIG) $(ARGS)
 
 mlflow-ui: setup

@@ -21,6 +21,7 @@ HANDLERS = {
     "doctor": ("rayspeed.health.doctor", "doctor_command"),
     "retrain": ("rayspeed.retrain.command", "retrain_command"),
     "schedule": ("rayspeed.retrain.cron", "schedule_command"),
+    "export": ("rayspeed.exporting", "export_command"),
 }
 
 
@@ -119,6 +120,23 @@ def _schedule(p: argparse.ArgumentParser) -> None:
     s.add_argument("--crontab-cmd", default=None)
 
 
+def _export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="an MLflow run id, or a rayspeed checkpoint directory (checkpoint_stepN or the "
+                                  "job's folder under the storage path)")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
+    p.add_argument("--format", choices=("hf",), required=True, help="hf: Hugging Face transformers format")
+    p.add_argument("--tracking-uri", default=None, help="MLflow store of the run (default: MLFLOW_TRACKING_URI, "
+                                                         "else the repository's mlflow.db)")
+    p.add_argument("--config", default=None, help="the job file, for a checkpoint whose manifest has no model "
+                                                  "section (written before checkpoints carried one)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of --config")
+    p.add_argument("--byte-tokenizer", action="store_true", help="with the byte tokenizer, write a transformers "
+                                                                  "tokenizer whose ids are the UTF-8 bytes")
+    p.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB",
+                   help="largest safetensors file in GB (default 2)")
+
+
 COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = [
     ("plan", "the layout to run, its memory and time, and why (no GPU, Ray or torch needed)", _plan),
     ("train", "train a job (same as python jobs/train.py)", _train),
@@ -128,6 +146,8 @@ COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = [
     ("retrain", "one retraining cycle: warm start, train, evaluate, register, promote on improvement "
                 "(exit 0 promoted, 3 skipped, 4 rejected, 1 failed, 2 bad input)", _retrain),
     ("schedule", "install, remove or show the cron line that runs `make retrain`", _schedule),
+    ("export", "write a trained model (MLflow run id or checkpoint dir) as a Hugging Face model directory "
+               "(config.json, safetensors, tokenizer)", _export),
 ]
 
 

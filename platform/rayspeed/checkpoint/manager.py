@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from rayspeed import paths, storage
 from rayspeed.checkpoint import manifest, resume, rng, staging
+from rayspeed.checkpoint.consolidate import manifest_model_meta
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import to_dict
 from rayspeed.config.schema import JobConfig
@@ -230,6 +231,7 @@ class CheckpointManager:
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
             "config_hash": config_hash(c),
             "run_identity": self.identity,
+            **manifest_model_meta(c),  # lets `rayspeed export <checkpoint dir>` rebuild the model on its own
         }
 
     def median_stall(self) -> Optional[float]:

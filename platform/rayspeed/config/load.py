@@ -230,6 +230,11 @@ def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
     for o in overrides or []:
         _apply_override(data, o, problems)
     cfg = _build(JobConfig, data, "", problems)
+    if not problems and cfg.model.pretrained:
+        from rayspeed.config.hf_config import pretrained_problems
+
+        explicit = data.get("model") if isinstance(data.get("model"), dict) else {}
+        problems += pretrained_problems(cfg, set(explicit))
     if not problems:
         problems += check(cfg, lint_cluster_env)
     if problems:

@@ -16,6 +16,17 @@ AUTO: Final = "auto"
 
 @dataclass
 class ModelConfig:
+    pretrained: Optional[str] = None
+    """A Hugging Face causal LM: a local directory or a hub id (resolved and cached by huggingface_hub as
+    transformers does). Its config.json sets the architecture and every shape key below that the job leaves
+    unset (one set to a different value is an error naming both); its safetensors weights are the initial
+    weights (see model.init). Supported: Llama, Mistral (no sliding window) and Qwen2 causal LMs."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """With model.pretrained: start from its weights (pretrained) or from a fresh random initialisation of the
+    same architecture (random). train.init_from, when set, overrides the weights either way."""
+    architecture: str = "LlamaForCausalLM"
+    """Hugging Face architecture of the model: LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (q/k/v
+    biases). rayspeed's own model is Llama-style; the name goes into exported config.json files."""
     hidden_size: int = 64
     """Width of the residual stream (h)."""
     num_layers: int = 2
@@ -29,11 +40,18 @@ class ModelConfig:
     vocab_size: int = 256
     """Vocabulary size (256 with the byte tokenizer)."""
     seq_len: int = 128
-    """Tokens per training sequence (s)."""
+    """Tokens per training sequence (s); a job key even with model.pretrained (at most its
+    max_position_embeddings)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output head."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: Optional[dict[str, Union[str, float]]] = None
+    """RoPE frequency scaling in config.json's form: {rope_type: linear, factor: 4} or {rope_type: llama3,
+    factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192}. null: none."""
+    max_position_embeddings: Optional[int] = None
+    """Longest sequence the model was made for (config.json's value with model.pretrained); model.seq_len must
+    not exceed it. null: no limit."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     init_std: float = 0.02

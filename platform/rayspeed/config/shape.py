@@ -2,14 +2,19 @@
 checkpoint and the exporter read. Torch-free.
 
 Parameter counts and FLOPs follow the platform's decoder (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention,
-no biases).
+no biases except the optional q/k/v biases of Qwen2-style models).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
+# Architectures whose attention carries q/k/v biases (and no output-projection bias).
+QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM",)
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def default_ffn(hidden_size: int) -> int:
@@ -41,6 +46,22 @@ class ModelShape:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    architecture: str = DEFAULT_ARCHITECTURE
+    """Hugging Face architecture this model is (what an export's config.json names)."""
+    qkv_bias: bool = False
+    """q, k and v projections carry biases (derived from the architecture: Qwen2)."""
+    rope_type: str = "default"
+    """RoPE frequency scaling: default (none), linear or llama3."""
+    rope_factor: float = 1.0
+    """linear / llama3: the frequency division factor."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_positions / this are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_positions / this are kept."""
+    rope_original_max_positions: int = 0
+    """llama3: the context length the model was pretrained with."""
+    max_position_embeddings: Optional[int] = None
+    """Longest sequence the model supports (config.json's max_position_embeddings); None: no stated limit."""
 
     @classmethod
     def from_config(cls, m: Any) -> "ModelShape":
@@ -50,12 +71,32 @@ class ModelShape:
         heads = int(m.num_heads)
         kv = getattr(m, "num_kv_heads", None)
         ffn = getattr(m, "ffn_hidden_size", None)
+        arch = getattr(m, "architecture", None) or DEFAULT_ARCHITECTURE
+        rope = rope_fields(getattr(m, "rope_scaling", None))
+        # A shape-like object (a namespace rebuilt from asdict) carries the resolved fields themselves.
+        for key in rope:
+            if getattr(m, key, None) is not None:
+                rope[key] = type(rope[key])(getattr(m, key))
+        max_pos = getattr(m, "max_position_embeddings", None)
         return cls(hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=heads,
                    num_kv_heads=int(kv) if kv is not None else heads,
                    ffn_hidden_size=int(ffn) if ffn is not None else default_ffn(int(m.hidden_size)),
                    vocab_size=int(m.vocab_size), seq_len=int(m.seq_len), tie_embeddings=bool(m.tie_embeddings),
                    rope_theta=float(getattr(m, "rope_theta", 10000.0)), norm_eps=float(getattr(m, "norm_eps", 1e-5)),
-                   init_std=float(getattr(m, "init_std", 0.02)))
+                   init_std=float(getattr(m, "init_std", 0.02)), architecture=str(arch),
+                   qkv_bias=arch in QKV_BIAS_ARCHITECTURES, max_position_embeddings=int(max_pos) if max_pos else None,
+                   **rope)
+
+    @property
+    def rope_scaling(self) -> Optional[dict[str, Any]]:
+        """The scaling in config.json's form (None for plain RoPE)."""
+        if self.rope_type == "default":
+            return None
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.rope_factor}
+        if self.rope_type == "llama3":
+            out.update(low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
+                       original_max_position_embeddings=self.rope_original_max_positions)
+        return out
 
     # ---- derived sizes
 
@@ -77,9 +118,11 @@ class ModelShape:
 
     @property
     def layer_matrix_params(self) -> int:
-        """q and o (h x h), k and v (h x kv_dim each), gate/up/down (h x f each): all split by tp."""
+        """q and o (h x h), k and v (h x kv_dim each), gate/up/down (h x f each), and the q/k/v biases when
+        present: all split by tp."""
         h = self.hidden_size
-        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size
+        bias = (h + 2 * self.kv_dim) if self.qkv_bias else 0
+        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size + bias
 
     @property
     def layer_norm_params(self) -> int:
@@ -110,3 +153,21 @@ class ModelShape:
         """Model FLOPs per token, forward + backward: 6N + 12 L h s (the MFU convention: recomputation is
         hardware work, not model work)."""
         return 6.0 * self.params + 12.0 * self.num_layers * self.hidden_size * self.seq_len
+
+
+def rope_fields(scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """ModelShape's rope_* fields from a config.json-style rope_scaling mapping (None: plain RoPE). Unknown
+    types are kept by name (the config checks report them); missing llama3 keys take Llama 3.1's values."""
+    fields: dict[str, Any] = {"rope_type": "default", "rope_factor": 1.0, "rope_low_freq_factor": 1.0,
+                              "rope_high_freq_factor": 4.0, "rope_original_max_positions": 0}
+    if not scaling:
+        return fields
+    kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+    fields["rope_type"] = kind
+    if kind == "default":
+        return fields
+    fields["rope_factor"] = float(scaling.get("factor", 1.0))
+    fields["rope_low_freq_factor"] = float(scaling.get("low_freq_factor", 1.0))
+    fields["rope_high_freq_factor"] = float(scaling.get("high_freq_factor", 4.0))
+    fields["rope_original_max_positions"] = int(scaling.get("original_max_position_embeddings", 0) or 0)
+    return fields

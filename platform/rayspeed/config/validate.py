@@ -11,7 +11,9 @@ import re
 
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
-from rayspeed.config.shape import ModelShape
+from rayspeed.config.shape import ROPE_TYPES, ModelShape
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 # A full match: "abc\n" is not a name ($ would accept a trailing newline).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -52,6 +54,16 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         p.append(f"model: head dim hidden_size/num_heads = {m.hidden_size // m.num_heads} must be even for RoPE")
     if kv < 1 or (m.num_heads >= 1 and m.num_heads % kv):
         p.append(f"model.num_kv_heads ({kv}) must be >= 1 and divide model.num_heads ({m.num_heads})")
+    if m.max_position_embeddings and m.seq_len > m.max_position_embeddings:
+        p.append(f"model.seq_len ({m.seq_len}) exceeds the model's max_position_embeddings "
+                 f"({m.max_position_embeddings}); lower model.seq_len")
+    if m.architecture not in SUPPORTED_ARCHITECTURES:
+        p.append(f"model.architecture: {m.architecture!r} is not supported; supported: "
+                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if m.rope_scaling:
+        kind = str(m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default")))
+        if kind not in ROPE_TYPES:
+            p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
         p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:

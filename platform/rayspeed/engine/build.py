@@ -15,8 +15,30 @@ from rayspeed.engine.optim import build_optimizer, build_scheduler
 log = logging.getLogger(__name__)
 
 
+def loads_pretrained(cfg: JobConfig) -> bool:
+    """Whether the initial weights come from model.pretrained's safetensors (train.init_from overrides them)."""
+    return bool(cfg.model.pretrained) and cfg.model.init == "pretrained" and not cfg.train.init_from
+
+
 def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
-    """The model for this rank: the whole Transformer (sharded over tp), or this stage of the pipeline."""
+    """The model for this rank: the whole Transformer (sharded over tp), or this stage of the pipeline. With
+    model.pretrained (init: pretrained) its weights are this rank's slices of the checkpoint."""
+    if not loads_pretrained(cfg):
+        return _build_model(cfg, groups)
+    from rayspeed.model.hf_weights import load_hf_weights, local_model_dir
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():  # every value is overwritten by the load: no seeded full tensors
+        model = _build_model(cfg, groups)
+    model_dir = local_model_dir(str(cfg.model.pretrained))
+    report = load_hf_weights(model, model_dir, ModelShape.from_config(cfg.model),
+                             tp=groups.tp if cfg.parallel.tp > 1 else None)
+    log.info("model.pretrained %s: %d parameters, %d elements (%.1f MB) read from %s", cfg.model.pretrained,
+             report["parameters"], report["elements"], report["bytes_read"] / 1e6, model_dir)
+    return model
+
+
+def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
     par = cfg.parallel
     tp = groups.tp if par.tp > 1 else None
     mcfg = ModelShape.from_config(cfg.model)
@@ -116,14 +138,25 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
 def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None) -> dict[str, Any]:
     """Resolve train.init_from (downloaded once per machine into <storage>/.cache/models) and load it into the
     freshly built model; the optimizer starts fresh."""
-    from rayspeed.model.warm_start import load_initial_weights
+    from pathlib import Path
+
+    from rayspeed.model.warm_start import CONFIG, WarmStartError, load_initial_weights
     from rayspeed.paths import model_cache_dir, storage_path, tracking_uri
     from rayspeed.tracking.model_fetch import resolve_init_from
 
     spec = str(cfg.train.init_from)
     tp = groups.tp if (groups is not None and cfg.parallel.tp > 1) else None
     model_dir = resolve_init_from(spec, tracking_uri(cfg), model_cache_dir(storage_path(cfg)))
-    report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)
+    if (Path(model_dir) / CONFIG).is_file():
+        report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)
+    else:  # a Hugging Face directory: same shape required, weights only
+        from rayspeed.model.hf_weights import hf_dir_mismatches, load_hf_weights
+
+        shape = ModelShape.from_config(cfg.model)
+        bad = hf_dir_mismatches(model_dir, shape)
+        if bad:
+            raise WarmStartError(f"train.init_from: {spec} is a different model than this job's ({'; '.join(bad)})")
+        report = load_hf_weights(model, model_dir, shape, tp=tp, what="train.init_from")
     report["init_from"] = spec
     log.info("warm start from %s (%s): %d parameters, %d elements loaded; optimizer starts fresh",
              spec, model_dir, report["parameters"], report["elements"])

@@ -1,4 +1,7 @@
-"""Decoder-only transformer (Llama-style: RMSNorm, GQA with RoPE, SwiGLU, no biases).
+"""Decoder-only transformer (Llama-style: RMSNorm, GQA with RoPE, SwiGLU; q/k/v biases for Qwen2-style shapes).
+
+The same function as transformers' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM for the shapes
+rayspeed.config.hf_config accepts (rotate-half RoPE, RMSNorm in fp32, llama3 and linear RoPE scaling).
 
 One model for every layout: pass a TensorParallel handle to split heads, the MLP and the
 vocabulary over a tp group, and sequence_parallel=True to also split the norm / residual
@@ -9,6 +12,7 @@ same loss (see parallel/layers.py).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -74,9 +78,32 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [seq_len, head_dim] in fp32 for rotate-half RoPE (built per call: cheap, no state to keep in sync)."""
+def rope_inv_freq(head_dim: int, theta: float, dims: Optional[ModelShape] = None, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2] in fp32, with the shape's linear or llama3 scaling (computed as
+    transformers does, so a pretrained model sees the positions it was trained with)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    kind = dims.rope_type if dims is not None else "default"
+    if kind == "linear":
+        return inv_freq / dims.rope_factor
+    if kind == "llama3":
+        factor, low, high = dims.rope_factor, dims.rope_low_freq_factor, dims.rope_high_freq_factor
+        old_len = dims.rope_original_max_positions
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    if kind != "default":
+        raise ValueError(f"unsupported rope type {kind!r}")
+    return inv_freq
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
+                dims: Optional[ModelShape] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq_len, head_dim] in fp32 for rotate-half RoPE (built per call: cheap, no state to keep in sync)."""
+    inv_freq = rope_inv_freq(head_dim, theta, dims, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -120,8 +147,8 @@ class Attention(nn.Module):
         self.head_dim = hd
         self.local_heads = dims.num_heads // tp.world_size
         self.local_kv_heads = dims.num_kv_heads // tp.world_size
-        self.rope_theta = dims.rope_theta
-        col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed)
+        self.rope_theta, self.dims = dims.rope_theta, dims
+        col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed, bias=dims.qkv_bias)
         self.wq = ColumnParallelLinear(h, dims.num_heads * hd, name=f"{name}.wq", **col)
         self.wk = ColumnParallelLinear(h, dims.num_kv_heads * hd, name=f"{name}.wk", **col)
         self.wv = ColumnParallelLinear(h, dims.num_kv_heads * hd, name=f"{name}.wv", **col)
@@ -136,7 +163,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device)
+        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device, dims=self.dims)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = causal_attention(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)

@@ -37,7 +37,8 @@ COMPLETE = ".rayspeed-complete"
 # Model keys that decide the weights or the function they compute; seq_len and init_std may change between a
 # champion and its warm-started successor (RoPE tables are built per call, the init is overwritten).
 ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-             "tie_embeddings", "rope_theta", "norm_eps")
+             "tie_embeddings", "rope_theta", "norm_eps", "qkv_bias", "rope_type", "rope_factor",
+             "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
 
 
 class WarmStartError(ValueError):
@@ -48,11 +49,15 @@ class WarmStartError(ValueError):
 
 
 def find_model_dir(root: Path) -> Optional[Path]:
-    """The directory holding model_config.json: root itself, or the one folder below it that does."""
+    """The directory holding model_config.json: root itself, or the one folder below it that does; failing that,
+    a Hugging Face model directory (config.json beside safetensors weights, e.g. `rayspeed export --format hf`)."""
     if (root / CONFIG).is_file():
         return root
     found = sorted(p.parent for p in root.rglob(CONFIG))
-    return found[0] if found else None
+    if found:
+        return found[0]
+    hf = sorted(p.parent for p in root.rglob("config.json") if any(p.parent.glob("*.safetensors")))
+    return hf[0] if hf else None
 
 
 # ---------------------------------------------------------------- checking and loading

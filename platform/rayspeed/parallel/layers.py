@@ -1,4 +1,5 @@
-"""Megatron-style tensor-parallel layers (no biases), each given its TensorParallel handle.
+"""Megatron-style tensor-parallel layers, each given its TensorParallel handle (biases only on column-parallel
+layers, split with their outputs).
 
 With tp.world_size == 1 every layer is a plain nn.Linear / nn.Embedding equivalent.
 
@@ -13,8 +14,10 @@ Sharded parameters carry Megatron's attributes (`tensor_model_parallel`, `partit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Optional
+import threading
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -32,6 +35,20 @@ from rayspeed.parallel.comm import (
 from rayspeed.parallel.groups import TensorParallel
 
 NO_TP = TensorParallel()
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_init() -> Iterator[None]:
+    """Parameters built inside hold this rank's slice uninitialised (no full tensor, no random draw): for models
+    whose weights are loaded right after (a pretrained checkpoint), where the seeded init would cost one full
+    fp32 tensor per parameter on every rank for values that are overwritten anyway."""
+    before = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
+    try:
+        yield
+    finally:
+        _DEFERRED.on = before
 
 
 def stable_seed(seed: int, key: str) -> int:
@@ -58,15 +75,22 @@ def sharded_parameter(
 ) -> nn.Parameter:
     """A parameter holding this rank's slice (along partition_dim) of a deterministic full tensor.
 
-    partition_dim None means replicated: every rank holds the full tensor.
+    partition_dim None means replicated: every rank holds the full tensor. std 0 means zeros (biases).
+    Inside `deferred_init()` the slice is allocated and left uninitialised.
     """
-    full = full_normal(full_shape, std, seed, key)
-    if partition_dim is not None and tp.enabled:
-        if full_shape[partition_dim] % tp.world_size != 0:
-            raise ValueError(
-                f"{key}: dim {partition_dim} of size {full_shape[partition_dim]} does not divide by tp={tp.world_size}"
-            )
-        full = full.chunk(tp.world_size, dim=partition_dim)[tp.rank]
+    if partition_dim is not None and tp.enabled and full_shape[partition_dim] % tp.world_size != 0:
+        raise ValueError(
+            f"{key}: dim {partition_dim} of size {full_shape[partition_dim]} does not divide by tp={tp.world_size}"
+        )
+    if getattr(_DEFERRED, "on", False):
+        local = list(full_shape)
+        if partition_dim is not None and tp.enabled:
+            local[partition_dim] //= tp.world_size
+        full = torch.empty(local, dtype=dtype or torch.get_default_dtype())
+    else:
+        full = full_normal(full_shape, std, seed, key) if std > 0 else torch.zeros(tuple(full_shape))
+        if partition_dim is not None and tp.enabled:
+            full = full.chunk(tp.world_size, dim=partition_dim)[tp.rank]
     param = nn.Parameter(full.to(dtype or torch.get_default_dtype()).contiguous())
     if partition_dim is not None:
         param.tensor_model_parallel = True
@@ -105,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
     gather_output: all-gather the output slices (otherwise the output stays sharded on the
     last dim, ready for a RowParallelLinear). sequence_parallel: the input is sharded along
     the sequence and gets all-gathered first. shared_input: the caller already called
-    `enter_tp_region` on the input.
+    `enter_tp_region` on the input. bias: a bias split like the output features (zeros at init).
     """
 
     def __init__(
@@ -121,6 +145,7 @@ class ColumnParallelLinear(nn.Module):
         seed: int = 0,
         name: str = "column_linear",
         dtype: Optional[torch.dtype] = None,
+        bias: bool = False,
     ):
         super().__init__()
         self.tp = tp or NO_TP
@@ -135,11 +160,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = sharded_parameter(
             (out_features, in_features), 0, self.tp, std=init_std, seed=seed, key=f"{name}.weight", dtype=dtype
         )
+        self.bias = (sharded_parameter((out_features,), 0, self.tp, std=0.0, seed=seed, key=f"{name}.bias", dtype=dtype)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_input:
             x = enter_tp_region(x, self.tp, self.sequence_parallel)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -27,7 +27,7 @@ CHAMPION = "champion"
 MODEL_ARTIFACT = "model"
 
 
-def _bounded(fn: Callable[[], Any], what: str, timeout_s: float, attempts: int = 3) -> tuple[bool, Any]:
+def bounded(fn: Callable[[], Any], what: str, timeout_s: float, attempts: int = 3) -> tuple[bool, Any]:
     """fn() with retries, on a daemon thread, for at most timeout_s. (ok, result)."""
     box: dict[str, Any] = {}
 
@@ -54,7 +54,7 @@ def _bounded(fn: Callable[[], Any], what: str, timeout_s: float, attempts: int =
     return False, None
 
 
-def _metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
+def metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
     tags = {}
     for k, v in (metrics or {}).items():
         try:
@@ -74,7 +74,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
     def upload() -> None:
         mlflow_client(tracking_uri).log_artifacts(run_id, model_dir, MODEL_ARTIFACT)
 
-    ok, _ = _bounded(upload, "model upload", timeout_s)
+    ok, _ = bounded(upload, "model upload", timeout_s)
     if not ok:
         return None
 
@@ -101,7 +101,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
                 c.get_registered_model(registered_name)  # created concurrently: fine if it exists now
         run = c.get_run(run_id)
         source = run.info.artifact_uri.rstrip("/") + "/" + MODEL_ARTIFACT
-        tags = _metric_tags(metrics or {})
+        tags = metric_tags(metrics or {})
         tags.update({"rayspeed.job": run.data.tags.get("rayspeed.job", ""), "rayspeed.run_id": run_id,
                      "rayspeed.export_id": export_id})
         tags.update(extra_tags or {})
@@ -113,7 +113,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
             pass
         return str(mv.version)
 
-    ok, version = _bounded(register, "model registration", timeout_s, attempts=3)
+    ok, version = bounded(register, "model registration", timeout_s, attempts=3)
     if ok:
         log.info("registered %s version %s from run %s", registered_name, version, run_id)
     return version if ok else None
@@ -122,7 +122,7 @@ def log_and_register(tracking_uri: str, run_id: str, model_dir: str, registered_
 def set_alias(tracking_uri: str, registered_name: str, version: str | int, alias: str = CHAMPION,
               timeout_s: float = 60.0) -> bool:
     """Point `alias` (default champion) at version. True if done."""
-    ok, _ = _bounded(
+    ok, _ = bounded(
         lambda: mlflow_client(tracking_uri).set_registered_model_alias(registered_name, alias, str(version)),
         f"set alias {alias}", timeout_s)
     return ok
@@ -139,7 +139,7 @@ def get_alias_version(tracking_uri: str, registered_name: str, alias: str = CHAM
         except MlflowException:
             return None
 
-    ok, v = _bounded(get, f"read alias {alias}", timeout_s, attempts=1)
+    ok, v = bounded(get, f"read alias {alias}", timeout_s, attempts=1)
     return v if ok else None
 
 
@@ -157,7 +157,7 @@ def version_metrics(tracking_uri: str, registered_name: str, version: str | int,
                     pass
         return out
 
-    ok, v = _bounded(get, "read version metrics", timeout_s, attempts=1)
+    ok, v = bounded(get, "read version metrics", timeout_s, attempts=1)
     return v if ok else None
 
 

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.paths import artifact_root, tracking_uri
 from rayspeed.tracking.client import mlflow_client
+from rayspeed.tracking.hf_model import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, plan_line, run_tags
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ def experiment_id(client: Any, name: str, uri: str) -> str:
         return exp.experiment_id
     location = artifact_root() if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri else None
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location,
+                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # created concurrently by another job
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -47,11 +49,14 @@ def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None)
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
+    source = run_tags(plan_line(cfg))  # this attempt's plan and commit, also on a continued run
     if runs:
         run_id = runs[0].info.run_id
         client.update_run(run_id, status="RUNNING")
+        for k, v in source.items():
+            client.set_tag(run_id, k, v)
         return run_id, True
-    tags = {JOB_TAG: cfg.name, "mlflow.runName": cfg.name}
+    tags = {JOB_TAG: cfg.name, "mlflow.runName": cfg.name, **source}
     tags.update(extra_tags or {})
     run = client.create_run(exp_id, run_name=cfg.name, tags=tags)
     return run.info.run_id, False

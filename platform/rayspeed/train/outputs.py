@@ -63,14 +63,16 @@ def _register(trainer: Any, out_dir: Optional[str], val_loss: Optional[float], l
         return None
     version = None
     if out_dir:
-        from rayspeed.tracking.registry import log_and_register
+        from rayspeed.tracking.hf_model import job_tokenizer, log_and_register_hf
 
         reporter.tracker.flush(60)
         metrics = {"train/loss": last_loss}
         if val_loss is not None:
             metrics["val/loss"] = val_loss
-        version = log_and_register(payload.tracking_uri, payload.mlflow_run_id, out_dir, registered_model_name(c),
-                                   metrics)
+        # Hugging Face format with its tokenizer, as the run's logged model, registered.
+        version = log_and_register_hf(payload.tracking_uri, payload.mlflow_run_id, out_dir, registered_model_name(c),
+                                      metrics, tokenizer=job_tokenizer(c.data.tokenizer, c.model.pretrained,
+                                                                       for_serving=True))
         if version:
             log.info("model registered as %s version %s", registered_model_name(c), version)
     if reporter.charts is not None:

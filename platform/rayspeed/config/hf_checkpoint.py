@@ -1,0 +1,193 @@
+"""What a Hugging Face checkpoint directory must hold for a model shape, checked from the file headers alone
+(torch-free, no tensor read): the tensor names and shapes, the shard files, the tokenizer's size.
+
+    weight_problems("/models/qwen", shape)     # [] or one line per missing file / tensor / wrong shape
+    tokenizer_problems("/models/qwen", 151936) # [] or "the tokenizer has 151 646 ids, the model 1000"
+
+The names map rayspeed's parameters (the Transformer's state_dict names) to transformers' Llama-family names;
+`partition_dim` says how a tensor-parallel rank slices each one (the same as the layers in parallel/layers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any, Optional
+
+from rayspeed.config.shape import ModelShape
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_IN_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w_gate.weight": "mlp.gate_proj.weight",
+    "mlp.w_up.weight": "mlp.up_proj.weight",
+    "mlp.w_down.weight": "mlp.down_proj.weight",
+}
+for _p in "qkvo":
+    for _kind in ("weight", "bias"):
+        _IN_LAYER[f"attn.w{_p}.{_kind}"] = f"self_attn.{_p}_proj.{_kind}"
+_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
+_FROM_HF_IN_LAYER = {v: k for k, v in _IN_LAYER.items()}
+_FROM_HF_TOP = {v: k for k, v in _TOP.items()}
+# Column-parallel tensors are split along their rows (output features, or the vocabulary), row-parallel ones
+# along their columns; norms are replicated.
+_COLUMN = ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.w_gate.", "mlp.w_up.")
+_ROW = ("attn.wo.weight", "mlp.w_down.weight")
+
+def hf_name(name: str) -> str:
+    """transformers' name of rayspeed parameter `name` (KeyError for a name with no counterpart)."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(name)
+    return f"model.layers.{m.group(1)}.{_IN_LAYER[m.group(2)]}"
+
+
+def rayspeed_name(hf: str) -> Optional[str]:
+    """rayspeed's name of transformers tensor `hf`, or None when rayspeed has no such parameter."""
+    if hf in _FROM_HF_TOP:
+        return _FROM_HF_TOP[hf]
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
+    if m and m.group(2) in _FROM_HF_IN_LAYER:
+        return f"layers.{m.group(1)}.{_FROM_HF_IN_LAYER[m.group(2)]}"
+    return None
+
+
+def partition_dim(name: str) -> Optional[int]:
+    """The dimension tensor parallelism splits rayspeed parameter `name` along (None: replicated)."""
+    if name in ("embed.weight", "head.weight"):
+        return 0
+    m = _LAYER.match(name)
+    rest = m.group(2) if m else ""
+    if rest.startswith(_COLUMN):
+        return 0
+    return 1 if rest in _ROW else None
+
+def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model under rayspeed's names with its full shape (a tied head is not listed)."""
+    h, f, v, kv = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size, shape.kv_dim
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
+    if not shape.tie_embeddings:
+        out["head.weight"] = (v, h)
+    for i in range(shape.num_layers):
+        p = f"layers.{i}."
+        out.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,),
+                    p + "attn.wq.weight": (h, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
+                    p + "attn.wo.weight": (h, h), p + "mlp.w_gate.weight": (f, h), p + "mlp.w_up.weight": (f, h),
+                    p + "mlp.w_down.weight": (h, f)})
+        if shape.qkv_bias:
+            out.update({p + "attn.wq.bias": (h,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
+    return out
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header: {tensor name: {"dtype", "shape", "data_offsets"}} (raises ValueError on a
+    file that is not safetensors or is cut short)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100 << 20:
+            raise ValueError("header length beyond the end of the file")
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"cut short: {size} bytes, the header needs {8 + n + end}")
+    return header
+
+
+def weight_files(model_dir: Path) -> tuple[dict[str, Path], list[str]]:
+    """{transformers tensor name: the file holding it} from the index (sharded) or the single file."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return {}, [f"{index}: not a safetensors index with a weight_map ({e})"]
+        files = {name: model_dir / str(fname) for name, fname in weight_map.items()}
+        missing = sorted({p.name for p in files.values() if not p.is_file()})
+        if missing:
+            return files, [f"{model_dir}: shard file(s) {', '.join(missing)} listed in {INDEX_FILE} are missing "
+                           "(download or copy the whole checkpoint)"]
+        return files, []
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        try:
+            return {name: single for name in read_header(single)}, []
+        except (OSError, ValueError) as e:
+            return {}, [f"{single}: unreadable safetensors file ({e}); copy it again"]
+    return {}, [f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (safetensors weights are required; set "
+                "model.init: random to train this architecture from scratch)"]
+
+
+def weight_problems(model_dir: str | Path, shape: ModelShape) -> list[str]:
+    """Missing files, missing tensors and tensors whose shape disagrees with config.json (the shape)."""
+    d = Path(model_dir)
+    files, problems = weight_files(d)
+    if problems:
+        return problems
+    headers: dict[Path, dict[str, Any]] = {}
+    for p in sorted(set(files.values())):
+        try:
+            headers[p] = read_header(p)
+        except (OSError, ValueError) as e:
+            problems.append(f"{p}: unreadable safetensors file ({e}); copy it again")
+    if problems:
+        return problems
+    missing, wrong = [], []
+    for name, want in param_shapes(shape).items():
+        hname = hf_name(name)
+        f = files.get(hname)
+        entry = headers[f].get(hname) if f is not None else None
+        if entry is None:
+            missing.append(hname)
+        elif tuple(entry["shape"]) != want:
+            wrong.append(f"{hname} is {tuple(entry['shape'])} in {f.name}, config.json implies {want}")
+    if missing:
+        problems.append(f"{d}: weights lack {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''} "
+                        f"({len(missing)} tensors); the checkpoint is partial or not a {shape.architecture}")
+    if wrong:
+        problems.append(f"{d}: tensor shapes disagree with config.json: {'; '.join(wrong[:4])}"
+                        f"{' ...' if len(wrong) > 4 else ''}")
+    return problems
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def tokenizer_size(model_dir: str | Path) -> Optional[int]:
+    """1 + the largest id tokenizer.json can produce (its vocabulary and added tokens); None without one."""
+    f = Path(model_dir) / "tokenizer.json"
+    if not f.is_file():
+        return None
+    data = json.loads(f.read_text())
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: a list
+    ids += [int(t["id"]) for t in data.get("added_tokens") or []]
+    return max(ids) + 1 if ids else 0
+
+
+def tokenizer_problems(model_dir: str | Path, vocab_size: int) -> list[str]:
+    """A tokenizer next to the checkpoint that can emit ids the model has no embedding for (for
+    `data.tokenizer: model`)."""
+    try:
+        n = tokenizer_size(model_dir)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return [f"{Path(model_dir) / 'tokenizer.json'}: unreadable ({e})"]
+    if n is None:
+        return [f"{model_dir}: no tokenizer.json (data.tokenizer: model needs the tokenizer saved with the model)"]
+    if n > vocab_size:
+        return [f"{Path(model_dir) / 'tokenizer.json'}: the tokenizer has {n} ids but the model's vocabulary is "
+                f"{vocab_size}; use the model's own tokenizer or resize the model"]
+    return []

@@ -1,0 +1,257 @@
+"""Hugging Face `config.json` <-> the job's model section. Pure Python: the planner plans a real model from here
+without importing torch.
+
+    hf = read_pretrained_config("meta-llama/Llama-3.2-1B")    # a local directory or a hub id
+    keys, problems = model_keys_from_hf(hf, where="<dir>/config.json", seq_len=4096)
+    problems = apply_pretrained(raw_model_section, cfg.model)  # parse(): fills what the job left unset
+    to_hf_config(ModelShape.from_config(cfg.model))            # the export's config.json
+
+Both forms of RoPE settings are read: `rope_theta` + `rope_scaling` (as hub checkpoints written by transformers 4
+carry them; `type` or `rope_type`) and `rope_parameters` (transformers 5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from rayspeed.config.shape import QKV_BIAS_ARCHITECTURES, ROPE_TYPES, ModelShape, rope_fields
+from rayspeed.config.validate import SUPPORTED_ARCHITECTURES
+
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+CONFIG_FILE = "config.json"
+
+# Keys of the job's model section that config.json decides (model key -> how it is compared).
+SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+              "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps", "max_position_embeddings")
+# config.json defaults of the three architectures' transformers config classes, for keys a file may omit.
+_DEFAULTS = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+
+
+class PretrainedError(ValueError):
+    """model.pretrained cannot be used as given; the message names the file or key and the fix."""
+
+
+def is_local_ref(ref: str) -> bool:
+    """A directory on this machine (or meant to be one: an absolute or ./ path), as opposed to a hub id."""
+    p = os.path.expanduser(ref)
+    return os.path.isdir(p) or ref.startswith(("/", "./", "../", "~")) or os.sep + os.sep in ref
+
+
+def resolve_file(ref: str, filename: str = CONFIG_FILE) -> Path:
+    """The local path of `filename` of the model `ref`: in the directory, or through huggingface_hub's cached
+    download (exactly what transformers does with a hub id; HF_HOME / HF_HUB_OFFLINE apply)."""
+    if is_local_ref(ref):
+        d = Path(os.path.expanduser(ref))
+        if not d.is_dir():
+            raise PretrainedError(f"model.pretrained: {ref}: no such directory (a local model directory or a "
+                                  "Hugging Face hub id such as meta-llama/Llama-3.2-1B)")
+        f = d / filename
+        if not f.is_file():
+            raise PretrainedError(f"model.pretrained: {f} is missing (save the model with save_pretrained, which "
+                                  f"writes {filename})")
+        return f
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:  # a dependency of transformers; named here so the fix is obvious
+        raise PretrainedError("model.pretrained: a hub id needs huggingface_hub (pip install transformers)") from None
+    try:
+        return Path(hf_hub_download(ref, filename))
+    except Exception as e:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise PretrainedError(f"model.pretrained: {ref}: cannot fetch {filename} from the Hugging Face hub "
+                              f"({first}); check the id, HF_TOKEN for gated models, or use a local directory") from None
+
+
+def read_pretrained_config(ref: str) -> tuple[dict[str, Any], Path]:
+    """(config.json as a dict, its path)."""
+    path = resolve_file(ref)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PretrainedError(f"model.pretrained: {path} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise PretrainedError(f"model.pretrained: {path} must hold a JSON object")
+    return data, path
+
+
+def _architecture(hf: dict[str, Any]) -> Optional[str]:
+    archs = hf.get("architectures") or []
+    if archs:
+        return str(archs[0])
+    by_type = {v: k for k, v in MODEL_TYPES.items()}
+    return by_type.get(str(hf.get("model_type")), f"model_type {hf.get('model_type')!r}")
+
+
+def _rope(hf: dict[str, Any], where: str, problems: list[str]) -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling or None) from either form."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        problems.append(f"{where}: rope_parameters per layer type ({', '.join(params)}) are not supported; "
+                        "one RoPE for all layers is")
+        return 10000.0, None
+    if isinstance(params, dict) and params:
+        scaling = dict(params)
+        theta = float(scaling.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    else:
+        scaling = dict(hf.get("rope_scaling") or {})
+        theta = float(hf.get("rope_theta", 10000.0))
+    kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+    factor = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        problems.append(f"{where}: partial_rotary_factor {factor} is not supported (RoPE over the whole head only)")
+    if kind not in ROPE_TYPES:
+        problems.append(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        return theta, None
+    if kind == "default":
+        return theta, None
+    out: dict[str, Any] = {"rope_type": kind, "factor": float(scaling.get("factor", 1.0))}
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in scaling]
+        if missing:
+            problems.append(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
+        out.update(low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                   # transformers falls back to max_position_embeddings; so does this.
+                   original_max_position_embeddings=int(scaling.get("original_max_position_embeddings")
+                                                        or hf.get("max_position_embeddings") or 0))
+    return theta, out
+
+
+def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = None
+                       ) -> tuple[dict[str, Any], list[str]]:
+    """The job's model keys a config.json decides, and what in it rayspeed cannot run (each naming the file)."""
+    problems: list[str] = []
+    arch = _architecture(hf)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        problems.append(f"{where}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        return {}, problems
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+               if hf.get(k) is None]
+    if missing:
+        problems.append(f"{where}: lacks {', '.join(missing)}")
+        return {}, problems
+    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    act = hf.get("hidden_act", _DEFAULTS["hidden_act"])
+    if act != "silu":
+        problems.append(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and heads and int(head_dim) != h // heads:
+        problems.append(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = {h // heads}; "
+                        "not supported")
+    if arch not in QKV_BIAS_ARCHITECTURES and hf.get("attention_bias"):
+        problems.append(f"{where}: attention_bias true (biases on q, k, v and o) is not supported for {arch}")
+    if hf.get("mlp_bias"):
+        problems.append(f"{where}: mlp_bias true is not supported")
+    window = hf.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        problems.append(f"{where}: use_sliding_window true (sliding-window attention) is not supported")
+    elif arch == "MistralForCausalLM" and window is not None and (seq_len is None or int(window) < int(seq_len)):
+        problems.append(f"{where}: sliding_window {window} is shorter than model.seq_len {seq_len}: sliding-window "
+                        "attention is not supported (train with model.seq_len <= sliding_window)")
+    theta, scaling = _rope(hf, where, problems)
+    max_pos = hf.get("max_position_embeddings")
+    keys = {
+        "architecture": arch,
+        "hidden_size": h,
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "ffn_hidden_size": int(hf["intermediate_size"]),
+        "vocab_size": int(hf["vocab_size"]),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "norm_eps": float(hf.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
+        "max_position_embeddings": int(max_pos) if max_pos else None,
+    }
+    return keys, problems
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key == "rope_scaling":
+        return rope_fields(a) == rope_fields(b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def apply_pretrained(explicit: dict[str, Any], model: Any) -> list[str]:
+    """Fill `model` (a ModelConfig, in place) from its model.pretrained config.json. `explicit`: the model keys
+    the job file and --set gave; one that differs from config.json is a problem naming both values."""
+    try:
+        hf, path = read_pretrained_config(str(model.pretrained))
+    except PretrainedError as e:
+        return [str(e)]
+    keys, problems = model_keys_from_hf(hf, str(path), seq_len=model.seq_len)
+    if problems:
+        return problems
+    for key in SHAPE_KEYS:
+        value = keys[key]
+        if key in explicit and not _same(key, getattr(model, key), value):
+            problems.append(f"model.{key}: the job sets {getattr(model, key)!r} but {path} says {value!r}; drop "
+                            f"model.{key} (model.pretrained decides it) or point model.pretrained at another model")
+            continue
+        setattr(model, key, value)
+    if "init_std" not in explicit and hf.get("initializer_range") is not None:
+        model.init_std = float(hf["initializer_range"])  # only matters for model.init: random
+    return problems
+
+
+def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
+                 dtype: str = "float32") -> dict[str, Any]:
+    """config.json of `shape` in transformers 5's form, for the architecture the shape names."""
+    arch = shape.architecture if shape.architecture in SUPPORTED_ARCHITECTURES else "LlamaForCausalLM"
+    rope: dict[str, Any] = {"rope_theta": shape.rope_theta, "rope_type": shape.rope_type}
+    rope.update({k: v for k, v in (shape.rope_scaling or {}).items() if k != "rope_type"})
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": MODEL_TYPES[arch],
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max(shape.max_position_embeddings or 0, shape.seq_len),
+        "initializer_range": shape.init_std,
+        "rms_norm_eps": shape.norm_eps,
+        "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "rope_parameters": rope,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": dtype,
+    }
+    if arch == "LlamaForCausalLM":
+        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif arch == "MistralForCausalLM":
+        cfg["sliding_window"] = None
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.num_layers,
+                   layer_types=["full_attention"] * shape.num_layers)
+    return cfg
+
+
+def pretrained_problems(cfg: Any, explicit: set[str]) -> list[str]:
+    """parse()'s hook: fill cfg.model from model.pretrained's config.json, then check what the job will read
+    from the checkpoint (weight headers when its weights are used, the tokenizer with data.tokenizer: model).
+    Hub ids are checked for config.json only here: their weights are fetched by the workers."""
+    from rayspeed.config.hf_checkpoint import tokenizer_problems, weight_problems
+
+    problems = apply_pretrained(explicit, cfg.model)
+    ref = str(cfg.model.pretrained)
+    if problems or not is_local_ref(ref):
+        return problems
+    local = os.path.expanduser(ref)
+    if cfg.model.init == "pretrained":
+        problems += weight_problems(local, ModelShape.from_config(cfg.model))
+    if cfg.data.tokenizer == "model":
+        problems += tokenizer_problems(local, cfg.model.vocab_size)
+    return problems

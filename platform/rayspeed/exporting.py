@@ -1,0 +1,149 @@
+"""`rayspeed export <run id | checkpoint dir> --format hf OUT`: a directory transformers loads.
+
+  * a checkpoint dir (`<storage>/<job>/checkpoint_stepN/`, or the job's folder: its newest verified
+    checkpoint) is verified against its manifest, consolidated with DeepSpeed's tools
+    (rayspeed.checkpoint.consolidate) and written as config.json + safetensors + the job's tokenizer files;
+  * an MLflow run id: the run's logged model (already Hugging Face format) is downloaded and its model and
+    tokenizer files copied; a run from before logged models existed is converted from its `model/` artifact.
+
+The byte tokenizer has no tokenizer files: none are written for it (ids are the text's UTF-8 bytes; pass
+`--byte-tokenizer` to write an equivalent transformers tokenizer). Bad input exits 2 with one line, before OUT
+is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from rayspeed.errors import EXIT_BAD_INPUT, EXIT_OK
+
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class ExportInputError(ValueError):
+    """One line naming what is wrong with the command's input."""
+
+
+def _check_out(out: str) -> Path:
+    p = Path(out).expanduser()
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise ExportInputError(f"OUT {out}: exists and is not an empty directory; choose a new path")
+    return p
+
+
+def _from_checkpoint(args: argparse.Namespace, out: Path) -> list[str]:
+    from rayspeed.checkpoint.consolidate import ConsolidateError, consolidate, find_checkpoint
+    from rayspeed.checkpoint.manifest import read_manifest
+
+    model_section = None
+    if args.config:
+        import dataclasses
+
+        from rayspeed.config.load import load
+
+        model_section = dataclasses.asdict(load(args.config, args.overrides).model)
+    try:
+        ckpt = find_checkpoint(args.source)
+        state, model, notes = consolidate(str(ckpt), model_section)
+    except ConsolidateError as e:
+        raise ExportInputError(str(e)) from None
+    from types import SimpleNamespace
+
+    from rayspeed.config.shape import ModelShape
+    from rayspeed.model.hf_export import write_hf_dir
+
+    meta = read_manifest(ckpt) or {}
+    tokenizer = _tokenizer(str(meta.get("tokenizer", "bytes")), model.get("pretrained"), args.byte_tokenizer)
+    shape = ModelShape.from_config(SimpleNamespace(**model))
+    try:
+        report = write_hf_dir(state, shape, str(out), tokenizer, int(args.max_shard_size * 1e9))
+    except (KeyError, ValueError) as e:
+        raise ExportInputError(f"{ckpt}: the weights do not fit the model section ({e})") from None
+    return notes + [f"{len(report['weights'])} safetensors file(s), tokenizer: "
+                    f"{', '.join(report['tokenizer']) or 'none (byte tokenizer)'}"]
+
+
+def _tokenizer(setting: str, pretrained: Optional[str], byte_files: bool) -> Any:
+    from rayspeed.tracking.hf_model import job_tokenizer
+
+    return job_tokenizer(setting, pretrained, for_serving=byte_files)
+
+
+def _from_run(args: argparse.Namespace, out: Path) -> list[str]:
+    from mlflow.exceptions import MlflowException
+
+    from rayspeed.paths import MLFLOW_DB, home
+    from rayspeed.tracking.client import mlflow_client
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / MLFLOW_DB}"
+    client = mlflow_client(uri)
+    try:
+        run = client.get_run(args.source)
+    except MlflowException:
+        raise ExportInputError(f"{args.source}: no such MLflow run in {uri} (pass --tracking-uri, or give a "
+                               "checkpoint directory)") from None
+    import mlflow
+
+    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
+                                         filter_string=f"source_run_id = '{args.source}'")
+    with tempfile.TemporaryDirectory(prefix="rayspeed-export-") as tmp:
+        if models:
+            model_id = sorted(models, key=lambda m: m.creation_timestamp)[-1].model_id
+            mlflow.set_tracking_uri(uri)  # models:/ URIs resolve against the process-wide store
+            mlflow.set_registry_uri(uri)
+            src = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=tmp))
+            out.mkdir(parents=True, exist_ok=True)
+            copied = []
+            for sub in ("model", "components/tokenizer"):
+                for f in sorted((src / sub).glob("*")) if (src / sub).is_dir() else []:
+                    if f.is_file():
+                        shutil.copy2(f, out / f.name)
+                        copied.append(f.name)
+            if not (out / "config.json").is_file():
+                raise ExportInputError(f"{args.source}: logged model {model_id} holds no Hugging Face model")
+            return [f"run {args.source}: logged model {model_id}", f"copied {', '.join(copied)}"]
+        try:
+            src = Path(client.download_artifacts(args.source, "model", tmp))
+        except Exception:
+            raise ExportInputError(f"{args.source}: the run has no logged model and no model/ artifact (it did "
+                                   "not finish?); export one of its checkpoints instead") from None
+        from rayspeed.model.export import CONFIG
+        from rayspeed.model.hf_export import hf_dir_from_export
+
+        if not (src / CONFIG).is_file():
+            raise ExportInputError(f"{args.source}: its model/ artifact is not a rayspeed export")
+        import json
+
+        spec = json.loads((src / CONFIG).read_text())["model"]
+        tok = _tokenizer(run.data.params.get("data.tokenizer", "bytes"), spec.get("pretrained"), args.byte_tokenizer)
+        report = hf_dir_from_export(str(src), str(out), tok, int(args.max_shard_size * 1e9))
+        return [f"run {args.source}: converted its model/ export", f"{len(report['weights'])} safetensors file(s)"]
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from rayspeed.errors import ConfigError
+
+    try:
+        out = _check_out(args.out)
+        src = Path(args.source).expanduser()
+        if src.exists():
+            lines = _from_checkpoint(args, out)
+        elif _RUN_ID.match(args.source):
+            lines = _from_run(args, out)
+        else:
+            raise ExportInputError(f"{args.source}: neither a directory nor an MLflow run id (32 hex digits)")
+    except (ExportInputError, ConfigError) as e:
+        msg = e.render() if isinstance(e, ConfigError) else str(e)
+        print(f"rayspeed export: {msg}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for line in lines:
+        print(line)
+    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    return EXIT_OK

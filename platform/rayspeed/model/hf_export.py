@@ -1,0 +1,143 @@
+"""Full fp32 weights -> a Hugging Face model directory that `transformers.AutoModelForCausalLM.from_pretrained`
+loads to the same function:
+
+    write_hf_dir(state, shape, "out/")                  # config.json, sharded safetensors (+ index), tokenizer
+    hf_dir_from_export("runs/job/model", "out/")        # from a rayspeed export (weights.pt + model_config.json)
+
+Tokenizer files: a tokenizer object (saved with save_pretrained), a path to a tokenizer.json, or a directory
+holding a saved tokenizer. The byte tokenizer has no files of its own: nothing is written for it unless the
+caller passes `byte_tokenizer()`, a transformers tokenizer whose ids are exactly the UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from rayspeed.config.hf_checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
+from rayspeed.config.hf_config import to_hf_config
+from rayspeed.config.shape import ModelShape
+
+DEFAULT_SHARD_BYTES = 2 << 30  # transformers' own default shard size (2 GB files, many of them for big models)
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    return shards
+
+
+def write_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """safetensors files as save_pretrained writes them: one model.safetensors, or model-0000i-of-0000n files
+    plus model.safetensors.index.json. Returns the file names."""
+    from safetensors.torch import save_file
+
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def write_tokenizer(tokenizer: Any, out: Path) -> list[str]:
+    """Save the tokenizer files into out; returns their names ([] for None)."""
+    if tokenizer is None:
+        return []
+    before = set(p.name for p in out.iterdir())
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(out))
+    else:
+        src = Path(str(tokenizer))
+        if src.is_file():  # a tokenizer.json: wrap it so transformers finds a complete tokenizer
+            from transformers import PreTrainedTokenizerFast
+
+            PreTrainedTokenizerFast(tokenizer_file=str(src)).save_pretrained(str(out))
+        elif src.is_dir():
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, out / name)
+        else:
+            raise FileNotFoundError(f"tokenizer {src}: no such file or directory")
+    return sorted(set(p.name for p in out.iterdir()) - before)
+
+
+def write_hf_dir(state: dict[str, torch.Tensor], shape: ModelShape, out_dir: str, tokenizer: Any = None,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Write state (rayspeed names, full shapes) as a Hugging Face checkpoint into out_dir (created).
+    Returns {"dir", "weights": [files], "tokenizer": [files], "parameters"}."""
+    from rayspeed.model.hf_weights import hf_tensors
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(dtype) for k, v in hf_tensors(state, shape).items()}
+    files = write_weights(tensors, out, max_shard_bytes)
+    tok_files = write_tokenizer(tokenizer, out)
+    bos = eos = None
+    if tokenizer is not None and hasattr(tokenizer, "eos_token_id"):
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config = to_hf_config(shape, bos, eos, dtype=str(dtype).replace("torch.", ""))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {k: v for k, v in {"bos_token_id": bos, "eos_token_id": eos}.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return {"dir": str(out), "weights": files, "tokenizer": tok_files,
+            "parameters": sum(t.numel() for t in tensors.values())}
+
+
+def hf_dir_from_export(export_dir: str, out_dir: str, tokenizer: Any = None,
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Convert a rayspeed export (model/export.py: weights.pt + model_config.json) into a Hugging Face dir."""
+    from rayspeed.model.export import CONFIG, WEIGHTS
+
+    src = Path(export_dir)
+    spec = json.loads((src / CONFIG).read_text())
+    if not (src / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{src / WEIGHTS} is missing (an incomplete export)")
+    state = torch.load(src / WEIGHTS, map_location="cpu", weights_only=True)
+    shape = ModelShape.from_config(SimpleNamespace(**spec["model"]))
+    return write_hf_dir(state, shape, out_dir, tokenizer, max_shard_bytes)
+
+
+def byte_tokenizer() -> Any:
+    """A transformers tokenizer whose ids are the UTF-8 bytes of the text, like rayspeed's byte tokenizer: byte
+    b is id b (a byte-level BPE with no merges over GPT-2's printable byte alphabet)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = _byte_table()
+    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _byte_table() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer maps bytes to)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))

@@ -1,0 +1,140 @@
+"""Hugging Face safetensors weights in and out of rayspeed's model.
+
+    load_hf_weights(model, "/models/qwen", shape, tp=groups.tp)   # this rank's slices, read where they lie
+    hf_tensors(full_state, shape)                                  # rayspeed names -> transformers names
+
+Loading reads only what this rank holds: for each of its parameters (a whole Transformer or one pipeline
+stage, under the Transformer's names) it opens the tensor with `safe_open(...).get_slice` and reads the rows
+or columns of its tensor-parallel slice. Build the model inside `parallel.layers.deferred_init()` first, so
+no rank ever holds a full tensor it does not need.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from rayspeed.config.hf_checkpoint import hf_name, param_shapes, partition_dim, weight_files, weight_problems
+from rayspeed.config.hf_config import is_local_ref
+from rayspeed.config.shape import ModelShape
+
+log = logging.getLogger(__name__)
+
+# What a training job needs from a hub repository (not the .bin/.pth/gguf duplicates some carry).
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+class HFWeightsError(ValueError):
+    """The checkpoint does not hold what the model needs; the message names the file and tensor."""
+
+
+def local_model_dir(ref: str) -> str:
+    """The directory holding the checkpoint `ref`: itself, or the hub repository's cached snapshot (downloaded
+    through huggingface_hub like transformers does; several ranks of a machine share its cache and lock)."""
+    if is_local_ref(ref):
+        return os.path.expanduser(ref)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(ref, allow_patterns=HUB_PATTERNS)
+
+
+def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(Transformer name, parameter) of this rank's part, each parameter once (a tied head is the embedding)."""
+    from rayspeed.model.export import is_pipeline
+
+    if is_pipeline(model):
+        from rayspeed.model.pipeline import canonical_named_parameters
+
+        pairs: Iterable = canonical_named_parameters(model)
+    else:
+        pairs = model.named_parameters()
+    seen, out = set(), []
+    for name, p in pairs:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _rank_slice(view: Any, dim: Optional[int], tp: Any) -> torch.Tensor:
+    ws = int(getattr(tp, "world_size", 1) or 1) if tp is not None else 1
+    if dim is None or ws == 1:
+        return view[:]
+    n = view.get_shape()[dim] // ws
+    lo, hi = tp.rank * n, (tp.rank + 1) * n
+    return view[lo:hi] if dim == 0 else view[:, lo:hi]
+
+
+def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, tp: Any = None,
+                    what: str = "model.pretrained") -> dict[str, Any]:
+    """Copy this rank's slices of the checkpoint in model_dir into `model` (in place, before DeepSpeed wraps it).
+
+    Checks the headers first (every tensor present, each with the shape config.json implies) and raises
+    HFWeightsError naming what is wrong. Returns {"model_dir", "parameters", "elements", "bytes_read"}.
+    """
+    from safetensors import safe_open
+
+    problems = weight_problems(model_dir, shape)
+    if problems:
+        raise HFWeightsError(f"{what}: " + "; ".join(problems))
+    files, _ = weight_files(Path(model_dir))
+    expected = param_shapes(shape)
+    by_file: dict[Path, list[tuple[str, str, torch.nn.Parameter]]] = {}
+    for name, p in named_parameters(model):
+        if name not in expected:
+            raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
+                                 "does not hold")
+        by_file.setdefault(files[hf_name(name)], []).append((name, hf_name(name), p))
+    elements = nbytes = 0
+    with torch.no_grad():
+        for f, entries in sorted(by_file.items()):
+            with safe_open(str(f), framework="pt") as fh:
+                for name, hname, p in entries:
+                    value = _rank_slice(fh.get_slice(hname), partition_dim(name), tp)
+                    if tuple(value.shape) != tuple(p.shape):
+                        raise HFWeightsError(f"{what}: {hname} in {f.name}: this rank's slice is "
+                                             f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+                    p.copy_(value.to(device=p.device, dtype=p.dtype))
+                    elements += value.numel()
+                    nbytes += value.numel() * value.element_size()
+    return {"model_dir": str(model_dir), "parameters": sum(len(e) for e in by_file.values()),
+            "elements": elements, "bytes_read": nbytes}
+
+
+def hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """A full rayspeed state dict under transformers' names, contiguous (a tied head is left out, as
+    save_pretrained leaves lm_head out of tied models). KeyError names a parameter the shape lacks."""
+    expected = param_shapes(shape)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise KeyError(f"the weights lack {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    out = {}
+    for name, want in expected.items():
+        value = state[name]
+        if tuple(value.shape) != want:
+            raise ValueError(f"{name}: weights hold {tuple(value.shape)}, the shape says {want}")
+        out[hf_name(name)] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def hf_dir_mismatches(model_dir: str, shape: ModelShape) -> list[str]:
+    """'key: saved X, job Y' for every field of the model function that differs between the Hugging Face
+    directory's config.json and the job's shape (seq_len, init_std and the position limit may differ)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from rayspeed.config.hf_config import model_keys_from_hf, read_pretrained_config
+
+    hf, path = read_pretrained_config(model_dir)
+    keys, problems = model_keys_from_hf(hf, str(path), seq_len=shape.seq_len)
+    if problems:
+        return problems
+    saved = ModelShape.from_config(SimpleNamespace(**keys, seq_len=shape.seq_len, init_std=shape.init_std))
+    skip = {"seq_len", "init_std", "max_position_embeddings"}
+    return [f"model.{f.name}: saved {getattr(saved, f.name)!r}, job {getattr(shape, f.name)!r}"
+            for f in dataclasses.fields(ModelShape)
+            if f.name not in skip and getattr(saved, f.name) != getattr(shape, f.name)]

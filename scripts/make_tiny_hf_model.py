@@ -1,0 +1,99 @@
+"""Save a tiny Llama-family causal LM with `save_pretrained`: random weights, no download.
+
+    python scripts/make_tiny_hf_model.py OUT [--arch llama|qwen2|mistral] [--vocab 256] [--hidden 64] [--layers 2]
+        [--heads 4] [--kv-heads 2] [--ffn 128] [--tied] [--rope llama3|linear|default] [--max-positions 512]
+        [--seed 0] [--shards N]
+
+Every weight is drawn from N(0, 0.2) (norm weights around 1) rather than transformers' initialisation, whose
+zero biases and unit norms would let a wrong bias or norm mapping go unnoticed in parity tests. A vocabulary of
+256 or more lets rayspeed's byte tokenizer feed the model. `--tokenizer` also saves a tokenizer whose ids are
+the UTF-8 bytes (the byte tokenizer's), so the folder is a complete Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
+
+
+def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
+              kv_heads: int = 2, ffn: int = 128, tied: bool = False, rope: str = "default",
+              max_positions: int = 512, rope_theta: float = 10000.0) -> Any:
+    import transformers
+
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "mistral": transformers.MistralConfig}
+    scaling = {"default": None,
+               "linear": {"rope_type": "linear", "factor": 2.0},
+               "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 256}}[rope]
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta} if scaling is None else {
+        **scaling, "rope_theta": rope_theta}
+    kwargs: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                  max_position_embeddings=max_positions, tie_word_embeddings=tied,
+                                  rope_parameters=rope_parameters, rms_norm_eps=1e-6, bos_token_id=None,
+                                  eos_token_id=None, pad_token_id=None)
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    return classes[arch](**kwargs)
+
+
+def make_model(config: Any, seed: int = 0) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.2
+            p.copy_(1.0 + noise if "norm" in name else noise)
+    return model.eval()
+
+
+def save(out: str, arch: str = "llama", seed: int = 0, shards: int = 1, tokenizer: bool = False, **shape: Any) -> Any:
+    """Create and save the model into `out`; returns the transformers model."""
+    model = make_model(hf_config(arch, **shape), seed)
+    kwargs: dict[str, Any] = {}
+    if shards > 1:  # a byte budget that yields about `shards` files
+        total = sum(p.numel() * 4 for p in model.parameters())
+        kwargs["max_shard_size"] = max(1, total // shards + 1)
+    model.save_pretrained(out, **kwargs)
+    if tokenizer:
+        from rayspeed.model.hf_export import byte_tokenizer
+
+        byte_tokenizer().save_pretrained(out)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="llama")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=128)
+    ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--rope", choices=("default", "linear", "llama3"), default="default")
+    ap.add_argument("--max-positions", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--tokenizer", action="store_true", help="also save the byte-level tokenizer")
+    a = ap.parse_args(argv)
+    save(a.out, a.arch, a.seed, a.shards, a.tokenizer, vocab=a.vocab, hidden=a.hidden, layers=a.layers,
+         heads=a.heads, kv_heads=a.kv_heads, ffn=a.ffn, tied=a.tied, rope=a.rope, max_positions=a.max_positions)
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

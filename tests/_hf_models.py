@@ -1,0 +1,34 @@
+"""Tiny Hugging Face models for the tests, made by scripts/make_tiny_hf_model.py (random weights, no download)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_hf_model.py"
+_spec = importlib.util.spec_from_file_location("make_tiny_hf_model", _SCRIPT)
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+# GQA (4 query heads, 2 kv heads), q/k/v biases, untied head, linear RoPE scaling.
+QWEN = dict(arch="qwen2", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=False, rope="linear",
+            max_positions=64)
+# Tied embeddings, llama3 RoPE scaling (all three frequency bands are hit with head_dim 8).
+LLAMA_TIED = dict(arch="llama", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=True,
+                  rope="llama3", max_positions=512)
+
+
+def save(out, spec, seed=0, shards=1, tokenizer=False):
+    spec = dict(spec)
+    arch = spec.pop("arch")
+    return tiny.save(str(out), arch, seed=seed, shards=shards, tokenizer=tokenizer, **spec)
+
+
+def shape_of(model_dir, seq_len):
+    """The ModelShape rayspeed resolves for the checkpoint (through the job config path)."""
+    from rayspeed.config.load import parse
+    from rayspeed.config.shape import ModelShape
+
+    cfg = parse({"model": {"seq_len": seq_len}},
+                [f"model.pretrained={model_dir}"])
+    return ModelShape.from_config(cfg.model)
