@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rayspeed.errors import ConfigError
 from rayspeed.config.layout import LAYOUT_KEYS, Layout, LayoutError
+from rayspeed.errors import ConfigError
 from rayspeed.health.knowledge import Finding
 from rayspeed.health.log_detectors import FLOAT
 
