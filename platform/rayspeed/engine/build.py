@@ -31,6 +31,7 @@ def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
             sequence_parallel=bool(par.sequence_parallel),
             activation_checkpointing=par.activation_checkpointing,
             seed=cfg.train.seed,
+            stage_layers=getattr(par, "stage_layers", None) or None,
         )
     from rayspeed.model.transformer import Transformer
 

@@ -154,7 +154,7 @@ def checkpointing_template(ctx: Ctx, lay: Layout) -> dict:
         "template": "selective recomputation of attention and MLP blocks, RNG state not preserved, contiguous buffers",
         "preserve_rng_state": False,  # torch.utils.checkpoint(preserve_rng_state=False): the model has no dropout
         "contiguous_memory_optimization": True,
-        "number_checkpoints": ctx.shape.num_layers // lay.pp,
+        "number_checkpoints": max(lay.stage_layers) if lay.stage_layers else ctx.shape.num_layers // lay.pp,
         "partition_activations": lay.tp > 1,
         "cpu_checkpointing": False,
         "synchronize_checkpoint_boundary": False,

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rayspeed.checkpoint import resume as ckpt_resume
 from rayspeed import paths, storage
 from rayspeed.checkpoint import manifest, staging
+from rayspeed.config.layout import Layout
 from rayspeed.config.load import flatten, parse, to_dict, to_yaml
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.train import resilience
@@ -83,6 +84,8 @@ def _pin_model_parallel(job: JobConfig, manifest: dict[str, Any] | None) -> JobC
     old = manifest.get("layout") or {}
     par = job.parallel
     pinned = {k: int(old[k]) for k in ("tp", "pp") if getattr(par, k) == AUTO and k in old}
+    if old.get("stage_layers") and getattr(par, "stage_layers", None) is None:  # the pipeline split too
+        pinned["stage_layers"] = [int(n) for n in old["stage_layers"]]
     return dataclasses.replace(job, parallel=dataclasses.replace(par, **pinned)) if pinned else job
 
 
@@ -440,7 +443,7 @@ class Trainer:
         return {
             "job": c.name,
             "world_size": self.ctx.world_size,
-            "layout": {k: getattr(c.parallel, k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum")},
+            "layout": Layout.from_parallel(c.parallel).record(),  # + stage_layers when pipelined
             "global_batch_size": c.train.global_batch_size,
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
             "config_hash": _config_hash(c),
