@@ -7,8 +7,11 @@ import sys
 USAGE = """usage: rayspeed <command> [args]
 
 commands:
-  plan FILE [--set K=V]... [--json] [--top K] [--layouts FILE] [--explain]
+  plan FILE [--set K=V]... [--json] [--top K] [--layouts FILE] [--explain] [--profile FILE]
+           [--calibrate-from EXPERIMENT]
                       the layout to run, its memory and time, and why
+  calibrate [--config FILE] [--workers N] --out FILE
+                      measure this cluster for the planner (GEMMs, collectives, engine): a hardware profile
   train --config FILE [--set K=V]... [--launcher ray|local] [--dry-run]
                       same as python jobs/train.py
   keys                every job-file key with its type and meaning
@@ -40,6 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         from rayspeed.planner.cli import main as plan_main
 
         return plan_main(rest)
+    if cmd == "calibrate":
+        import argparse
+
+        from rayspeed.health.calibrate import calibrate_command, configure_calibrate_parser
+
+        p = configure_calibrate_parser(argparse.ArgumentParser(prog="rayspeed calibrate"))
+        try:
+            args = p.parse_args(rest)
+        except SystemExit as e:
+            return 0 if e.code == 0 else 2
+        return calibrate_command(args)
     if cmd == "train":
         from rayspeed.train.launch import main as train_main
 

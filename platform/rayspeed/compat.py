@@ -39,3 +39,20 @@ def pipeline_explicit_parts(module: Any, method: str) -> bool:
     stage_id = module._topo.get_coord(module.global_rank).pipe
     module._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1])
     return True
+
+
+def deepspeed_skip_shm_comm_op() -> None:
+    """DeepSpeed 0.19.8 on the CPU accelerator: `deepspeed.init_distributed` JIT-compiles a shared-memory
+    all-reduce op (ShareMemCommBuilder, used only by its inference all-reduce, never by training's gloo
+    collectives): a C++ build on every fresh machine (~60 s measured) and a lock every process waits on.
+    Marking the op incompatible in `deepspeed.ops.__compatible_ops__` skips the build; a DeepSpeed without the
+    builder or the table is left alone."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    except Exception:  # an older/newer DeepSpeed without it: nothing to skip
+        pass

@@ -1,4 +1,5 @@
-"""`rayspeed plan FILE [--set K=V]... [--json] [--top K] [--layouts FILE.jsonl] [--explain] [--world-size N]`."""
+"""`rayspeed plan FILE [--set K=V]... [--json] [--top K] [--layouts FILE.jsonl] [--explain] [--world-size N]
+[--profile FILE] [--calibrate-from EXPERIMENT]`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true", help="print the full explanation")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="plan for N workers instead of cluster.num_workers (its maximum when elastic)")
+    p.add_argument("--profile", metavar="FILE", help="a hardware profile from `rayspeed calibrate` (overrides "
+                   "cluster.profile; precedence: profile > cluster.hardware > the built-in table)")
+    p.add_argument("--calibrate-from", metavar="EXPERIMENT", help="fit the profile's efficiency factors to the "
+                   "finished runs of this MLflow experiment (leave-one-out error reported), save it, plan with it")
     return p
 
 
@@ -43,7 +48,16 @@ def _summary(res) -> str:
     return "\n".join(lines)
 
 
-def _evaluate_file(cfg, path: str, world_size) -> list[str]:
+def _fit_summary(fitted: dict, path: str) -> str:
+    f, e = fitted["fit"], fitted["efficiency"]
+    loo = f["loo_median_abs_error"]
+    return (f"calibrated from {f['runs']} run(s) of '{f['experiment']}': efficiency compute {e['compute']}, comm "
+            f"{e['comm']}, overhead {e['overhead']}; held-out (leave-one-out) median error "
+            f"{'%.1f%%' % (100 * loo) if loo is not None else 'n/a (one run)'} (unfitted "
+            f"{100 * f['unfitted_median_abs_error']:.1f}%); profile saved to {path}")
+
+
+def _evaluate_file(cfg, path: str, world_size, profile=None) -> list[str]:
     from rayspeed.planner import evaluate_layout
 
     try:
@@ -62,7 +76,7 @@ def _evaluate_file(cfg, path: str, world_size) -> list[str]:
         except ValueError as e:
             out.append(json.dumps({"fits": False, "valid": False, "reason": f"line {i}: not a JSON object ({e})"}))
             continue
-        out.append(json.dumps(evaluate_layout(cfg, layout, world_size)))
+        out.append(json.dumps(evaluate_layout(cfg, layout, world_size, profile=profile)))
     return out
 
 
@@ -78,11 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(args.file, args.overrides)
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError(f"--world-size: must be >= 1, got {args.world_size}")
+        profile = args.profile
+        if args.calibrate_from:
+            from rayspeed.planner.calibfit import calibrate_from
+
+            fitted, profile = calibrate_from(cfg, args.calibrate_from, args.profile)
+            print(_fit_summary(fitted, profile), file=sys.stderr)
         if args.layouts:
-            for line in _evaluate_file(cfg, args.layouts, args.world_size):
+            for line in _evaluate_file(cfg, args.layouts, args.world_size, profile):
                 print(line)
             return EXIT_OK
-        res = plan_job(cfg, world_size=args.world_size, top_k=max(0, args.top))
+        res = plan_job(cfg, world_size=args.world_size, top_k=max(0, args.top), profile=profile)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT

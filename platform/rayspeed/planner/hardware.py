@@ -52,6 +52,9 @@ class Hardware:
     """Measured host time of one block's forward (a calibrated profile); 0: ops x kernel_overhead_us."""
     host_bwd_layer_us: float = 0.0
     """Measured host time of one block's backward, the engine's gradient hooks included; 0: derived."""
+    host_fixed_mb_us: float = 0.0
+    """Measured host time per micro-batch outside the blocks (engine wrappers, embedding, head, loss); 0: none
+    (on GPUs it hides behind the kernels)."""
     engine_step_s: float = 0.005
     """DeepSpeed engine time per optimizer step beyond the optimizer's memory traffic (H200 anchor: ZeRO-1
     207.5 ms vs eager 193.2 ms at 774M, minus the Adam traffic)."""

@@ -105,15 +105,11 @@ def load(source: Any, key: str = "cluster.profile") -> Profile:
     return Profile(source=where, data=data)
 
 
-def for_job(source: Any, gpu: str) -> Profile | None:
-    """The profile a job plans with, or None; refuses one measured on another kind of device."""
-    if source in (None, "", "auto", "none"):
-        return None
-    prof = load(source)
-    if prof.gpu and gpu not in ("auto",) and prof.gpu != gpu:
+def check_device(prof: Profile, gpu: str) -> None:
+    """Refuse a profile measured on another kind of device than the one the job plans for."""
+    if prof.gpu and prof.gpu != gpu:
         raise ConfigError(f"cluster.profile: {prof.source} was measured on {prof.gpu} ({prof.data.get('device')}) "
                           f"but the job plans for {gpu}; calibrate on this cluster or drop the profile")
-    return prof
 
 
 def save(data: dict, path: str) -> None:

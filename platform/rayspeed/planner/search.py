@@ -35,9 +35,10 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
     world = int(world_size) if world_size else c.max_workers
     if world < 1:
         raise ConfigError(f"world size must be >= 1, got {world}")
-    prof = hwprofile.for_job(profile if profile is not None else getattr(c, "profile", None), c.gpu)
+    src = profile if profile is not None else getattr(c, "profile", None)
+    prof = hwprofile.load(src) if src not in (None, "") else None
     gpu = c.gpu
-    if gpu == AUTO and prof is not None and prof.gpu in hardware.TABLE:
+    if gpu == AUTO and prof is not None and prof.gpu in hardware.TABLE and (prof.gpu == "cpu") == (not c.use_gpu):
         gpu = prof.gpu
     if gpu == AUTO:
         gpu = "h100-sxm-80gb" if c.use_gpu else "cpu"
@@ -50,6 +51,8 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
         raise ConfigError("cluster.gpu: cpu contradicts cluster.use_gpu: true; set a GPU type or auto")
     if not c.use_gpu and gpu != "cpu":
         notes.append(f"cluster.use_gpu is false but cluster.gpu is {gpu}: planned for {gpu} GPUs")
+    if prof is not None:
+        hwprofile.check_device(prof, gpu)
     overrides = dict(hardware_overrides or getattr(c, "hardware", None) or {})
     try:
         hw = hardware.get(gpu, overrides)

@@ -265,6 +265,7 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
     bc = block_cost(ctx, lay)
     head_c, head_b = head_cost(ctx, lay)
     emb = embed_cost(ctx, lay)
+    fixed = ctx.hw.host_fixed_mb_us * 1e-6 * ctx.overhead_factor
     out = []
     for i, n in enumerate(split):
         comp = n * (bc.fwd + bc.bwd + bc.rec)
@@ -273,6 +274,8 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
         if i == lay.pp - 1:
             comp += head_c
             back += head_b
+            if fixed:  # the engine's per-micro-batch host work: after the kernels on a CPU, beside them on a GPU
+                comp = max(comp, fixed + n * (_host_fwd(ctx) + _host_bwd(ctx))) if ctx.hw.is_gpu else comp + fixed
         if i == 0:
             comp += emb
         out.append((comp, n * bc.rec, tp, back))

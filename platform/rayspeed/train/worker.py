@@ -26,6 +26,8 @@ from rayspeed.checkpoint import resume as ckpt_resume
 from rayspeed import paths, storage
 from rayspeed.checkpoint import manifest, staging
 from rayspeed.config.layout import Layout
+from rayspeed.health.calibration import worst_rank_peak_memory_gib
+from rayspeed.planner.feedback import plan_metrics
 from rayspeed.config.load import flatten, parse, to_dict, to_yaml
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.train import resilience
@@ -644,6 +646,7 @@ class Trainer:
         last_loss, val_loss = float("nan"), None
         stalls: list[float] = []
         checkpoints = 0
+        perf_windows: list[tuple[int, int, float]] = []
         for step, micro in self.batches.iterate(start_step, c.train.max_steps - start_step):
             done = step + 1
             self._chaos_step(done)
@@ -661,6 +664,8 @@ class Trainer:
             if is_log:
                 step_time = (time.perf_counter() - window_t0) / window_steps
                 last_loss, metrics = self._log_window(done, loss_acc, n_acc, step_time)
+                perf_windows.append((done - start_step, window_steps, step_time))  # planner feedback (this attempt)
+                metrics.update(plan_metrics(self.plan.best, perf_windows, worst_rank_peak_memory_gib(self.device)))
                 loss_acc.zero_()
                 n_acc = 0
                 t.log_metrics(metrics, step=done)
