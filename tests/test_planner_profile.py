@@ -105,10 +105,11 @@ def test_build_profile_from_a_calibration_report():
     rows = [{"bytes": b, "time_us": 300 + b / 1e9 * 1e6, "busbw_gbps": 1.0, "ok": True} for b in (1024, 65536, 1 << 20, 16 << 20)]
     rep = {"ranks": [{"copy_gbps": 10.0}, {"copy_gbps": 12.0}], "cluster": {"nodes_used": 1}, "backend": "gloo",
            "allreduce": rows, "allgather": rows, "per_node": {}, "seconds": 30.0}
-    eng = {"depths": [1, 3], "fwd_s": [0.002, 0.004], "bwd_s": [0.005, 0.009], "step_s": [0.010, 0.012]}
+    eng = {"2": {"depths": [1, 3], "fwd_s": [0.002, 0.004], "bwd_s": [0.005, 0.009], "step_s": [0.010, 0.012]},
+           "0": {"depths": [1, 3], "fwd_s": [0.001, 0.002], "bwd_s": [0.001, 0.002], "step_s": [0.001, 0.001]}}
     cal = [{"gemm": [[128, 64, 64, 5e10]], "op_overhead_us": 4.0, "attention_flops": 1e10, "reducescatter": [],
             "engine": eng} for _ in range(2)]
-    prof = build_profile(rep, cal, ctx)
+    prof = build_profile(rep, cal, ctx, zero=2)
     hw = prof["hardware"]
     assert hw["hbm_gbps"] == 11.0 and hw["kernel_overhead_us"] == 4.0
     assert hw["host_fwd_layer_us"] == pytest.approx(1000.0) and hw["host_bwd_layer_us"] == pytest.approx(2000.0)
@@ -117,7 +118,12 @@ def test_build_profile_from_a_calibration_report():
     # t = 300 us + 2 (n-1)/n bytes / busbw with n = 2: busbw = 1 GB/s
     assert hw["intra_latency_us"] == pytest.approx(300, rel=0.01) and hw["intra_node_gbps"] == pytest.approx(1.0, rel=0.01)
     assert prof["kind"] == "rayspeed-hardware-profile" and prof["gemm"] == [[128, 64, 64, 5e10]]
-    assert build_ctx(load(TINY), profile=prof).hw.host_fwd_layer_us == pytest.approx(1000.0)
+    ctx2 = build_ctx(load(TINY), profile=prof)
+    assert ctx2.hw.host_fwd_layer_us == pytest.approx(1000.0)
+    assert dict((z, f) for z, f, *_ in ctx2.engine_by_zero) == {0: pytest.approx(500.0), 2: pytest.approx(1000.0)}
+    from rayspeed.config.layout import Layout
+    from rayspeed.planner.timing import engine_overheads
+    assert engine_overheads(ctx2, Layout(2, 1, 1, 0, 8, 1))[0] == pytest.approx(500e-6)  # per ZeRO stage
 
 
 def test_planner_and_config_stay_free_of_heavy_imports(tmp_path):

@@ -111,6 +111,7 @@ def spec_for(cfg) -> tuple[dict, Any]:
         "gemm_shapes": shapes[:MAX_SHAPES],
         "precision": res.ctx.precision,
         "attention": [int(b["micro_batch_size"]), max(1, sh.num_heads // int(b["tp"])), sh.seq_len, sh.head_dim],
+        "model_mb": int(b["micro_batch_size"]),
         "job": to_dict(resolved),
         "p2p_bytes": [4096, 4 << 20],
     }
@@ -132,7 +133,7 @@ def calibrate(cfg, timeout_s: float = 300.0) -> dict:
     if not cal or not rep.get("allreduce"):
         errors = [f["cause"] for f in rep.get("findings", []) if f.get("severity") == "error"]
         raise RuntimeError("the calibration ranks did not report: " + ("; ".join(errors)[:2000] or "no result"))
-    return build_profile(rep, cal, ctx)
+    return build_profile(rep, cal, ctx, int(spec["job"]["parallel"]["zero_stage"]), job=spec["job"])
 
 
 # ---------------------------------------------------------------- from measurements to a profile
@@ -166,28 +167,68 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def _engine_fit(cal: list[dict], layers: int) -> dict:
-    """Per-block host time (fwd, bwd), fixed time per micro-batch and the step at the job's depth, from the
-    stand-in's two depths (median over ranks)."""
+def _engine_fit(cal: list[dict], layers: int) -> dict[str, dict]:
+    """Per ZeRO stage: per-block host time (fwd, bwd), fixed time per micro-batch and the step at the job's
+    depth, from the stand-in's two depths (median over ranks)."""
     runs = [c["engine"] for c in cal if c.get("engine")]
+    out: dict[str, dict] = {}
+    for zero in (runs[0] if runs else {}):
+        per = [r[zero] for r in runs if zero in r]
+        d0, d1 = per[0]["depths"][0], per[0]["depths"][-1]
+
+        def slope_icpt(key: str) -> tuple[float, float]:
+            lo = _median([r[key][0] for r in per])
+            hi = _median([r[key][-1] for r in per])
+            slope = max(0.0, (hi - lo) / (d1 - d0))
+            return slope, max(0.0, lo - slope * d0)
+
+        fs, fi = slope_icpt("fwd_s")
+        bs, bi = slope_icpt("bwd_s")
+        ss, si = slope_icpt("step_s")
+        out[zero] = {"host_fwd_layer_us": round(fs * 1e6, 3), "host_bwd_layer_us": round(bs * 1e6, 3),
+                     "host_fixed_mb_us": round((fi + bi) * 1e6, 3), "engine_step_s": round(si + ss * layers, 6)}
+    return out
+
+
+def _work_scales(profile: dict, cal: list[dict], job: dict, zero: int) -> dict:
+    """work_scale_fwd / work_scale_bwd / head_work_scale: the real model's block and head (measured at two depths)
+    against the planner's parts with this profile's other figures; host time as the stand-in engine measured."""
+    runs = [c["model"] for c in cal if c.get("model")]
     if not runs:
         return {}
-    d0, d1 = runs[0]["depths"][0], runs[0]["depths"][-1]
+    from rayspeed.config.layout import Layout
+    from rayspeed.config.load import parse
+    from rayspeed.planner.search import build_ctx
+    from rayspeed.planner.timing import block_work, embed_cost, engine_overheads, head_cost
 
-    def slope_icpt(key: str) -> tuple[float, float]:
-        lo = _median([r[key][0] for r in runs])
-        hi = _median([r[key][-1] for r in runs])
+    d0, d1 = runs[0]["depths"][0], runs[0]["depths"][-1]
+    mb = int(runs[0]["mb"])
+
+    def fit(key: str) -> tuple[float, float]:
+        lo, hi = _median([r[key][0] for r in runs]), _median([r[key][-1] for r in runs])
         slope = max(0.0, (hi - lo) / (d1 - d0))
         return slope, max(0.0, lo - slope * d0)
 
-    fs, fi = slope_icpt("fwd_s")
-    bs, bi = slope_icpt("bwd_s")
-    ss, si = slope_icpt("step_s")
-    return {"host_fwd_layer_us": fs * 1e6, "host_bwd_layer_us": bs * 1e6, "host_fixed_mb_us": (fi + bi) * 1e6,
-            "engine_step_s": si + ss * layers}
+    (bf, hf), (bb, hb) = fit("fwd_s"), fit("bwd_s")
+    cfg = parse(job)
+    ctx = build_ctx(cfg, world_size=1, profile=profile)
+    ref = Layout(1, 1, 1, 0, mb, 1)
+    wf, wb = block_work(ctx, ref)
+    host_f, host_b, _, _ = engine_overheads(ctx, ref)  # ZeRO-0's: the least engine on top of plain PyTorch
+    gpu = ctx.hw.is_gpu
+
+    def scale(measured: float, work: float, host: float) -> float:
+        if work <= 0:
+            return 1.0
+        s = measured / work if gpu else (measured - host) / work
+        return round(min(5.0, max(0.3, s)), 4)
+
+    head_model = head_cost(ctx, ref)[0] + embed_cost(ctx, ref)
+    return {"work_scale_fwd": scale(bf, wf, host_f), "work_scale_bwd": scale(bb, wb, host_b),
+            "head_work_scale": round(min(5.0, max(0.3, (hf + hb) / head_model)), 4) if head_model > 0 else 1.0}
 
 
-def build_profile(rep: dict, cal: list[dict], ctx) -> dict:
+def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | None = None) -> dict:
     from rayspeed.planner.comm_model import Group, nccl_s
 
     hw = ctx.hw
@@ -200,10 +241,16 @@ def build_profile(rep: dict, cal: list[dict], ctx) -> dict:
     if copy:  # measured copy bandwidth is already what element-wise kernels reach
         fitted.update(hbm_gbps=round(copy, 3), mem_efficiency=1.0)
     fitted["kernel_overhead_us"] = round(_median([c["op_overhead_us"] for c in cal]), 3)
+    shares = [c["cpu_share"] for c in cal if c.get("cpu_share")]
+    if shares and not gpu:
+        fitted["cpu_share"] = round(_median(shares), 4)
     att = _median([c.get("attention_flops", 0.0) for c in cal])
     if att:
         fitted["attention_efficiency"] = round(min(1.0, att / hw.peak(ctx.precision)), 4)
-    fitted.update({k: round(v, 6) for k, v in _engine_fit(cal, ctx.shape.num_layers).items()})
+        fitted["attention_head_dim"] = ctx.shape.head_dim
+    engine = _engine_fit(cal, ctx.shape.num_layers)
+    own = engine.get(str(zero)) or next(iter(engine.values()), {})
+    fitted.update(own)  # the job's own ZeRO stage as the default; "engine" has every stage
     if ranks > 1:
         lat, bw = _collective_fit(rep["allreduce"], ranks, 2.0)
         if gpu:
@@ -234,7 +281,7 @@ def build_profile(rep: dict, cal: list[dict], ctx) -> dict:
     for row in rs:
         row.pop("time_s", None)
     dev = rep["ranks"][0].get("device_name") if rep["ranks"] else None
-    return {
+    profile = {
         "kind": "rayspeed-hardware-profile",
         "version": 1,
         "device": dev or ("cpu" if not gpu else hw.name),
@@ -253,9 +300,14 @@ def build_profile(rep: dict, cal: list[dict], ctx) -> dict:
         "p2p": [c.get("p2p") for c in cal],
         "host_probe": {"op_overhead_us": [c["op_overhead_us"] for c in cal],
                        "engine": [c.get("engine") for c in cal]},
+        "engine": engine,
         "efficiency": {"compute": 1.0, "comm": 1.0, "overhead": 1.0},
         "seconds": rep.get("seconds"),
     }
+    if job:
+        profile["hardware"].update(_work_scales(profile, cal, job, zero))
+        profile["model_probe"] = [c.get("model") for c in cal]
+    return profile
 
 
 # ---------------------------------------------------------------- MLflow and output

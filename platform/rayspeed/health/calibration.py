@@ -6,9 +6,12 @@ inside the healthcheck's ranks: same placement group, same process group, same e
 - gemm: FLOP/s of the GEMMs the job's candidate layouts would run (spec["gemm_shapes"], the job's dtype).
 Every figure is a median over repetitions (what a job on this machine meets), not the best run.
 - op_overhead_us: host time of one tiny eager op (what bounds small models).
+- cpu_share (CPU ranks): the fraction of a core a rank gets over a long busy stretch on a shared machine.
 - attention_flops: causal SDPA forward + backward at the job's per-rank shape, in the FLOPs the planner counts.
 - reducescatter: the third collective of the time model, swept like the other two.
 - p2p: one rank to the next (a pipeline send), at a small and a large message.
+- model: the platform's model itself (no engine) at the job's width and sequence, two depths: the real block and
+  head against the sum of their parts.
 - engine: the real engine (rayspeed.engine.build, DeepSpeed, the job's ZeRO stage and precision) on a narrow
   stand-in of the job's model at two depths, forward, backward and step timed apart: the per-block host time,
   the fixed time per micro-batch and the optimizer step's engine time, with negligible math.
@@ -104,22 +107,23 @@ def attention_flops(dev: torch.device, dtype: torch.dtype, batch: int, heads: in
     return flops / max(sec, 1e-12)
 
 
-def _standin(cfg, layers: int, world: int):
+def _standin(cfg, layers: int, world: int, zero: int):
     """The job at a narrow width and `layers` blocks, pure data parallel over the calibration ranks."""
     m = cfg.model
     gqa = (m.num_kv_heads or m.num_heads) < m.num_heads
     model = dataclasses.replace(m, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2 if gqa else 4,
                                 ffn_hidden_size=128, vocab_size=256, seq_len=STANDIN_SEQ)
     par = dataclasses.replace(cfg.parallel, dp=world, tp=1, pp=1, micro_batch_size=1, grad_accum=1,
-                              sequence_parallel=False)
+                              sequence_parallel=False, zero_stage=zero)
     if hasattr(par, "stage_layers"):
         par = dataclasses.replace(par, stage_layers=None)
     train = dataclasses.replace(cfg.train, global_batch_size=world, compile=False, init_from=None)
     return dataclasses.replace(cfg, model=model, parallel=par, train=train)
 
 
-def engine_times(job: dict, dev: torch.device, world: int, reps: int = 12, warmup: int = 3) -> dict:
-    """Median forward / backward / step seconds of the real engine on the stand-in at each depth."""
+def engine_times(job: dict, dev: torch.device, world: int, zero_stages=(0, 1, 2, 3), reps: int = 12,
+                 warmup: int = 3) -> dict:
+    """Per ZeRO stage, median forward / backward / step seconds of the real engine on the stand-in at each depth."""
     import deepspeed
 
     from rayspeed.compat import deepspeed_skip_shm_comm_op
@@ -133,35 +137,82 @@ def engine_times(job: dict, dev: torch.device, world: int, reps: int = 12, warmu
         deepspeed_skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     cfg = parse(job)
-    out: dict[str, Any] = {"depths": list(STANDIN_DEPTHS), "fwd_s": [], "bwd_s": [], "step_s": []}
     groups = ParallelGroups(world, 1, 1)
-    for layers in STANDIN_DEPTHS:
-        c = _standin(cfg, layers, world)
-        engine, _ = build_engine(c, deepspeed_config(c, None), groups, dev)
-        clipper = GradClipper(engine.module.parameters(), c.train.grad_clip, groups.tp_group) if rayspeed_clips(c) else None
-        x = torch.randint(0, 256, (1, STANDIN_SEQ), device=dev)
-        f, b, s = [], [], []
+    out: dict[str, Any] = {}
+    for zero in zero_stages:
+        res: dict[str, Any] = {"depths": list(STANDIN_DEPTHS), "fwd_s": [], "bwd_s": [], "step_s": []}
+        for layers in STANDIN_DEPTHS:
+            c = _standin(cfg, layers, world, zero)
+            engine, _ = build_engine(c, deepspeed_config(c, None), groups, dev)
+            clipper = (GradClipper(engine.module.parameters(), c.train.grad_clip, groups.tp_group)
+                       if rayspeed_clips(c) else None)
+            x = torch.randint(0, 256, (1, STANDIN_SEQ), device=dev)
+            f, b, s = [], [], []
+            for i in range(warmup + reps):
+                t0 = time.perf_counter()
+                loss = engine(x, x)
+                _sync(dev)
+                t1 = time.perf_counter()
+                engine.backward(loss)
+                _sync(dev)
+                t2 = time.perf_counter()
+                if clipper is not None:
+                    clipper()
+                engine.step()
+                _sync(dev)
+                t3 = time.perf_counter()
+                if i >= warmup:
+                    f.append(t1 - t0)
+                    b.append(t2 - t1)
+                    s.append(t3 - t2)
+            res["fwd_s"].append(statistics.median(f))
+            res["bwd_s"].append(statistics.median(b))
+            res["step_s"].append(statistics.median(s))
+            del engine
+        out[str(zero)] = res
+    return out
+
+
+def cpu_share(seconds: float = 1.5) -> float:
+    """Fraction of a core this thread gets while busy: its CPU time over the wall time of a busy loop of small
+    tensor ops (every rank runs it at once, as they train). Short measurements elsewhere see an idle core;
+    a training step spans many scheduler periods and gets only its share."""
+    a = torch.randn(64, 64)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(50):
+            torch.mm(a, a)
+    return min(1.0, (time.thread_time() - c0) / max(time.perf_counter() - t0, 1e-9))
+
+
+def model_times(job: dict, dev: torch.device, mb: int, depths=(1, 2), reps: int = 5, warmup: int = 2) -> dict:
+    """The platform's model itself (no engine, tp = 1) at the job's width, sequence and a candidate micro-batch,
+    at two depths: median forward and backward seconds (slope: one block; intercept: embedding, head, loss)."""
+    from rayspeed.config.load import parse
+    from rayspeed.model.transformer import Transformer
+
+    cfg = parse(job)
+    dtype = _dtype(cfg.train.precision)
+    out: dict[str, Any] = {"mb": mb, "depths": list(depths), "fwd_s": [], "bwd_s": []}
+    for d in depths:
+        model = Transformer(dataclasses.replace(cfg.model, num_layers=d), seed=0).to(device=dev, dtype=dtype)
+        ids = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len), device=dev)
+        f, b = [], []
         for i in range(warmup + reps):
             t0 = time.perf_counter()
-            loss = engine(x, x)
+            loss = model(ids, ids)
             _sync(dev)
             t1 = time.perf_counter()
-            engine.backward(loss)
+            loss.backward()
             _sync(dev)
             t2 = time.perf_counter()
-            if clipper is not None:
-                clipper()
-            engine.step()
-            _sync(dev)
-            t3 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
             if i >= warmup:
                 f.append(t1 - t0)
                 b.append(t2 - t1)
-                s.append(t3 - t2)
         out["fwd_s"].append(statistics.median(f))
         out["bwd_s"].append(statistics.median(b))
-        out["step_s"].append(statistics.median(s))
-        del engine
+        del model
     return out
 
 
@@ -171,6 +222,9 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict) -> dic
     os.environ.setdefault("LOCAL_RANK", str(spec.get("local_rank", 0)))
     dtype = _dtype(spec.get("precision", "fp32"))
     out: dict[str, Any] = {"rank": rank}
+    if device.type != "cuda":
+        dist.barrier()  # every rank busy at once, as in training
+        out["cpu_share"] = cpu_share()
     t0 = time.perf_counter()
     out["gemm"] = gemm_table(spec.get("gemm_shapes", []), device, dtype)
     out["op_overhead_us"] = op_overhead_us(device)
@@ -183,6 +237,8 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict) -> dic
     if world > 1:
         out["p2p"] = [{"bytes": nb, "gbps": collectives.ring_sendrecv(None, nb, device, iters=5)}
                       for nb in spec.get("p2p_bytes", [4096, 4 << 20])]
+    if spec.get("job") and spec.get("model_mb"):
+        out["model"] = model_times(spec["job"], device, int(spec["model_mb"]))
     if spec.get("job"):
         t1 = time.perf_counter()
         out["engine"] = engine_times(spec["job"], device, world)

@@ -44,8 +44,10 @@ class Hardware:
     gemm_efficiency: float = 0.80
     """Best fraction of peak a large GEMM reaches (790/989 measured on the H200 anchor)."""
     attention_efficiency: float = 0.35
-    """Fraction of peak for fused (flash/SDPA) attention at head dim 128, forward and backward together
-    (FlashAttention-2 on H100, causal FLOPs counted as executed)."""
+    """Fraction of peak for fused (flash/SDPA) attention at head dim `attention_head_dim`, forward and backward
+    together (FlashAttention-2 on H100 at head dim 128, causal FLOPs counted as executed)."""
+    attention_head_dim: int = 128
+    """Head dim at which attention_efficiency holds (a profile measures at the job's own)."""
     kernel_overhead_us: float = 6.0
     """Host time to launch one eager op; bounds tiny models (the GPU waits on Python)."""
     host_fwd_layer_us: float = 0.0
@@ -60,6 +62,18 @@ class Hardware:
     207.5 ms vs eager 193.2 ms at 774M, minus the Adam traffic)."""
     mem_efficiency: float = 0.8
     """Fraction of memory bandwidth element-wise kernels reach (STREAM-like copies on H100: ~80-90%)."""
+    work_scale_fwd: float = 1.0
+    """Measured / modelled time of one block's forward work at the job's own shape (a calibrated profile runs the
+    platform's model at two depths): what composing GEMMs, attention and element-wise kernels costs beyond
+    their microbenchmarks (allocations, layouts, launch gaps). 1: the model's parts as they are."""
+    work_scale_bwd: float = 1.0
+    """The same for one block's backward."""
+    head_work_scale: float = 1.0
+    """The same for embedding + final norm + head + loss, forward and backward."""
+    cpu_share: float = 1.0
+    """CPU workers on a shared machine: the fraction of a core each gets over a whole step (the scheduler shares
+    C cores among L runnable threads, C/L each), measured by `rayspeed calibrate` as CPU time / wall time of a
+    busy loop on every rank at once. Everything a CPU worker does takes 1/cpu_share longer. 1 on GPUs."""
     sm_count: int = 132
     """Streaming multiprocessors: GEMM tiles are scheduled in waves of this many (wave quantization)."""
     straggler_sigma: float = 0.012

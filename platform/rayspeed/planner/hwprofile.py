@@ -6,6 +6,7 @@ measuring is rayspeed.health.calibrate's business).
      "ranks_per_node": 8, "backend": "nccl" | "gloo", "measured_at": "2026-11-30T12:00:00Z",
      "hardware": {<Hardware field>: value, ...},      fitted from the measurements below
      "gemm": [[m, k, n, flop_per_s], ...],             at the shapes the job's candidate layouts run
+     "engine": {"<zero stage>": {host_fwd_layer_us, host_bwd_layer_us, host_fixed_mb_us, engine_step_s}, ...},
      "collectives": {...}, "p2p": {...}, "host": {...}, the raw measurements
      "efficiency": {"compute": 1, "comm": 1, "overhead": 1},   fitted from finished runs (plan --calibrate-from)
      "fit": {"experiment": ..., "runs": n, "loo_median_abs_error": 0.07, ...}}
@@ -68,8 +69,15 @@ class Profile:
 
     def ctx_fields(self) -> dict:
         table = tuple(tuple(float(x) for x in row[:4]) for row in self.data.get("gemm") or [] if len(row) >= 4)
+        engine = []
+        for z, e in sorted((self.data.get("engine") or {}).items()):
+            try:
+                engine.append((int(z), float(e["host_fwd_layer_us"]), float(e["host_bwd_layer_us"]),
+                               float(e["host_fixed_mb_us"]), float(e["engine_step_s"])))
+            except (KeyError, TypeError, ValueError):
+                continue
         return {"gemm_table": table, "efficiency": self.efficiency(), "profile": self.source,
-                "model_error": self.held_out_error()}
+                "model_error": self.held_out_error(), "engine_by_zero": tuple(engine)}
 
     def describe(self) -> str:
         d = self.data

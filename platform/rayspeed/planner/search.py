@@ -285,7 +285,7 @@ def evaluate(ctx: Ctx, lay: Layout, cache: dict | None = None) -> Estimate:
     """Memory and (lazily) time of one layout; a pipeline without an explicit split gets the planner's.
     `cache`: splits already chosen in this search (they depend on tp, pp, micro-batch, sp and checkpointing)."""
     if lay.pp > 1 and lay.stage_layers is None:
-        key = (lay.tp, lay.pp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing)
+        key = (lay.tp, lay.pp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing, lay.zero_stage)
         split = cache.get(key) if cache is not None else None
         if split is None:
             split = choose_split(ctx, lay)

@@ -18,7 +18,8 @@ from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
 from rayspeed.planner.model_math import max_stage_params
 from rayspeed.planner.partition import split_of
 
-__all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost"]
+__all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost",
+           "block_work", "engine_overheads"]
 
 ZERO3_PER_TENSOR_S = 0.0006  # ZeRO-3 fetch/release bookkeeping per gathered tensor per pass (H200 anchor:
 #                              774M on 1 GPU, 380.6 ms vs 207.5 ms at ZeRO-1 = 173 ms over 146 tensors x 2 passes)
@@ -78,8 +79,8 @@ def _mem_s(ctx: Ctx, nbytes: float) -> float:
 
 def attention_efficiency(ctx: Ctx) -> float:
     """Fused attention reaches less of peak with small heads (FlashAttention-2 on H100: ~35% of peak at head
-    dim 128, ~28% at 64, forward and backward together)."""
-    return ctx.hw.attention_efficiency * min(1.0, (ctx.shape.head_dim / 128) ** 0.3)
+    dim 128, ~28% at 64, forward and backward together), relative to the head dim it was measured at."""
+    return ctx.hw.attention_efficiency * min(1.0, (ctx.shape.head_dim / ctx.hw.attention_head_dim) ** 0.3)
 
 
 def _combine(ctx: Ctx, work: float, host: float) -> float:
@@ -88,16 +89,28 @@ def _combine(ctx: Ctx, work: float, host: float) -> float:
     return max(work, host) if ctx.hw.is_gpu else work + host
 
 
-def _host_fwd(ctx: Ctx) -> float:
+def engine_overheads(ctx: Ctx, lay: Layout) -> tuple[float, float, float, float]:
+    """Seconds of host time per block forward and backward, fixed host time per micro-batch, and the engine's
+    time per optimizer step: measured for this ZeRO stage when the profile has it, else the table's."""
+    f = ctx.overhead_factor
+    for z, fwd_us, bwd_us, fixed_us, step_s in ctx.engine_by_zero:
+        if z == lay.zero_stage:
+            return fwd_us * 1e-6 * f, bwd_us * 1e-6 * f, fixed_us * 1e-6 * f, step_s * f
     hw = ctx.hw
-    us = hw.host_fwd_layer_us or KERNELS_FWD_PER_LAYER * hw.kernel_overhead_us
-    return us * 1e-6 * ctx.overhead_factor
+    fwd = hw.host_fwd_layer_us or KERNELS_FWD_PER_LAYER * hw.kernel_overhead_us
+    bwd = hw.host_bwd_layer_us or KERNELS_BWD_PER_LAYER * hw.kernel_overhead_us
+    return fwd * 1e-6 * f, bwd * 1e-6 * f, hw.host_fixed_mb_us * 1e-6 * f, hw.engine_step_s * f
 
 
-def _host_bwd(ctx: Ctx) -> float:
-    hw = ctx.hw
-    us = hw.host_bwd_layer_us or KERNELS_BWD_PER_LAYER * hw.kernel_overhead_us
-    return us * 1e-6 * ctx.overhead_factor
+def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
+    """(forward, backward) work of one block for one micro-batch before any measured scale and without host
+    time: what a calibration compares its measurement of the real block against."""
+    sh, hw = ctx.shape, ctx.hw
+    T = lay.micro_batch_size * sh.seq_len
+    g, ew, _ = layer_fwd(ctx, lay)
+    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / lay.tp
+                      / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
+    return g + ew, 2 * g + attn_bwd_extra + 2 * ew
 
 
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
@@ -115,7 +128,7 @@ def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     # Inside: RoPE on q and k in fp32 (~3 passes), the attention-output reshape (2h), SwiGLU silu and
     # product (5f). Backward moves about twice as much.
     elems = T * (18 * h / out_div + (3 * (h + kv) + 2 * h + 5 * f) / t)
-    return g, _mem_s(ctx, elems * ctx.w_bytes), _host_fwd(ctx)
+    return g, _mem_s(ctx, elems * ctx.w_bytes), engine_overheads(ctx, lay)[0]
 
 
 @dataclass(frozen=True)
@@ -132,7 +145,7 @@ class BlockCost:
 
 
 def block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
-    key = ("block", lay.tp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing)
+    key = ("block", lay.tp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing, lay.zero_stage)
     got = ctx.memo.get(key)
     if got is None:
         got = ctx.memo[key] = _block_cost(ctx, lay)
@@ -145,8 +158,8 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
     g, ew, host = layer_fwd(ctx, lay)
     attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / t
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
-    fwd = _combine(ctx, g + ew, host)
-    bwd = _combine(ctx, 2 * g + attn_bwd_extra + 2 * ew, _host_bwd(ctx))
+    fwd = _combine(ctx, (g + ew) * hw.work_scale_fwd, host)
+    bwd = _combine(ctx, (2 * g + attn_bwd_extra + 2 * ew) * hw.work_scale_bwd, engine_overheads(ctx, lay)[1])
     rec = 0.0
     if lay.activation_checkpointing == "full":
         rec = fwd
@@ -180,7 +193,8 @@ def _head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     head = gemm_s(ctx, T, sh.hidden_size, sh.vocab_size / lay.tp)
     ce = _mem_s(ctx, T * sh.vocab_size / lay.tp * (ctx.w_bytes + 16))
     head_passes = 4 if lay.tp == 1 else 3  # tp = 1: the chunked loss recomputes the logits in backward
-    comp, back = head_passes * head + ce, (head_passes - 1) * head + ce / 2
+    scale = ctx.hw.head_work_scale
+    comp, back = (head_passes * head + ce) * scale, ((head_passes - 1) * head + ce / 2) * scale
     if lay.tp > 1:
         grp = tp_group(ctx, lay)
         comp += coll_s(ctx, "allreduce", T * 12, grp) * 3  # vocab-parallel loss: max, sum, target logit
@@ -265,7 +279,7 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
     bc = block_cost(ctx, lay)
     head_c, head_b = head_cost(ctx, lay)
     emb = embed_cost(ctx, lay)
-    fixed = ctx.hw.host_fixed_mb_us * 1e-6 * ctx.overhead_factor
+    host_f, host_b, fixed, _ = engine_overheads(ctx, lay)
     out = []
     for i, n in enumerate(split):
         comp = n * (bc.fwd + bc.bwd + bc.rec)
@@ -275,7 +289,7 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
             comp += head_c
             back += head_b
             if fixed:  # the engine's per-micro-batch host work: after the kernels on a CPU, beside them on a GPU
-                comp = max(comp, fixed + n * (_host_fwd(ctx) + _host_bwd(ctx))) if ctx.hw.is_gpu else comp + fixed
+                comp = max(comp, fixed + n * (host_f + host_b)) if ctx.hw.is_gpu else comp + fixed
         if i == 0:
             comp += emb
         out.append((comp, n * bc.rec, tp, back))
@@ -354,16 +368,19 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
         dp_exposed += coll_s(ctx, "allreduce", sh.vocab_size * sh.hidden_size / lay.tp * ctx.comm_bytes, tie)
 
     owned = n_stage / (d if lay.zero_stage >= 1 else 1)
-    opt = _mem_s(ctx, owned * OPTIMIZER_BYTES_PER_PARAM) + hw.engine_step_s * ctx.overhead_factor
+    opt = _mem_s(ctx, owned * OPTIMIZER_BYTES_PER_PARAM) + engine_overheads(ctx, lay)[3]
     # Synchronous steps wait for the slowest GPU: the expected maximum of n draws is sigma * sqrt(2 ln n)
     # above the mean (a normal spread; Sinha et al. SC22 for the spread itself).
     world = ctx.world
     strag = 0.0
     if world > 1 and hw.straggler_sigma > 0:
         strag = (compute + bubble) * hw.straggler_sigma * math.sqrt(2 * math.log(world))
-    return StepTime(compute_s=compute, recompute_s=m * rec, tp_comm_s=tp_total, pp_bubble_s=bubble,
-                    pp_p2p_s=p2p, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, zero3_overhead_s=z3,
-                    optimizer_s=opt, straggler_s=strag)
+    st = StepTime(compute_s=compute, recompute_s=m * rec, tp_comm_s=tp_total, pp_bubble_s=bubble,
+                  pp_p2p_s=p2p, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, zero3_overhead_s=z3,
+                  optimizer_s=opt, straggler_s=strag)
+    if not hw.is_gpu and 0 < hw.cpu_share < 1:  # a shared CPU: every part waits for its share of a core
+        st = StepTime(**{k: v / hw.cpu_share for k, v in st.__dict__.items()})
+    return st
 
 
 def _exposed(comm: float, window: float) -> float:
