@@ -32,6 +32,16 @@ def test_multi_node_matches_published_4_node_allreduce():
     assert busbw("allreduce", 64 * MIB, g) == pytest.approx(197.8, rel=0.15)
 
 
+def test_single_node_matches_published_nccl_tests():
+    # ml-engineering network/benchmarks, one 8 x H200 node, nccl-tests all_reduce busbw (NCCL 2.30): 482 GB/s at
+    # 16 GiB; 464.0 at 1 GiB, 369.8 at 64 MiB, 242.5 at 16 MiB, 72.45 at 1 MiB.
+    g = Group(8, 1, 482.0)
+    assert busbw("allreduce", GIB, g) == pytest.approx(464.0, rel=0.05)
+    assert busbw("allreduce", 64 * MIB, g) == pytest.approx(369.8, rel=0.10)
+    assert busbw("allreduce", 16 * MIB, g) == pytest.approx(242.5, rel=0.15)
+    assert busbw("allreduce", MIB, g) == pytest.approx(72.45, rel=0.15)
+
+
 def test_latency_grows_with_ranks_and_nodes_and_tree_takes_over():
     small = 1 * MIB
     t8 = nccl_s("allreduce", small, Group(8, 1, 360.0))

@@ -232,6 +232,7 @@ def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | No
     from rayspeed.planner.comm_model import Group, nccl_s
 
     hw = ctx.hw
+    gloo: dict[str, list] = {}
     ranks = len(rep["ranks"]) or 1
     nodes = int(rep["cluster"].get("nodes_used") or 1)
     ppn = max(1, ranks // nodes)
@@ -241,9 +242,7 @@ def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | No
     if copy:  # measured copy bandwidth is already what element-wise kernels reach
         fitted.update(hbm_gbps=round(copy, 3), mem_efficiency=1.0)
     fitted["kernel_overhead_us"] = round(_median([c["op_overhead_us"] for c in cal]), 3)
-    shares = [c["cpu_share"] for c in cal if c.get("cpu_share")]
-    if shares and not gpu:
-        fitted["cpu_share"] = round(_median(shares), 4)
+
     att = _median([c.get("attention_flops", 0.0) for c in cal])
     if att:
         fitted["attention_efficiency"] = round(min(1.0, att / hw.peak(ctx.precision)), 4)
@@ -270,6 +269,12 @@ def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | No
             fitted[f"{key}_node_gbps"] = round(bw, 4)
             fitted[f"{key}_latency_us"] = round(lat, 2)
             fitted[f"{key}_hop_us"] = 0.0
+            rs_rows = (cal[0].get("reducescatter") or [])
+            for kind, rows, factor in (("allreduce", rep["allreduce"], 2.0), ("all_gather", rep.get("allgather") or [], 1.0),
+                                       ("reduce_scatter", rs_rows, 1.0)):
+                if rows:
+                    kl, kb = _collective_fit(rows, ranks, factor)
+                    gloo[kind] = [round(kl, 2), round(kb, 4)]
     gemm = []
     by_shape: dict[tuple, list[float]] = {}
     for c in cal:
@@ -298,9 +303,13 @@ def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | No
         "collectives": {"allreduce": rep.get("allreduce"), "allgather": rep.get("allgather"), "reducescatter": rs,
                         "per_node": rep.get("per_node")},
         "p2p": [c.get("p2p") for c in cal],
+        # The fraction of a core each rank got while busy (CPU): the load the profile was measured under. The
+        # longer probes (model, engine) already ran under it, so the planner does not divide by it again.
+        "cpu_share": [c.get("cpu_share") for c in cal],
         "host_probe": {"op_overhead_us": [c["op_overhead_us"] for c in cal],
                        "engine": [c.get("engine") for c in cal]},
         "engine": engine,
+        "gloo": gloo,
         "efficiency": {"compute": 1.0, "comm": 1.0, "overhead": 1.0},
         "seconds": rep.get("seconds"),
     }

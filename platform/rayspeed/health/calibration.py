@@ -121,7 +121,7 @@ def _standin(cfg, layers: int, world: int, zero: int):
     return dataclasses.replace(cfg, model=model, parallel=par, train=train)
 
 
-def engine_times(job: dict, dev: torch.device, world: int, zero_stages=(0, 1, 2, 3), reps: int = 12,
+def engine_times(job: dict, dev: torch.device, world: int, zero_stages=(0, 1, 2, 3), reps: int = 15,
                  warmup: int = 3) -> dict:
     """Per ZeRO stage, median forward / backward / step seconds of the real engine on the stand-in at each depth."""
     import deepspeed
@@ -185,7 +185,7 @@ def cpu_share(seconds: float = 1.5) -> float:
     return min(1.0, (time.thread_time() - c0) / max(time.perf_counter() - t0, 1e-9))
 
 
-def model_times(job: dict, dev: torch.device, mb: int, depths=(1, 2), reps: int = 5, warmup: int = 2) -> dict:
+def model_times(job: dict, dev: torch.device, mb: int, depths=(1, 2), reps: int = 9, warmup: int = 2) -> dict:
     """The platform's model itself (no engine, tp = 1) at the job's width, sequence and a candidate micro-batch,
     at two depths: median forward and backward seconds (slope: one block; intercept: embedding, head, loss)."""
     from rayspeed.config.load import parse

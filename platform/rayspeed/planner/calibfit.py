@@ -106,6 +106,7 @@ def fit(runs: list[dict], base: dict, experiment: str) -> dict:
 def runs_from_mlflow(tracking_uri: str, experiment: str, replan: Callable[[Any], tuple[float, float, float]],
                      gpu: str | None = None, limit: int = 200) -> list[dict]:
     """Finished runs of `experiment` with a measured step time, each re-planned by `replan(JobConfig)`."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
     from mlflow.tracking import MlflowClient
 

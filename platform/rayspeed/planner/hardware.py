@@ -70,10 +70,6 @@ class Hardware:
     """The same for one block's backward."""
     head_work_scale: float = 1.0
     """The same for embedding + final norm + head + loss, forward and backward."""
-    cpu_share: float = 1.0
-    """CPU workers on a shared machine: the fraction of a core each gets over a whole step (the scheduler shares
-    C cores among L runnable threads, C/L each), measured by `rayspeed calibrate` as CPU time / wall time of a
-    busy loop on every rank at once. Everything a CPU worker does takes 1/cpu_share longer. 1 on GPUs."""
     sm_count: int = 132
     """Streaming multiprocessors: GEMM tiles are scheduled in waves of this many (wave quantization)."""
     straggler_sigma: float = 0.012
@@ -161,7 +157,7 @@ TABLE: dict[str, Hardware] = {
         gemm_efficiency=0.6,
         attention_efficiency=0.3,
         kernel_overhead_us=15.0,
-        engine_step_s=0.02,  # DeepSpeed's step in Python on one core (flatten, partition copies, gather)
+        engine_step_s=0.006,  # `rayspeed calibrate` on the 2-core dev box: ZeRO-1 6.0 ms, ZeRO-2 7.1 ms per step
         sm_count=0,  # no waves: GEMMs split across cores by the BLAS
         straggler_sigma=0.0,
         bf16=False,

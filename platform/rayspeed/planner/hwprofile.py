@@ -7,6 +7,7 @@ measuring is rayspeed.health.calibrate's business).
      "hardware": {<Hardware field>: value, ...},      fitted from the measurements below
      "gemm": [[m, k, n, flop_per_s], ...],             at the shapes the job's candidate layouts run
      "engine": {"<zero stage>": {host_fwd_layer_us, host_bwd_layer_us, host_fixed_mb_us, engine_step_s}, ...},
+     "gloo": {"allreduce" | "all_gather" | "reduce_scatter": [latency_us, busbw_gbps]},   CPU workers
      "collectives": {...}, "p2p": {...}, "host": {...}, the raw measurements
      "efficiency": {"compute": 1, "comm": 1, "overhead": 1},   fitted from finished runs (plan --calibrate-from)
      "fit": {"experiment": ..., "runs": n, "loo_median_abs_error": 0.07, ...}}
@@ -76,8 +77,10 @@ class Profile:
                                float(e["host_fixed_mb_us"]), float(e["engine_step_s"])))
             except (KeyError, TypeError, ValueError):
                 continue
+        gloo = tuple((str(k), float(v[0]), float(v[1])) for k, v in (self.data.get("gloo") or {}).items()
+                     if isinstance(v, (list, tuple)) and len(v) == 2 and float(v[1]) > 0)
         return {"gemm_table": table, "efficiency": self.efficiency(), "profile": self.source,
-                "model_error": self.held_out_error(), "engine_by_zero": tuple(engine)}
+                "model_error": self.held_out_error(), "engine_by_zero": tuple(engine), "gloo_fit": gloo}
 
     def describe(self) -> str:
         d = self.data

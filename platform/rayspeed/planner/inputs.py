@@ -25,6 +25,7 @@ class Ctx:
     profile: str = ""  # where the hardware profile came from ("" = the built-in table)
     model_error: float = 0.0  # the time model's held-out relative error from the profile's fit (0: unknown)
     engine_by_zero: tuple = ()  # ((zero, host fwd us/block, host bwd us/block, fixed us/micro-batch, step s), ...)
+    gloo_fit: tuple = ()  # ((kind, latency us, bus GB/s), ...) measured per collective on CPU workers
     # Costs shared by many layouts of one search (block, head, split), keyed by what they depend on; never
     # copied by dataclasses.replace (init=False), so a changed context starts empty.
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
