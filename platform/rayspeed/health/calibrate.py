@@ -191,15 +191,16 @@ def _engine_fit(cal: list[dict], layers: int) -> dict[str, dict]:
 
 
 def _work_scales(profile: dict, cal: list[dict], job: dict, zero: int) -> dict:
-    """work_scale_fwd / work_scale_bwd / head_work_scale: the real model's block and head (measured at two depths)
-    against the planner's parts with this profile's other figures; host time as the stand-in engine measured."""
+    """work_scale_fwd / work_scale_bwd / head_work_scale: the real block and the rest (the job's model through its
+    engine at two depths: slope and intercept) against what the planner models for that reference layout with
+    this profile's other figures; the planner then anchors there and follows its own ratios elsewhere."""
     runs = [c["model"] for c in cal if c.get("model")]
     if not runs:
         return {}
     from rayspeed.config.layout import Layout
     from rayspeed.config.load import parse
     from rayspeed.planner.search import build_ctx
-    from rayspeed.planner.timing import block_work, embed_cost, engine_overheads, head_cost
+    from rayspeed.planner.timing import block_cost, embed_cost, engine_overheads, head_cost
 
     d0, d1 = runs[0]["depths"][0], runs[0]["depths"][-1]
     mb = int(runs[0]["mb"])
@@ -212,20 +213,16 @@ def _work_scales(profile: dict, cal: list[dict], job: dict, zero: int) -> dict:
     (bf, hf), (bb, hb) = fit("fwd_s"), fit("bwd_s")
     cfg = parse(job)
     ctx = build_ctx(cfg, world_size=1, profile=profile)
-    ref = Layout(1, 1, 1, 0, mb, 1)
-    wf, wb = block_work(ctx, ref)
-    host_f, host_b, _, _ = engine_overheads(ctx, ref)  # ZeRO-0's: the least engine on top of plain PyTorch
-    gpu = ctx.hw.is_gpu
+    ref = Layout(1, 1, 1, zero, mb, 1)
+    bc = block_cost(ctx, ref)  # modelled with this profile's figures, no scales yet
+    host_f, host_b, fixed, _ = engine_overheads(ctx, ref)
+    head_model = head_cost(ctx, ref)[0] + embed_cost(ctx, ref) + (0.0 if ctx.hw.is_gpu else fixed)
 
-    def scale(measured: float, work: float, host: float) -> float:
-        if work <= 0:
-            return 1.0
-        s = measured / work if gpu else (measured - host) / work
-        return round(min(5.0, max(0.3, s)), 4)
+    def ratio(measured: float, modelled: float) -> float:
+        return round(min(20.0, max(0.05, measured / modelled)), 4) if modelled > 0 and measured > 0 else 1.0
 
-    head_model = head_cost(ctx, ref)[0] + embed_cost(ctx, ref)
-    return {"work_scale_fwd": scale(bf, wf, host_f), "work_scale_bwd": scale(bb, wb, host_b),
-            "head_work_scale": round(min(5.0, max(0.3, (hf + hb) / head_model)), 4) if head_model > 0 else 1.0}
+    return {"work_scale_fwd": ratio(bf, bc.fwd), "work_scale_bwd": ratio(bb, bc.bwd),
+            "head_work_scale": ratio(hf + hb, head_model)}
 
 
 def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | None = None) -> dict:

@@ -10,8 +10,8 @@ Every figure is a median over repetitions (what a job on this machine meets), no
 - attention_flops: causal SDPA forward + backward at the job's per-rank shape, in the FLOPs the planner counts.
 - reducescatter: the third collective of the time model, swept like the other two.
 - p2p: one rank to the next (a pipeline send), at a small and a large message.
-- model: the platform's model itself (no engine) at the job's width and sequence, two depths: the real block and
-  head against the sum of their parts.
+- model: the real engine (the job's ZeRO stage) on the job's own model at its width, sequence and a candidate
+  micro-batch, at two depths: the real block and head against the sum of their parts.
 - engine: the real engine (rayspeed.engine.build, DeepSpeed, the job's ZeRO stage and precision) on a narrow
   stand-in of the job's model at two depths, forward, backward and step timed apart: the per-block host time,
   the fixed time per micro-batch and the optimizer step's engine time, with negligible math.
@@ -107,23 +107,29 @@ def attention_flops(dev: torch.device, dtype: torch.dtype, batch: int, heads: in
     return flops / max(sec, 1e-12)
 
 
-def _standin(cfg, layers: int, world: int, zero: int):
-    """The job at a narrow width and `layers` blocks, pure data parallel over the calibration ranks."""
+def _standin(cfg, layers: int, world: int, zero: int, mb: int | None = None):
+    """The job at `layers` blocks, pure data parallel over the calibration ranks: at a narrow width with one short
+    sequence (mb None: the engine's host time, negligible math), or at the job's own width, sequence and
+    micro-batch `mb` (the real block through the real engine)."""
     m = cfg.model
-    gqa = (m.num_kv_heads or m.num_heads) < m.num_heads
-    model = dataclasses.replace(m, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2 if gqa else 4,
-                                ffn_hidden_size=128, vocab_size=256, seq_len=STANDIN_SEQ)
-    par = dataclasses.replace(cfg.parallel, dp=world, tp=1, pp=1, micro_batch_size=1, grad_accum=1,
+    if mb is None:
+        gqa = (m.num_kv_heads or m.num_heads) < m.num_heads
+        model = dataclasses.replace(m, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2 if gqa else 4,
+                                    ffn_hidden_size=128, vocab_size=256, seq_len=STANDIN_SEQ)
+    else:
+        model = dataclasses.replace(m, num_layers=layers)
+    par = dataclasses.replace(cfg.parallel, dp=world, tp=1, pp=1, micro_batch_size=mb or 1, grad_accum=1,
                               sequence_parallel=False, zero_stage=zero)
     if hasattr(par, "stage_layers"):
         par = dataclasses.replace(par, stage_layers=None)
-    train = dataclasses.replace(cfg.train, global_batch_size=world, compile=False, init_from=None)
+    train = dataclasses.replace(cfg.train, global_batch_size=world * (mb or 1), compile=False, init_from=None)
     return dataclasses.replace(cfg, model=model, parallel=par, train=train)
 
 
 def engine_times(job: dict, dev: torch.device, world: int, zero_stages=(0, 1, 2, 3), reps: int = 15,
-                 warmup: int = 3) -> dict:
-    """Per ZeRO stage, median forward / backward / step seconds of the real engine on the stand-in at each depth."""
+                 warmup: int = 3, mb: int | None = None, depths=STANDIN_DEPTHS) -> dict:
+    """Per ZeRO stage, median forward / backward / step seconds of the real engine on the stand-in at each depth
+    (narrow, or at the job's width with micro-batch `mb`)."""
     import deepspeed
 
     from rayspeed.compat import deepspeed_skip_shm_comm_op
@@ -140,13 +146,13 @@ def engine_times(job: dict, dev: torch.device, world: int, zero_stages=(0, 1, 2,
     groups = ParallelGroups(world, 1, 1)
     out: dict[str, Any] = {}
     for zero in zero_stages:
-        res: dict[str, Any] = {"depths": list(STANDIN_DEPTHS), "fwd_s": [], "bwd_s": [], "step_s": []}
-        for layers in STANDIN_DEPTHS:
-            c = _standin(cfg, layers, world, zero)
+        res: dict[str, Any] = {"depths": list(depths), "mb": mb, "fwd_s": [], "bwd_s": [], "step_s": []}
+        for layers in depths:
+            c = _standin(cfg, layers, world, zero, mb)
             engine, _ = build_engine(c, deepspeed_config(c, None), groups, dev)
             clipper = (GradClipper(engine.module.parameters(), c.train.grad_clip, groups.tp_group)
                        if rayspeed_clips(c) else None)
-            x = torch.randint(0, 256, (1, STANDIN_SEQ), device=dev)
+            x = torch.randint(0, c.model.vocab_size, (c.parallel.micro_batch_size, c.model.seq_len), device=dev)
             f, b, s = [], [], []
             for i in range(warmup + reps):
                 t0 = time.perf_counter()
@@ -185,37 +191,6 @@ def cpu_share(seconds: float = 1.5) -> float:
     return min(1.0, (time.thread_time() - c0) / max(time.perf_counter() - t0, 1e-9))
 
 
-def model_times(job: dict, dev: torch.device, mb: int, depths=(1, 2), reps: int = 9, warmup: int = 2) -> dict:
-    """The platform's model itself (no engine, tp = 1) at the job's width, sequence and a candidate micro-batch,
-    at two depths: median forward and backward seconds (slope: one block; intercept: embedding, head, loss)."""
-    from rayspeed.config.load import parse
-    from rayspeed.model.transformer import Transformer
-
-    cfg = parse(job)
-    dtype = _dtype(cfg.train.precision)
-    out: dict[str, Any] = {"mb": mb, "depths": list(depths), "fwd_s": [], "bwd_s": []}
-    for d in depths:
-        model = Transformer(dataclasses.replace(cfg.model, num_layers=d), seed=0).to(device=dev, dtype=dtype)
-        ids = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len), device=dev)
-        f, b = [], []
-        for i in range(warmup + reps):
-            t0 = time.perf_counter()
-            loss = model(ids, ids)
-            _sync(dev)
-            t1 = time.perf_counter()
-            loss.backward()
-            _sync(dev)
-            t2 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            if i >= warmup:
-                f.append(t1 - t0)
-                b.append(t2 - t1)
-        out["fwd_s"].append(statistics.median(f))
-        out["bwd_s"].append(statistics.median(b))
-        del model
-    return out
-
-
 def measure_rank(rank: int, world: int, device: torch.device, spec: dict) -> dict:
     from rayspeed.health import collectives
 
@@ -237,11 +212,13 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict) -> dic
     if world > 1:
         out["p2p"] = [{"bytes": nb, "gbps": collectives.ring_sendrecv(None, nb, device, iters=5)}
                       for nb in spec.get("p2p_bytes", [4096, 4 << 20])]
-    if spec.get("job") and spec.get("model_mb"):
-        out["model"] = model_times(spec["job"], device, int(spec["model_mb"]))
     if spec.get("job"):
         t1 = time.perf_counter()
         out["engine"] = engine_times(spec["job"], device, world)
+        if spec.get("model_mb"):  # the real block at the job's width, through the job's own engine
+            zero = str(spec["job"]["parallel"]["zero_stage"])
+            out["model"] = engine_times(spec["job"], device, world, zero_stages=(int(zero),), reps=9, warmup=2,
+                                        mb=int(spec["model_mb"]), depths=(1, 2))[zero]
         out["engine_s"] = round(time.perf_counter() - t1, 3)
     return out
 

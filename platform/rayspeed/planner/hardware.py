@@ -63,13 +63,14 @@ class Hardware:
     mem_efficiency: float = 0.8
     """Fraction of memory bandwidth element-wise kernels reach (STREAM-like copies on H100: ~80-90%)."""
     work_scale_fwd: float = 1.0
-    """Measured / modelled time of one block's forward work at the job's own shape (a calibrated profile runs the
-    platform's model at two depths): what composing GEMMs, attention and element-wise kernels costs beyond
-    their microbenchmarks (allocations, layouts, launch gaps). 1: the model's parts as they are."""
+    """Measured / modelled time of one block's forward (host included) at a calibrated profile's reference layout
+    (the job's own model through its engine at two depths): the block is anchored at what was measured, other
+    layouts follow the model's ratio to the reference. 1: the model's parts as they are."""
     work_scale_bwd: float = 1.0
     """The same for one block's backward."""
     head_work_scale: float = 1.0
-    """The same for embedding + final norm + head + loss, forward and backward."""
+    """The same for what is not a block: embedding, final norm, head, loss and the engine's fixed time per
+    micro-batch, forward and backward."""
     sm_count: int = 132
     """Streaming multiprocessors: GEMM tiles are scheduled in waves of this many (wave quantization)."""
     straggler_sigma: float = 0.012

@@ -10,6 +10,8 @@ the extra blocks go away from the first stage, which holds the most in-flight ac
 
 from __future__ import annotations
 
+import functools
+
 from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
 from rayspeed.planner.model_math import even_split
@@ -22,6 +24,7 @@ def split_of(sh: ModelShape, lay: Layout) -> tuple[int, ...]:
     return even_split(sh.num_layers, lay.pp)
 
 
+@functools.lru_cache(maxsize=4096)
 def balance(num_layers: int, pp: int, block: float, first_extra: float, last_extra: float) -> tuple[int, ...]:
     """Blocks per stage (each >= 1) minimising the slowest stage, where a stage of n blocks takes n * block plus
     the first stage's and the last stage's extra work. Ties: fewer blocks on earlier stages."""

@@ -158,8 +158,10 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
     g, ew, host = layer_fwd(ctx, lay)
     attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / t
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
-    fwd = _combine(ctx, (g + ew) * hw.work_scale_fwd, host)
-    bwd = _combine(ctx, (2 * g + attn_bwd_extra + 2 * ew) * hw.work_scale_bwd, engine_overheads(ctx, lay)[1])
+    # A calibrated profile anchors the block at the real block it measured (work_scale_*: measured / modelled
+    # at its reference layout); elsewhere the model's ratio to that reference carries it.
+    fwd = _combine(ctx, g + ew, host) * hw.work_scale_fwd
+    bwd = _combine(ctx, 2 * g + attn_bwd_extra + 2 * ew, engine_overheads(ctx, lay)[1]) * hw.work_scale_bwd
     rec = 0.0
     if lay.activation_checkpointing == "full":
         rec = fwd
@@ -193,8 +195,7 @@ def _head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     head = gemm_s(ctx, T, sh.hidden_size, sh.vocab_size / lay.tp)
     ce = _mem_s(ctx, T * sh.vocab_size / lay.tp * (ctx.w_bytes + 16))
     head_passes = 4 if lay.tp == 1 else 3  # tp = 1: the chunked loss recomputes the logits in backward
-    scale = ctx.hw.head_work_scale
-    comp, back = (head_passes * head + ce) * scale, ((head_passes - 1) * head + ce / 2) * scale
+    comp, back = head_passes * head + ce, (head_passes - 1) * head + ce / 2
     if lay.tp > 1:
         grp = tp_group(ctx, lay)
         comp += coll_s(ctx, "allreduce", T * 12, grp) * 3  # vocab-parallel loss: max, sum, target logit
@@ -283,18 +284,19 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
     head_c, head_b = head_cost(ctx, lay)
     emb = embed_cost(ctx, lay)
     host_f, host_b, fixed, _ = engine_overheads(ctx, lay)
+    hs = ctx.hw.head_work_scale  # embedding + head + loss (+ the engine's fixed host time), anchored like the block
     out = []
     for i, n in enumerate(split):
         comp = n * (bc.fwd + bc.bwd + bc.rec)
         back = n * (bc.bwd + bc.rec)
         tp = n * bc.tp
         if i == lay.pp - 1:
-            comp += head_c
-            back += head_b
+            comp += head_c * hs
+            back += head_b * hs
             if fixed:  # the engine's per-micro-batch host work: after the kernels on a CPU, beside them on a GPU
-                comp = max(comp, fixed + n * (host_f + host_b)) if ctx.hw.is_gpu else comp + fixed
+                comp = max(comp, fixed + n * (host_f + host_b)) if ctx.hw.is_gpu else comp + fixed * hs
         if i == 0:
-            comp += emb
+            comp += emb * hs
         out.append((comp, n * bc.rec, tp, back))
     return out
 
