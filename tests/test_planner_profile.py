@@ -84,16 +84,17 @@ def test_steady_state_median_skips_warmup():
 
 
 def test_fit_recovers_factors_and_reports_held_out_error():
-    truth = (1.3, 2.0, 0.8)
-    groups = [(1.0, 0.1, 0.2), (0.5, 0.4, 0.1), (2.0, 0.05, 0.3), (0.3, 0.3, 0.3), (1.2, 0.6, 0.05), (0.8, 0.2, 0.5)]
+    truth = (1.3, 1.5, 0.8)
+    groups = [(1.0, 0.1, 0.2), (0.5, 0.4, 0.1), (2.0, 0.05, 0.3), (0.3, 0.3, 0.3), (1.2, 0.6, 0.05), (0.8, 0.2, 0.5),
+              (0.6, 0.5, 0.2), (1.5, 0.2, 0.4)]
     rows = [(g, sum(a * b for a, b in zip(g, truth))) for g in groups]
-    f = fit_factors(rows, ridge=1e-6)
-    assert f == pytest.approx(truth, rel=1e-3)
+    assert fit_factors(rows, ridge=1e-6) == pytest.approx(truth, rel=1e-3)  # noiseless: exact without the prior
     loo = sorted(abs(e) for e in leave_one_out(rows))
-    assert loo[len(loo) // 2] < 0.06  # held out, with the default ridge pulling towards 1
+    assert loo[len(loo) // 2] < 0.12  # held out, with the default prior pulling towards 1
     out = fit([{"run_id": str(i), "groups": g, "measured": m} for i, (g, m) in enumerate(rows)], {"kind": "x"}, "exp")
-    assert out["fit"]["runs"] == 6 and out["fit"]["loo_median_abs_error"] < 0.06
-    assert out["fit"]["unfitted_median_abs_error"] > 0.2 and out["efficiency"]["comm"] > 1.5
+    f = out["fit"]
+    assert f["runs"] == 8 and f["loo_median_abs_error"] < f["unfitted_median_abs_error"]
+    assert f["in_sample_median_abs_error"] < f["unfitted_median_abs_error"] and out["efficiency"]["comm"] > 1.1
     with pytest.raises(ConfigError):
         fit([], {}, "exp")
 
