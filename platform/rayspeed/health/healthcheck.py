@@ -119,6 +119,10 @@ class HealthRank:
             out["allreduce"] = collectives.allreduce_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
             out["allgather"] = collectives.allgather_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
             out["per_node"] = collectives.node_bandwidth(opts["nodes"], device, opts["link_bytes"], opts["iters"])
+            if opts.get("calibrate"):  # `rayspeed calibrate`: what the planner's time model needs, measured here
+                from rayspeed.health.calibration import measure_rank
+
+                out["calibration"] = measure_rank(rank, world, device, opts["calibrate"])
             return out
         finally:
             dist.destroy_process_group()
@@ -128,8 +132,9 @@ class HealthRank:
 
 
 def run_healthcheck(cfg, use_gpu: bool | None = None, sizes: list[int] | None = None, iters: int | None = None,
-                    timeout_s: float = 300.0) -> dict[str, Any]:
-    """Connect (or start) Ray, run the check for cfg.cluster.max_workers ranks, and return the report dict."""
+                    timeout_s: float = 300.0, calibrate: dict | None = None) -> dict[str, Any]:
+    """Connect (or start) Ray, run the check for cfg.cluster.max_workers ranks, and return the report dict.
+    `calibrate`: a spec for rayspeed.health.calibration.measure_rank; each rank's result under "calibration"."""
     from rayspeed.cluster import connect_ray
 
     info = connect_ray(cfg)
@@ -140,13 +145,14 @@ def run_healthcheck(cfg, use_gpu: bool | None = None, sizes: list[int] | None = 
             use_gpu = float(ray.cluster_resources().get("GPU", 0)) >= cfg.cluster.max_workers
             if use_gpu and not cfg.cluster.use_gpu:
                 cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=True))
-        return _check(cfg, info, bool(use_gpu), sizes, iters, timeout_s)
+        return _check(cfg, info, bool(use_gpu), sizes, iters, timeout_s, calibrate)
     finally:
         if info.get("started"):
             ray.shutdown()
 
 
-def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int | None, timeout_s: float) -> dict:
+def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int | None, timeout_s: float,
+           calibrate: dict | None = None) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -207,7 +213,8 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
             port = ray.get(actors[order[0]].free_port.remote(), timeout=timeout_s)
             opts = {"use_gpu": use_gpu, "sizes": sizes, "iters": iters or it, "warmup": wu, "timeout_s": timeout_s,
                     "production": cfg.health.production, "link_bytes": (64 << 20) if use_gpu else (4 << 20),
-                    "threads": max(1, int(c.cpus_per_worker)), "nodes": [where[i]["ip"] for i in order]}
+                    "threads": max(1, int(c.cpus_per_worker)), "nodes": [where[i]["ip"] for i in order],
+                    "calibrate": calibrate}
             refs = [actors[i].run.remote(rank, world, addr, port, opts) for rank, i in enumerate(order)]
             # One at a time, so a rank that fails ends the check now instead of after the others' timeout.
             pending, deadline = list(refs), time.monotonic() + timeout_s + 30
@@ -295,6 +302,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
         "findings": [f.to_json() for f in findings],
         "seconds": round(time.perf_counter() - t0, 2),
         "phases": phases,
+        **({"calibration": [r.get("calibration") for r in results]} if calibrate else {}),
     }
 
 

@@ -173,7 +173,8 @@ def checkpointing_template(ctx: Ctx, lay: Layout) -> dict:
         "mode": lay.activation_checkpointing,
         "template": f"{what} (torch.utils.checkpoint, non-reentrant, RNG state not preserved)",
         "preserve_rng_state": False,  # the model has no dropout
-        "number_checkpoints": ctx.shape.num_layers // lay.pp if lay.activation_checkpointing != "none" else 0,
+        "number_checkpoints": ((max(lay.stage_layers) if lay.stage_layers else ctx.shape.num_layers // lay.pp)
+                               if lay.activation_checkpointing != "none" else 0),
         "not_applied": "DeepSpeed partition_activations / contiguous_memory_optimization / cpu_checkpointing "
                        "(they need deepspeed.checkpointing.checkpoint, which the model does not use)",
     }

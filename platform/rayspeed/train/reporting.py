@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from rayspeed.config.load import flatten, to_dict, to_yaml
 from rayspeed.config.schema import JobConfig
+from rayspeed.health.calibration import worst_rank_peak_memory_gib
 from rayspeed.logs import log_rank
 from rayspeed.parallel.objects import gather_objects
+from rayspeed.planner.feedback import plan_metrics
 from rayspeed.train import resilience
 
 log = logging.getLogger("rayspeed.worker")
@@ -125,6 +127,10 @@ class Reporter:
         self.model_state_bytes: Optional[dict[str, int]] = None
         self.checkpoints = 0
         self.last_loss = float("nan")
+        # (last step of the window counted from this attempt's start, steps in it, seconds per step): the planner's
+        # feedback compares its prediction with the steady-state windows (rayspeed.planner.feedback).
+        self.perf_windows: list[tuple[int, int, float]] = []
+        self.start_step = 0
 
     def _logged_until(self) -> int:
         return int(self.tracker.last_step("train/loss"))
@@ -237,6 +243,8 @@ class Reporter:
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
         metrics.update(self.comm.metrics())
+        self.perf_windows.append((step - self.start_step, w.steps, step_time))
+        metrics.update(plan_metrics(self.plan.best, self.perf_windows, worst_rank_peak_memory_gib(self.device)))
         if self.peak_flops:
             metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * ctx.world_size)
         if self.sampler is not None:
