@@ -73,8 +73,9 @@ def auto_home_problem(cfg: Any, nodes: int, package_root: Path | None = None) ->
         return None
     here = package_root or Path(__file__).resolve().parents[2]  # (tests give another one)
     if _working_dir_copy(here):
-        return (f"{' and '.join(keys)}: auto would write into {here}, the temporary copy `ray job submit --working-dir` "
-                "made (deleted with the job); pass RAYSPEED_HOME (what `make submit` does) or " + fix)
+        return (f"{' and '.join(keys)}: auto would write into {here}, the temporary copy "
+                "`ray job submit --working-dir` made (deleted with the job); pass RAYSPEED_HOME "
+                "(what `make submit` does) or " + fix)
     if not (here / "platform" / "rayspeed").is_dir():
         return (f"{' and '.join(keys)}: auto needs a rayspeed checkout or RAYSPEED_HOME to put runs in, and the "
                 f"package is installed at {Path(__file__).resolve().parent}; set RAYSPEED_HOME or " + fix)

@@ -17,8 +17,9 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "platform"), RAYSPEED_HOME=str(tmp_path))
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("RAY_ADDRESS", None)
-    r = subprocess.run([sys.executable, "-m", "rayspeed", "calibrate", "--config", os.path.join(ROOT, "configs", "tiny-cpu.yaml"),
-                        "--workers", "2", "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "rayspeed", "calibrate", "--config",
+                        os.path.join(ROOT, "configs", "tiny-cpu.yaml"), "--workers", "2", "--out", str(out)],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     prof = json.loads(out.read_text())
     assert prof["kind"] == "rayspeed-hardware-profile" and prof["ranks"] == 2 and prof["nodes"] == 1
@@ -39,6 +40,7 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert [a.path for a in client.list_artifacts(runs[0].info.run_id, "profile")] == ["profile/profile.json"]
 
     plan = subprocess.run([sys.executable, "-m", "rayspeed", "plan", os.path.join(ROOT, "configs", "tiny-cpu.yaml"),
-                           "--profile", str(out), "--json"], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+                           "--profile", str(out), "--json"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     best = json.loads(plan.stdout)["plan"]
     assert best["profile"]["path"] == str(out) and best["step_time_s"] > 0

@@ -52,7 +52,8 @@ def test_latency_grows_with_ranks_and_nodes_and_tree_takes_over():
     ring_latency = (8.4 + (1022 - 126) * 3.4 + 126 * 14.0) * 1.4e-6
     assert t512 < ring_latency / 5
     # all-gather has no tree: its latency is linear in the ranks
-    assert nccl_s("all_gather", small, Group(512, 64, 360.0, ll128=False)) > 10 * nccl_s("all_gather", small, Group(8, 1, 360.0))
+    assert (nccl_s("all_gather", small, Group(512, 64, 360.0, ll128=False))
+            > 10 * nccl_s("all_gather", small, Group(8, 1, 360.0)))
 
 
 def test_small_batch_data_parallel_at_scale_loses_per_gpu_throughput():
@@ -60,7 +61,8 @@ def test_small_batch_data_parallel_at_scale_loses_per_gpu_throughput():
         cfg = parse({"model": {"hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
                                "ffn_hidden_size": 8192, "vocab_size": 128256, "seq_len": 4096, "tie_embeddings": True},
                      "train": {"global_batch_size": 512, "precision": "bf16"},
-                     "cluster": {"num_workers": 8 * nodes, "num_nodes": nodes, "use_gpu": True, "gpu": "h100-sxm-80gb"}})
+                     "cluster": {"num_workers": 8 * nodes, "num_nodes": nodes, "use_gpu": True,
+                                 "gpu": "h100-sxm-80gb"}})
         dp = 8 * nodes
         p = evaluate_layout(cfg, {"dp": dp, "tp": 1, "pp": 1, "zero_stage": 1, "micro_batch_size": 1,
                                   "grad_accum": 512 // dp, "activation_checkpointing": "none"})
@@ -71,4 +73,5 @@ def test_small_batch_data_parallel_at_scale_loses_per_gpu_throughput():
     assert many < 0.75 * one  # gradient all-reduce over 512 ranks at 1 micro-batch per GPU: exposed
     assert b64["dp_comm_s"] > 5 * b1["dp_comm_s"]
     # waiting for the slowest of n GPUs: sigma sqrt(2 ln n) of the compute
-    assert b64["straggler_s"] / b64["compute_s"] == pytest.approx(b1["straggler_s"] / b1["compute_s"] * (3.0) ** 0.5, rel=0.01)
+    assert b64["straggler_s"] / b64["compute_s"] == pytest.approx(b1["straggler_s"] / b1["compute_s"] * (3.0) ** 0.5,
+                                                                  rel=0.01)

@@ -86,7 +86,8 @@ def test_fixed_stage_layers_are_respected_and_checked():
 def test_llama_28_layers_on_pp_8_and_80_on_pp_32():
     for L, pp, world in ((28, 8, 64), (80, 32, 256)):
         cfg = parse({"model": {"hidden_size": 4096, "num_layers": L, "num_heads": 32, "num_kv_heads": 8,
-                               "ffn_hidden_size": 14336, "vocab_size": 128256, "seq_len": 4096, "tie_embeddings": False},
+                               "ffn_hidden_size": 14336, "vocab_size": 128256, "seq_len": 4096,
+                               "tie_embeddings": False},
                      "train": {"global_batch_size": 512}, "cluster": {"num_workers": world, "use_gpu": True,
                                                                         "num_nodes": world // 8}})
         p = evaluate_layout(cfg, {"dp": world // (8 * pp) or 1, "tp": 8 if world // pp >= 8 else world // pp, "pp": pp,
@@ -121,7 +122,8 @@ def test_plan_layouts_accepts_uneven_layouts_with_valid_and_runnable(tmp_path, c
     assert out[2]["valid"] is False and out[2]["runnable"] is False and "ZeRO 0 or 1" in out[2]["reason"]
     assert out[3]["valid"] is False and "stage_layers" in out[3]["reason"]
     for o in out[:3]:
-        assert {"fits", "memory_gib_per_gpu", "memory_breakdown_gib", "step_time_s", "tokens_per_s_per_gpu", "mfu"} <= set(o)
+        assert {"fits", "memory_gib_per_gpu", "memory_breakdown_gib", "step_time_s", "tokens_per_s_per_gpu",
+                "mfu"} <= set(o)
 
 
 def test_runnable_separates_engine_rules_from_this_runtime():

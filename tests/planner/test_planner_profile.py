@@ -47,7 +47,8 @@ def test_profile_beats_job_overrides_beats_table(tmp_path):
 
 
 def test_gemm_table_drives_compute(tmp_path):
-    slow = _profile(tmp_path, gemm=[[1024, 64, 64, 1e9], [1024, 64, 256, 1e9], [1024, 256, 64, 1e9], [1024, 64, 256, 1e9]])
+    slow = _profile(tmp_path, gemm=[[1024, 64, 64, 1e9], [1024, 64, 256, 1e9], [1024, 256, 64, 1e9],
+                                    [1024, 64, 256, 1e9]])
     base = plan_job(load(TINY)).best["time_breakdown_s"]["compute_s"]
     with_table = plan_job(load(TINY), profile=slow).best["time_breakdown_s"]["compute_s"]
     assert with_table > 2 * base  # 1 GFLOP/s measured: far below the table's CPU figure
@@ -108,7 +109,8 @@ def test_build_profile_from_a_calibration_report():
     from rayspeed.health.calibrate import build_profile
 
     ctx = build_ctx(load(TINY))
-    rows = [{"bytes": b, "time_us": 300 + b / 1e9 * 1e6, "busbw_gbps": 1.0, "ok": True} for b in (1024, 65536, 1 << 20, 16 << 20)]
+    rows = [{"bytes": b, "time_us": 300 + b / 1e9 * 1e6, "busbw_gbps": 1.0, "ok": True}
+            for b in (1024, 65536, 1 << 20, 16 << 20)]
     rep = {"ranks": [{"copy_gbps": 10.0}, {"copy_gbps": 12.0}], "cluster": {"nodes_used": 1}, "backend": "gloo",
            "allreduce": rows, "allgather": rows, "per_node": {}, "seconds": 30.0}
     eng = {"2": {"depths": [1, 3], "fwd_s": [0.002, 0.004], "bwd_s": [0.005, 0.009], "step_s": [0.010, 0.012]},
@@ -122,7 +124,8 @@ def test_build_profile_from_a_calibration_report():
     assert hw["host_fixed_mb_us"] == pytest.approx(1000.0 + 3000.0)
     assert hw["engine_step_s"] == pytest.approx(0.009 + 0.001 * ctx.shape.num_layers)
     # t = 300 us + 2 (n-1)/n bytes / busbw with n = 2: busbw = 1 GB/s
-    assert hw["intra_latency_us"] == pytest.approx(300, rel=0.01) and hw["intra_node_gbps"] == pytest.approx(1.0, rel=0.01)
+    assert (hw["intra_latency_us"] == pytest.approx(300, rel=0.01)
+            and hw["intra_node_gbps"] == pytest.approx(1.0, rel=0.01))
     assert prof["kind"] == "rayspeed-hardware-profile" and prof["gemm"] == [[128, 64, 64, 5e10]]
     ctx2 = build_ctx(load(TINY), profile=prof)
     assert ctx2.hw.host_fwd_layer_us == pytest.approx(1000.0)
@@ -139,7 +142,8 @@ def test_planner_and_config_stay_free_of_heavy_imports(tmp_path):
             "import rayspeed.planner.calibfit, rayspeed.planner.feedback, rayspeed.compat\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    assert main(['plan', {TINY!r}, '--json', '--profile', {prof!r}]) == 0\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'deepspeed', 'mlflow', 'numpy')))\n")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'ray', 'deepspeed', 'mlflow', 'numpy')))\n")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "platform"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"

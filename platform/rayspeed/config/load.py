@@ -255,7 +255,8 @@ def load(path: str, overrides: list[str] | None = None, lint_cluster_env: bool =
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason}); give the job's YAML file, "
                           "saved as UTF-8") from None
     except OSError as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); check the path and its permissions") from None
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); "
+                          "check the path and its permissions") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -243,7 +243,8 @@ def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | No
             fitted[f"{key}_latency_us"] = round(lat, 2)
             fitted[f"{key}_hop_us"] = 0.0
             rs_rows = (cal[0].get("reducescatter") or [])
-            for kind, rows, factor in (("allreduce", rep["allreduce"], 2.0), ("all_gather", rep.get("allgather") or [], 1.0),
+            for kind, rows, factor in (("allreduce", rep["allreduce"], 2.0),
+                                       ("all_gather", rep.get("allgather") or [], 1.0),
                                        ("reduce_scatter", rs_rows, 1.0)):
                 if rows:
                     kl, kb = _collective_fit(rows, ranks, factor)

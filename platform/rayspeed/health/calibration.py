@@ -56,7 +56,8 @@ def _typical_s(fn, dev: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def gemm_table(shapes: list[list[int]], dev: torch.device, dtype: torch.dtype, budget_s: float = 10.0) -> list[list[float]]:
+def gemm_table(shapes: list[list[int]], dev: torch.device, dtype: torch.dtype,
+               budget_s: float = 10.0) -> list[list[float]]:
     """[[m, k, n, flop_per_s], ...] for each shape, best of a few repetitions (bounded by budget_s in all)."""
     out = []
     t_end = time.perf_counter() + budget_s

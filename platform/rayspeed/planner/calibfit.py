@@ -47,7 +47,8 @@ def solve3(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-def fit_factors(rows: list[tuple[tuple[float, float, float], float]], ridge: float = RIDGE) -> tuple[float, float, float]:
+def fit_factors(rows: list[tuple[tuple[float, float, float], float]],
+                ridge: float = RIDGE) -> tuple[float, float, float]:
     """Factors (compute, comm, overhead) minimising sum(((f . groups) / measured - 1)^2) + ridge |f - 1|^2."""
     ata = [[ridge if i == j else 0.0 for j in range(3)] for i in range(3)]
     atb = [ridge] * 3
@@ -88,7 +89,8 @@ def fit(runs: list[dict], base: dict, experiment: str) -> dict:
     before = [predict(g, (1.0, 1.0, 1.0)) / m - 1.0 for g, m in rows]
     after = [predict(g, factors) / m - 1.0 for g, m in rows]
     out = dict(base)
-    out["efficiency"] = {"compute": round(factors[0], 4), "comm": round(factors[1], 4), "overhead": round(factors[2], 4)}
+    out["efficiency"] = {"compute": round(factors[0], 4), "comm": round(factors[1], 4),
+                         "overhead": round(factors[2], 4)}
     out["fit"] = {
         "experiment": experiment,
         "runs": len(rows),

@@ -48,7 +48,8 @@ class Group:
     nodes: int
     busbw_gbps: float  # ring/Simple bus bandwidth at large messages (nccl-tests busbw), what the slowest hop allows
     intra: str = "nvlink"  # nvlink | pci: the link inside a node
-    ll128: bool = True  # LL128 is on by default only inside an NVLink node (tuning.cc protoEnable: not over the network)
+    # LL128 is on by default only inside an NVLink node (tuning.cc protoEnable: not over the network)
+    ll128: bool = True
     latency_scale: float = 1.0  # a calibrated profile's measured / modelled latency
 
 

@@ -26,13 +26,14 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     """The time component that grew the most against the chosen layout."""
     a, b = e.time.as_dict(), best.time.as_dict()
     diffs = {k: a[k] - b[k] for k, _ in TIME_PARTS}
-    k = max(diffs, key=diffs.get)
+    k = max(diffs, key=diffs.__getitem__)
     slower = 100 * (e.step_s / best.step_s - 1)
     if slower < -0.05:
         return (f"{-slower:.1f}% faster by the model, within its error; the chosen layout leaves more memory free "
                 f"({100 * headroom(best):.0f}% vs {100 * headroom(e):.0f}% of usable)")
     if slower <= 0.05:
-        return "a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, less recomputation)"
+        return ("a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, "
+                "less recomputation)")
     what = LABEL[k]
     if k == "compute_s" and a["recompute_s"] - b["recompute_s"] > 0.5 * diffs[k]:
         what = "recomputation"
@@ -57,7 +58,8 @@ def key_alternatives(best: Estimate, estimates: list[Estimate], fixed: dict) -> 
                     not e.fits and not cur.fits and e.memory_gib < cur.memory_gib):
                 others[v] = e
         parts = []
-        for v in sorted(others, key=lambda x: (str(type(x)), x if not isinstance(x, str) else CHECKPOINT_MODES.index(x))):
+        for v in sorted(others, key=lambda x: (str(type(x)),
+                                               x if not isinstance(x, str) else CHECKPOINT_MODES.index(x))):
             e = others[v]
             if e.fits:
                 parts.append(f"{v}: {100 * (e.step_s / best.step_s - 1):+.1f}%")
@@ -78,7 +80,8 @@ def _key_reason(key: str, best: Estimate) -> str:
     if key == "activation_checkpointing":
         return ": the cheapest mode that fits and is fastest"
     if key == "grad_accum":
-        return f": global batch {ctx.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch_size} x {lay.grad_accum}"
+        return (f": global batch {ctx.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch_size} "
+                f"x {lay.grad_accum}")
     return ""
 
 
@@ -123,18 +126,20 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     n = sh.params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     L.append(f"rayspeed plan: {job_name}: {size} parameters ({sh.num_layers} layers, hidden {sh.hidden_size}, "
-             f"{sh.num_heads} heads / {sh.num_kv_heads} kv, ffn {sh.ffn_hidden_size}, vocab {sh.vocab_size}, seq {sh.seq_len}, "
-             f"{'tied' if sh.tie_embeddings else 'untied'} embeddings)")
+             f"{sh.num_heads} heads / {sh.num_kv_heads} kv, ffn {sh.ffn_hidden_size}, vocab {sh.vocab_size}, "
+             f"seq {sh.seq_len}, {'tied' if sh.tie_embeddings else 'untied'} embeddings)")
     L.append(f"cluster: {ctx.world} x {ctx.hw.name} ({ctx.nodes} node(s) x {ctx.node_size}), {ctx.precision}; "
              f"global batch {ctx.global_batch} sequences = {ctx.global_batch * sh.seq_len:,} tokens per step")
-    L.append("hardware: " + (ctx.profile and f"calibrated profile {ctx.profile} (held-out error "
-                                             f"{'%.1f%%' % (100 * ctx.model_error) if ctx.model_error else 'not fitted'})"
-                             or "built-in table (no profile: `rayspeed calibrate --out FILE`, then --profile FILE)"))
+    L.append("hardware: "
+             + (ctx.profile and f"calibrated profile {ctx.profile} (held-out error "
+                                f"{'%.1f%%' % (100 * ctx.model_error) if ctx.model_error else 'not fitted'})"
+                or "built-in table (no profile: `rayspeed calibrate --out FILE`, then --profile FILE)"))
     L.append("")
     L.append(f"chosen layout: {lay.short()}")
     L.append(f"  fastest of {counts['fitting']} fitting layouts ({counts['evaluated']} evaluated, "
              f"{counts['evaluated'] - counts['fitting']} do not fit in memory; "
-             f"{counts['beyond_cap']} more excluded by the accumulation cap of {rules['accumulation_cap']['max_grad_accum']})")
+             f"{counts['beyond_cap']} more excluded by the accumulation cap of "
+             f"{rules['accumulation_cap']['max_grad_accum']})")
     for line in key_alternatives(best, estimates, fixed):
         L.append(f"  - {line}")
     L.append("")
@@ -171,7 +176,8 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
              f"{'fits' if s['fits'] else 'does NOT fit'}; chosen follows it: {s['chosen_follows_rule']}; {s['note']}")
     lr = rules["lr"]
     used = "used for train.lr: auto" if lr.get("applied") else "not used: train.lr is set in the job"
-    L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g} ({used})" + (f"; {lr['floored']}" if "floored" in lr else ""))
+    L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g} ({used})"
+             + (f"; {lr['floored']}" if "floored" in lr else ""))
     if lr.get("applied") and "warning" in lr:
         L.append(f"    WARNING: {lr['warning']}")
     cap = rules["accumulation_cap"]
@@ -191,6 +197,6 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     if notes:
         L.append("")
         L.append("assumptions:")
-        for n in notes:
-            L.append(f"  - {n}")
+        for note in notes:
+            L.append(f"  - {note}")
     return "\n".join(L) + "\n"

@@ -42,5 +42,6 @@ def measured_s(table: tuple, M: float, K: float, N: float) -> float | None:
     if not table:
         return None
     lm, lk, ln = math.log(max(M, 1)), math.log(max(K, 1)), math.log(max(N, 1))
-    best = min(table, key=lambda r: (math.log(r[0]) - lm) ** 2 + (math.log(r[1]) - lk) ** 2 + (math.log(r[2]) - ln) ** 2)
+    best = min(table, key=lambda r: ((math.log(r[0]) - lm) ** 2 + (math.log(r[1]) - lk) ** 2
+                                     + (math.log(r[2]) - ln) ** 2))
     return 2.0 * M * K * N / max(best[3], 1.0)

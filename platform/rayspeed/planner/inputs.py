@@ -4,6 +4,7 @@ rayspeed.config.layout.Layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.planner.hardware import Hardware
@@ -13,7 +14,7 @@ from rayspeed.planner.hardware import Hardware
 class Ctx:
     shape: ModelShape
     hw: Hardware
-    precision: str  # fp32 | bf16 | fp16 (resolved)
+    precision: Literal["fp32", "bf16", "fp16"]  # resolved
     grad_accum_dtype: str  # fp32 | bf16
     world: int
     node_size: int  # ranks per node for topology (tp never spans one)

@@ -202,13 +202,9 @@ def worst_stage(ctx: Ctx, lay: Layout) -> tuple[int, dict]:
         if key not in seen:
             seen.add(key)
             stages.append(st)
-    best = None
-    for st in stages:
-        br = stage_breakdown(ctx, lay, st)
-        tot = sum(br.values())
-        if best is None or tot > best[0]:
-            best = (tot, st, br)
-    return best[1], best[2]
+    breakdowns = {st: stage_breakdown(ctx, lay, st) for st in stages}
+    worst = max(stages, key=lambda st: sum(breakdowns[st].values()))  # the first of equal totals
+    return worst, breakdowns[worst]
 
 
 def to_gib(br: dict) -> dict:

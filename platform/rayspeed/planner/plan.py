@@ -181,8 +181,9 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
     bpp = sum(bytes_per_param(ctx.precision, ctx.grad_accum_dtype).values())
     need = math.ceil(ctx.shape.params * bpp / GIB / max(ctx.usable_gib * 0.6, 1e-9))
     problems.append(f"what would fit: more {'GPUs' if ctx.hw.is_gpu else 'workers'} (model states alone need "
-                    f"{ctx.shape.params * bpp / GIB:.0f} GiB: about {need} or more with ZeRO-3), a GPU with more memory "
-                    f"(cluster.gpu), or a shorter model.seq_len / smaller train.global_batch_size")
+                    f"{ctx.shape.params * bpp / GIB:.0f} GiB: about {need} or more with ZeRO-3), "
+                    "a GPU with more memory (cluster.gpu), or a shorter model.seq_len / smaller "
+                    "train.global_batch_size")
     return problems
 
 
@@ -203,7 +204,8 @@ def _what_would_fit(ctx: Ctx, fixed: dict) -> str | None:
         options.sort(key=lambda o: o[0])
         cap = accumulation_cap(ctx)
         lines = [f"parallel.{key}={getattr(e.layout, key)} (then {e.layout.short()}, {e.memory_gib:.1f} GiB, "
-                 f"{e.step_s:.3g} s/step" + (f", accumulation above the cap of {cap}" if e.layout.grad_accum > cap else "")
+                 f"{e.step_s:.3g} s/step"
+                 + (f", accumulation above the cap of {cap}" if e.layout.grad_accum > cap else "")
                  + ")" for _, key, e in options[:3]]
         return "what would fit, changing one fixed key: " + "; or ".join(lines)
     e = _best_fitting(ctx, {})
@@ -222,17 +224,18 @@ def resolve(cfg: JobConfig, world_size: int | None = None, profile=None) -> tupl
     stage split parallel.stage_layers), plus the plan."""
     res = plan_job(cfg, world_size, profile=profile)
     lay, ctx = res.layout, res.ctx
+    assert lay is not None and ctx is not None  # plan_job always sets both
     fill = {k: getattr(lay, k) for k in LAYOUT_KEYS}
     if hasattr(cfg.parallel, "stage_layers"):
         fill["stage_layers"] = list(lay.stage_layers) if (lay.stage_layers and lay.pp > 1) else None
     par = dataclasses.replace(cfg.parallel, **fill)
-    train = dataclasses.replace(cfg.train, precision=ctx.precision,
-                                lr=cfg.train.lr if cfg.train.lr != AUTO else res.best["lr"])
+    lr = cfg.train.lr if cfg.train.lr != AUTO else res.best["lr"]
+    train = dataclasses.replace(cfg.train, precision=ctx.precision, lr=lr)
     if train.min_lr == AUTO:
-        train = dataclasses.replace(train, min_lr=float(train.lr) * 0.1)
-    elif train.min_lr > train.lr:  # only with lr: auto (validation refuses a fixed lr below min_lr)
+        train = dataclasses.replace(train, min_lr=float(lr) * 0.1)
+    elif train.min_lr > lr:  # only with lr: auto (validation refuses a fixed lr below min_lr)
         raise ConfigError(f"train.min_lr ({train.min_lr:g}) is above the learning rate lr: auto gives this job "
-                          f"({train.lr:.3g}, {res.rules['lr']['rule']}); lower train.min_lr (or set it to auto: "
+                          f"({lr:.3g}, {res.rules['lr']['rule']}); lower train.min_lr (or set it to auto: "
                           "lr / 10), or set train.lr")
     if getattr(train, "compile", False) == AUTO:
         # torch.compile before DeepSpeed keeps part of its gain (H200 anchor) where the engine allows it:
@@ -271,9 +274,9 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
         z = int(layout.get("zero_stage", 0))
         split = layout.get("stage_layers")
         split = tuple(int(n) for n in split) if split not in (None, "", []) else None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError) as exc:
         return {**{k: layout.get(k) for k in LAYOUT_KEYS}, "fits": False, "valid": False, "runnable": False,
-                "reason": f"layout values must be integers: {e}"}
+                "reason": f"layout values must be integers: {exc}"}
     sp = layout.get("sequence_parallel", tp > 1)
     sp = sp if isinstance(sp, bool) else str(sp).lower() == "true"
     ac = str(layout.get("activation_checkpointing", "none"))
@@ -282,7 +285,8 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     elif dp * tp * pp != ctx.world:
         fatal.append(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size ({ctx.world})")
     if tp >= 1 and (sh.num_heads % tp or sh.num_kv_heads % tp):
-        fatal.append(f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and model.num_kv_heads ({sh.num_kv_heads})")
+        fatal.append(f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and "
+                     f"model.num_kv_heads ({sh.num_kv_heads})")
     if pp > sh.num_layers:
         fatal.append(f"pp {pp} exceeds model.num_layers ({sh.num_layers}): every stage needs at least one layer")
     if split is not None and (len(split) != pp or min(split) < 1 or sum(split) != sh.num_layers):

@@ -148,7 +148,8 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
         pps = [fixed["pp"]] if "pp" in fixed else ([len(split)] if split else divisors(W // tp))
         for pp in pps:
             if (W // tp) % pp:
-                out.rejected.append(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide the world size ({W})")
+                out.rejected.append(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} "
+                                    f"does not divide the world size ({W})")
                 continue
             if pp > sh.num_layers:  # any pp up to the layer count: stages may hold unequal numbers of blocks
                 if "pp" in fixed:
@@ -161,8 +162,8 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                 continue
             dp = W // (tp * pp)
             if "dp" in fixed and fixed["dp"] != dp:
-                out.rejected.append(f"parallel.dp ({fixed['dp']}) x tp ({tp}) x pp ({pp}) must equal the world size ({W}); "
-                                    f"dp would be {dp}")
+                out.rejected.append(f"parallel.dp ({fixed['dp']}) x tp ({tp}) x pp ({pp}) "
+                                    f"must equal the world size ({W}); dp would be {dp}")
                 continue
             if "micro_batch_size" in fixed and B % (dp * fixed["micro_batch_size"]):
                 mb = fixed["micro_batch_size"]
@@ -187,8 +188,9 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     continue
                 ga = per // mb
                 if "grad_accum" in fixed and fixed["grad_accum"] != ga:
-                    out.rejected.append(f"train.global_batch_size ({B}) != dp ({dp}) x parallel.micro_batch_size ({mb}) x "
-                                        f"parallel.grad_accum ({fixed['grad_accum']}); grad_accum would be {ga}")
+                    out.rejected.append(f"train.global_batch_size ({B}) != dp ({dp}) x "
+                                        f"parallel.micro_batch_size ({mb}) x parallel.grad_accum "
+                                        f"({fixed['grad_accum']}); grad_accum would be {ga}")
                     continue
                 zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else ([0, 1] if pp > 1 else [0, 1, 2, 3])
                 for z in zeros:
@@ -254,7 +256,7 @@ class Estimate:
         return self.memory_gib - self.ctx.usable_gib
 
     def biggest_part(self) -> tuple[str, float]:
-        k = max(self.memory, key=self.memory.get)
+        k = max(self.memory, key=self.memory.__getitem__)
         return k, self.memory[k] / GIB
 
     def to_plan(self) -> dict:
@@ -265,7 +267,8 @@ class Estimate:
             memory_gib_per_gpu=round(self.memory_gib, 3),
             memory_breakdown_gib=to_gib(self.memory),
             # Exact model-state bytes of the worst rank, for checking against the real engine.
-            model_state_bytes={k: int(self.memory.get(k, 0)) for k in ("weights", "gradients", "master_weights", "optimizer_states")},
+            model_state_bytes={k: int(self.memory.get(k, 0))
+                               for k in ("weights", "gradients", "master_weights", "optimizer_states")},
             usable_memory_gib=round(self.ctx.usable_gib, 3),
             worst_stage=self.worst_stage,
             step_time_s=round(self.step_s, 6),
@@ -285,7 +288,8 @@ def evaluate(ctx: Ctx, lay: Layout, cache: dict | None = None) -> Estimate:
     """Memory and (lazily) time of one layout; a pipeline without an explicit split gets the planner's.
     `cache`: splits already chosen in this search (they depend on tp, pp, micro-batch, sp and checkpointing)."""
     if lay.pp > 1 and lay.stage_layers is None:
-        key = (lay.tp, lay.pp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing, lay.zero_stage)
+        key = (lay.tp, lay.pp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing,
+               lay.zero_stage)
         split = cache.get(key) if cache is not None else None
         if split is None:
             split = choose_split(ctx, lay)
