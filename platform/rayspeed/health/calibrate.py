@@ -32,19 +32,12 @@ MAX_SHAPES = 24
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
-    from rayspeed.config.load import load
-    from rayspeed.config.schema import JobConfig
+    from rayspeed.health.healthcheck import job_for
     from rayspeed.logs import setup
 
     setup()
     try:
-        cfg = load(args.config, args.overrides) if args.config else JobConfig()
-        if args.workers is not None:
-            if args.workers < 1:
-                raise ConfigError(f"--workers {args.workers}: need at least 1")
-            cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_workers=args.workers))
-        if args.gpu is not None:
-            cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=args.gpu))
+        cfg = job_for(args)
         profile = calibrate(cfg, timeout_s=args.timeout)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)

@@ -365,20 +365,28 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def healthcheck_command(args: argparse.Namespace) -> int:
+def job_for(args: argparse.Namespace) -> Any:
+    """The job a cluster command measures for: --config (with --set), else a generic one; --workers and
+    --gpu/--cpu override its cluster section. Raises ConfigError."""
     from rayspeed.config.load import load
     from rayspeed.config.schema import JobConfig
+
+    cfg = load(args.config, args.overrides) if args.config else JobConfig()
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError(f"--workers {args.workers}: need at least 1")
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_workers=args.workers))
+    if args.gpu is not None:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=args.gpu))
+    return cfg
+
+
+def healthcheck_command(args: argparse.Namespace) -> int:
     from rayspeed.logs import setup
 
     setup()
     try:
-        cfg = load(args.config, args.overrides) if args.config else JobConfig()
-        if args.workers is not None:
-            if args.workers < 1:
-                raise ConfigError(f"--workers {args.workers}: need at least 1")
-            cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_workers=args.workers))
-        if args.gpu is not None:
-            cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=args.gpu))
+        cfg = job_for(args)
         use_gpu = (args.gpu if args.gpu is not None
                    else (True if cfg.cluster.use_gpu else None if not args.config else False))
         sizes = None
