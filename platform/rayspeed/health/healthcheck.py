@@ -384,4 +384,10 @@ def healthcheck_command(args: argparse.Namespace) -> int:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     print(json.dumps(rep, default=str) if args.json else render(rep), flush=True)
+    return exit_code(rep)
+
+
+def exit_code(rep: dict[str, Any]) -> int:
+    """1 when the check found an error (a wrong collective result anywhere, the per-node table included; a hang;
+    a failed rank), else 0."""
     return EXIT_FAILED if any(f["severity"] == "error" for f in rep["findings"]) else EXIT_OK
