@@ -153,7 +153,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
 
     from rayspeed.health import analysis, topology
     from rayspeed.health.collectives import default_iters, default_sizes
-    from rayspeed.health.envprofile import profile
+    from rayspeed.health.envprofile import profile, redacted
     from rayspeed.health.knowledge import Finding, load
 
     kb = load()
@@ -164,8 +164,9 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
     sizes = sizes or default_sizes(device)
     it, wu = default_iters(device)
     prof = profile(cfg, world)
+    shown = redacted(prof)
     log.info("healthcheck: %d ranks (%s) on %s; %s", world, "NCCL" if use_gpu else "gloo", info["address"],
-             f"env profile: {prof['tier']}" + (f" {prof['env']}" if prof["env"] else ""))
+             f"env profile: {prof['tier']}" + (f" {shown['env']}" if prof["env"] else ""))
 
     # One probe per alive node, pinned to it (num_cpus=0: it runs even on a node whose CPUs are all reserved).
     probe = ray.remote(num_cpus=0)(_probe_node)
@@ -285,7 +286,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
                     "resources": {k: v for k, v in info["resources"].items() if not k.startswith("node:")}},
         "backend": "nccl" if use_gpu else "gloo",
         "placement": {"bundle": bundle, "strategy": c.placement_strategy},
-        "env_profile": {"tier": prof["tier"], "env": prof["env"], "notes": prof["notes"]},
+        "env_profile": {"tier": prof["tier"], "env": shown["env"], "notes": prof["notes"]},
         "hardware": {"name": hw.name, "expected_busbw_gbps": analysis.expected_busbw(hw, nodes_used)},
         "nodes": node_info,
         "ranks": ranks,
