@@ -98,23 +98,26 @@ def redact_text(text: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
     whose NAME looks secret, and the values of secret-named environment variables. Non-strings pass through."""
     if not isinstance(text, str) or not text:
         return text
-    out = _URI.sub(lambda m: redact_uri(m.group(0)), text)
-
-    def pair(m: re.Match) -> str:
-        if not is_secret_key(m.group("name")):
-            return m.group(0)
-        value = next(v for v in (m.group("dq"), m.group("sq"), m.group("bare")) if v is not None)
-        if not value or value == MASK:
-            return m.group(0)
-        start, end = m.span()
-        vs, ve = next(m.span(g) for g in ("dq", "sq", "bare") if m.group(g) is not None)
-        return m.group(0)[: vs - start] + MASK + m.group(0)[ve - start:]
-
-    out = _PAIR.sub(pair, out)
+    out = _pairs(_URI.sub(lambda m: redact_uri(m.group(0)), text))
     for v in env_secret_values(environ):
         if v in out:
             out = out.replace(v, MASK)
     return out
+
+
+def _pairs(text: str) -> str:
+    def pair(m: re.Match) -> str:
+        group = next(g for g in ("dq", "sq", "bare") if m.group(g) is not None)
+        value = m.group(group)
+        start = m.start()
+        vs, ve = m.span(group)
+        if is_secret_key(m.group("name")):
+            replaced = value if not value or value == MASK else MASK
+        else:  # a quoted value may hold pairs of its own: --set cluster.env='{HF_TOKEN: ...}'
+            replaced = _pairs(value) if group != "bare" else value
+        return m.group(0)[: vs - start] + replaced + m.group(0)[ve - start:]
+
+    return _PAIR.sub(pair, text)
 
 
 def redact_value(key: Any, value: Any) -> Any:

@@ -232,6 +232,8 @@ def schedule_command(args: argparse.Namespace) -> int:
     try:
         if args.action == "install":
             repo = _norm_repo(args.repo)
+            if not (Path(repo) / Path(args.config).expanduser()).is_file():
+                raise CronError(f"CONFIG {args.config!r}: no such job file in {repo}")
             envs = line_env()
             line = cron_line(args.cron, args.config, repo, args.log or str(Path(repo) / "runs" / "retrain.log"),
                              args.args, env=envs)
