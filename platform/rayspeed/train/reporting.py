@@ -57,7 +57,8 @@ def versions() -> dict[str, str]:
 
 
 def mfu_terms(cfg: JobConfig) -> tuple[float, Optional[float]]:
-    """(model FLOPs per token = 6N + 12 L h s, peak FLOP/s of one GPU) from the planner's tables; no MFU on CPU."""
+    """(model FLOPs per token: ModelShape.flops_per_token, PaLM's 6 N non-embedding + 12 L h s, the one definition;
+    peak FLOP/s of one GPU from the planner's tables); no MFU on CPU."""
     try:
         from rayspeed.config.shape import ModelShape
         from rayspeed.planner.hardware import get as hardware
