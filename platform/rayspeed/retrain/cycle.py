@@ -179,6 +179,7 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
            keep_cycles: int, reeval_max_gflop: float, job_cmd: Optional[Sequence[str]],
            env: Optional[dict[str, str]], t0: float) -> CycleResult:
     from rayspeed.config.load import load
+    from rayspeed.config.schema import AUTO
     from rayspeed.errors import ConfigError
     from rayspeed.paths import storage_path, tracking_uri
     from rayspeed.retrain.lock import Locked, LockUnsupported, cycle_lock
@@ -193,7 +194,7 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
     except ConfigError as e:
         raise _Stop("bad_input", e.render()) from None
     base, reg, uri, storage = cfg.name, registered_model_name(cfg), tracking_uri(cfg), storage_path(cfg)
-    refused = access_problem(uri, "tracking.uri" if cfg.tracking.uri != "auto" else "MLFLOW_TRACKING_URI")
+    refused = access_problem(uri, "tracking.uri" if cfg.tracking.uri != AUTO else "MLFLOW_TRACKING_URI")
     if refused:
         raise _Stop("bad_input", refused)
     sdir = history.state_dir(storage)
