@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from typing import Callable, Optional
 
@@ -116,6 +117,9 @@ def _retrain(p: argparse.ArgumentParser) -> None:
                    help="cycle folders (checkpoints) kept under storage; older ones are deleted (0: keep all)")
     p.add_argument("--reeval-max-gflop", type=float, default=2000.0,
                    help="re-evaluate the champion on changed data on the CPU only below this cost (GFLOP)")
+    p.add_argument("--args", dest="args_string", default="", metavar="STRING",
+                   help="more arguments of this command in one string, split like a shell splits words but "
+                        "without running anything (what `make retrain ARGS=...` passes)")
 
 
 def _schedule(p: argparse.ArgumentParser) -> None:
@@ -193,6 +197,13 @@ def main(argv: Optional[list[str]] = None, prog: str = "rayspeed") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
+        if getattr(args, "args_string", ""):  # --args "...": words split without a shell, parsed like the rest
+            try:
+                more = shlex.split(args.args_string)
+            except ValueError as e:
+                print(f"{prog}: --args {args.args_string!r}: {e}", file=sys.stderr)
+                return 2
+            args = parser.parse_args(argv + more)
     except SystemExit as e:  # argparse printed the usage: --help is 0, a usage error is bad input (2)
         return int(e.code or 0)
     if args.command is None:

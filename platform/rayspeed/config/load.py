@@ -18,6 +18,7 @@ import yaml
 from rayspeed.config.schema import JobConfig
 from rayspeed.config.validate import check
 from rayspeed.errors import ConfigError
+from rayspeed.redact import redact_mapping
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -278,7 +279,9 @@ def to_dict(cfg: Any) -> dict:
 
 
 def to_yaml(cfg: Any) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML for people and records (--dry-run, MLflow's config/resolved.yaml): secrets masked
+    (rayspeed.redact). Not for handing the config on: use to_dict."""
+    return yaml.safe_dump(redact_mapping(to_dict(cfg)), sort_keys=False)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

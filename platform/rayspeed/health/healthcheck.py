@@ -159,7 +159,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
 
     from rayspeed.health import analysis, topology
     from rayspeed.health.collectives import default_iters, default_sizes
-    from rayspeed.health.envprofile import profile
+    from rayspeed.health.envprofile import profile, redacted
     from rayspeed.health.knowledge import Finding, load
 
     kb = load()
@@ -170,8 +170,9 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
     sizes = sizes or default_sizes(device)
     it, wu = default_iters(device)
     prof = profile(cfg, world)
+    shown = redacted(prof)
     log.info("healthcheck: %d ranks (%s) on %s; %s", world, "NCCL" if use_gpu else "gloo", info["address"],
-             f"env profile: {prof['tier']}" + (f" {prof['env']}" if prof["env"] else ""))
+             f"env profile: {prof['tier']}" + (f" {shown['env']}" if prof["env"] else ""))
 
     # One probe per alive node, pinned to it (num_cpus=0: it runs even on a node whose CPUs are all reserved).
     probe = ray.remote(num_cpus=0)(_probe_node)
@@ -292,7 +293,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
                     "resources": {k: v for k, v in info["resources"].items() if not k.startswith("node:")}},
         "backend": "nccl" if use_gpu else "gloo",
         "placement": {"bundle": bundle, "strategy": c.placement_strategy},
-        "env_profile": {"tier": prof["tier"], "env": prof["env"], "notes": prof["notes"]},
+        "env_profile": {"tier": prof["tier"], "env": shown["env"], "notes": prof["notes"]},
         "hardware": {"name": hw.name, "expected_busbw_gbps": analysis.expected_busbw(hw, nodes_used)},
         "nodes": node_info,
         "ranks": ranks,
@@ -400,4 +401,10 @@ def healthcheck_command(args: argparse.Namespace) -> int:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     print(json.dumps(rep, default=str) if args.json else render(rep), flush=True)
+    return exit_code(rep)
+
+
+def exit_code(rep: dict[str, Any]) -> int:
+    """1 when the check found an error (a wrong collective result anywhere, the per-node table included; a hang;
+    a failed rank), else 0."""
     return EXIT_FAILED if any(f["severity"] == "error" for f in rep["findings"]) else EXIT_OK
