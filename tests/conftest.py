@@ -65,3 +65,30 @@ def mlflow_auth(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_process_store_restored():
+    """No test leaves MLflow's process-wide tracking/registry URI or active experiment behind for the next one
+    (mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI, which rayspeed itself reads)."""
+    from rayspeed.compat import MLFLOW_PROCESS_ENV
+
+    env = {k: os.environ.get(k) for k in MLFLOW_PROCESS_ENV}
+    if "mlflow" in sys.modules:
+        from rayspeed.compat import mlflow_process_state
+
+        with mlflow_process_state():
+            yield
+        return
+    yield
+    if "mlflow" in sys.modules:  # imported by this test: back to MLflow's defaults
+        from mlflow.tracking import fluent
+        from mlflow.tracking._model_registry import utils as registry_utils
+        from mlflow.tracking._tracking_service import utils as tracking_utils
+
+        tracking_utils._tracking_uri = registry_utils._registry_uri = fluent._active_experiment_id = None
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -1,4 +1,4 @@
-"""Every use of a Ray or DeepSpeed internal, in one place, each written for the pinned versions below.
+"""Every use of a Ray, DeepSpeed or MLflow internal, in one place, each written for the pinned versions below.
 
 A new Ray or DeepSpeed release may move any of these. `check()` (run by tests/test_compat.py) verifies that the
 installed versions are the ones written for and that every internal still exists, and says which to revisit.
@@ -7,8 +7,9 @@ Nothing here is imported by the planner: Ray and DeepSpeed are imported inside t
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger("rayspeed.compat")
 
@@ -172,6 +173,49 @@ def skip_deepspeed_shm_comm_op() -> None:
         log.debug("shm comm op not skipped: %s", e)
 
 
+# ---------------------------------------------------------------- MLflow (written for mlflow 3.17)
+
+
+MLFLOW_PROCESS_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
+
+
+@contextlib.contextmanager
+def mlflow_process_state() -> Iterator[None]:
+    """Put back, after the block, MLflow's process-wide store settings exactly as they were: the tracking and
+    registry URI globals, the active experiment, and the MLFLOW_* variables the setters export for subprocesses."""
+    import os
+
+    from mlflow.tracking import fluent
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    saved = (tracking_utils._tracking_uri, registry_utils._registry_uri, fluent._active_experiment_id)
+    env = {k: os.environ.get(k) for k in MLFLOW_PROCESS_ENV}
+    try:
+        yield
+    finally:
+        tracking_utils._tracking_uri, registry_utils._registry_uri, fluent._active_experiment_id = saved
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def mlflow_process_store(uri: str) -> Iterator[None]:
+    """MLflow's process-wide tracking and registry URIs at `uri` for the block, then as they were.
+    `mlflow.<flavor>.log_model`, `register_model` and `models:/` URIs only resolve against the process-wide store;
+    left set, they would send every later MlflowClient without an explicit registry URI (and every later job in a
+    long-lived driver) to this job's store."""
+    import mlflow
+
+    with mlflow_process_state():
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
+        yield
+
+
 # ---------------------------------------------------------------- the check
 
 
@@ -213,4 +257,15 @@ def check() -> list[str]:
             problems.append(f"PipelineModule.{attr} is gone: pipeline_explicit_parts cannot place stage_layers")
     if not hasattr(deepspeed.ops, "__compatible_ops__"):
         problems.append("deepspeed.ops.__compatible_ops__ is gone: the CPU shm comm op is compiled again at start")
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    if not (hasattr(tracking_utils, "_tracking_uri") and hasattr(registry_utils, "_registry_uri")):
+        problems.append("mlflow's _tracking_uri/_registry_uri globals moved: mlflow_process_store cannot restore "
+                        "the process-wide store")
+    from mlflow.tracking import fluent
+
+    if not hasattr(fluent, "_active_experiment_id"):
+        problems.append("mlflow.tracking.fluent._active_experiment_id moved: mlflow_process_store cannot restore "
+                        "the active experiment")
     return problems

@@ -79,6 +79,7 @@ def _tokenizer(setting: str, pretrained: Optional[str], byte_files: bool) -> Any
 def _from_run(args: argparse.Namespace, out: Path) -> list[str]:
     from mlflow.exceptions import MlflowException
 
+    from rayspeed.compat import mlflow_process_store
     from rayspeed.paths import MLFLOW_DB, home
     from rayspeed.tracking.client import mlflow_client
 
@@ -91,14 +92,14 @@ def _from_run(args: argparse.Namespace, out: Path) -> list[str]:
                                "checkpoint directory)") from None
     import mlflow
 
-    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
-                                         filter_string=f"source_run_id = '{args.source}'")
+    with mlflow_process_store(uri):
+        models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
+                                             filter_string=f"source_run_id = '{args.source}'")
     with tempfile.TemporaryDirectory(prefix="rayspeed-export-") as tmp:
         if models:
             model_id = sorted(models, key=lambda m: m.creation_timestamp)[-1].model_id
-            mlflow.set_tracking_uri(uri)  # models:/ URIs resolve against the process-wide store
-            mlflow.set_registry_uri(uri)
-            src = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=tmp))
+            with mlflow_process_store(uri):  # models:/ URIs resolve against the process-wide store
+                src = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=tmp))
             out.mkdir(parents=True, exist_ok=True)
             copied = []
             for sub in ("model", "components/tokenizer"):

@@ -67,6 +67,8 @@ def test_logged_model_registered_loads_in_transformers_and_pyfunc(home, tmp_path
                                   tokenizer=job_tokenizer("bytes", None, for_serving=True))
     assert version == "1"
 
+    mlflow.set_tracking_uri(uri)  # restored after the test by conftest
+    mlflow.set_registry_uri(uri)
     logged = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
                                          filter_string=f"source_run_id = '{run_id}'")
     assert len(logged) == 1
@@ -77,8 +79,6 @@ def test_logged_model_registered_loads_in_transformers_and_pyfunc(home, tmp_path
     assert [(d["name"], str(d["version"])) for d in linked] == [("rayspeed-hfjob", "1")]
     assert "model/weights.pt" in [a.path for a in client.list_artifacts(run_id, "model")]  # the earlier form
 
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
     local = mlflow.artifacts.download_artifacts("models:/rayspeed-hfjob/1", dst_path=str(tmp_path / "dl"))
     hf = AutoModelForCausalLM.from_pretrained(f"{local}/model", dtype=torch.float32).eval()
     with torch.no_grad():

@@ -36,7 +36,8 @@ def _reporter(log_every: int) -> Reporter:
     cfg = parse({"name": "w", "tracking": {"log_every_steps": log_every}, "train": {"max_steps": 100}})
     ctx = SimpleNamespace(is_rank0=False, rank=0, world_size=1, node_id="n", experiment_dir="/nonexistent")
     payload = SimpleNamespace(mlflow_run_id=None, tracking_uri=None)
-    r = Reporter(cfg, SimpleNamespace(), ctx, payload, SimpleNamespace(dp=1), torch.device("cpu"), time.time())
+    plan = SimpleNamespace(best={"step_time_s": 0.02, "memory_gib_per_gpu": 1.0})
+    r = Reporter(cfg, plan, ctx, payload, SimpleNamespace(dp=1), torch.device("cpu"), time.time())
     r.first_step_done = True  # the first-step report is a collective over a real engine: not what is tested here
     return r
 

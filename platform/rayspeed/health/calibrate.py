@@ -293,22 +293,24 @@ def record(cfg, profile: dict, path: str) -> str | None:
     """One MLflow run in experiment rayspeed-calibration, the profile as an artifact; None when MLflow fails
     (the profile on disk is what matters)."""
     try:
-        import mlflow
-
         from rayspeed.paths import tracking_uri
+        from rayspeed.tracking.client import mlflow_client, set_terminated
 
-        mlflow.set_tracking_uri(tracking_uri(cfg))
-        mlflow.set_experiment(EXPERIMENT)
+        client = mlflow_client(tracking_uri(cfg))
+        exp = client.get_experiment_by_name(EXPERIMENT)
+        exp_id = exp.experiment_id if exp else client.create_experiment(EXPERIMENT)
         name = f"calibrate-{profile['gpu']}-{profile['nodes']}n{profile['ranks']}r"
-        with mlflow.start_run(run_name=name) as run:
-            mlflow.set_tags({"rayspeed.kind": "calibration", "rayspeed.job": cfg.name})
-            mlflow.log_params({k: profile[k] for k in ("device", "gpu", "nodes", "ranks", "ranks_per_node", "backend",
-                                                        "precision", "measured_at", "host")})
-            mlflow.log_metrics({f"hw/{k}": float(v) for k, v in profile["hardware"].items()
-                                if isinstance(v, (int, float)) and math.isfinite(float(v))})
-            mlflow.log_metric("calibrate/seconds", float(profile.get("seconds") or 0.0))
-            mlflow.log_artifact(path, artifact_path="profile")
-            return run.info.run_id
+        run_id = client.create_run(exp_id, run_name=name,
+                                   tags={"rayspeed.kind": "calibration", "rayspeed.job": cfg.name}).info.run_id
+        for k in ("device", "gpu", "nodes", "ranks", "ranks_per_node", "backend", "precision", "measured_at", "host"):
+            client.log_param(run_id, k, profile[k])
+        for k, v in profile["hardware"].items():
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                client.log_metric(run_id, f"hw/{k}", float(v))
+        client.log_metric(run_id, "calibrate/seconds", float(profile.get("seconds") or 0.0))
+        client.log_artifact(run_id, path, artifact_path="profile")
+        set_terminated(client, run_id, "FINISHED")
+        return run_id
     except Exception as e:  # noqa: BLE001 - the measurement is done; tracking is a convenience
         log.warning("calibration not recorded in MLflow: %s", e)
         return None

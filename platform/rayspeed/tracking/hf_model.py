@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from rayspeed.compat import mlflow_process_store
 from rayspeed.tracking.client import mlflow_client
 from rayspeed.tracking.registry import MODEL_ARTIFACT, bounded, metric_tags
 
@@ -101,10 +102,6 @@ def log_hf_model(tracking_uri: str, run_id: str, hf_dir: str, export_dir: Option
 
     client = mlflow_client(tracking_uri)
     run = client.get_run(run_id)
-    # Model.log resolves the store and the experiment from the process-wide settings.
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
-    mlflow.set_experiment(experiment_id=run.info.experiment_id)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     import transformers
@@ -112,10 +109,13 @@ def log_hf_model(tracking_uri: str, run_id: str, hf_dir: str, export_dir: Option
     # Explicit requirements: MLflow's inference imports torchvision and friends, which a CPU image lacks.
     reqs = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}", "tokenizers",
             "safetensors"]
-    info = mlflow.transformers.log_model(
-        {"model": model, "tokenizer": tokenizer}, name=LOGGED_MODEL_NAME, task="text-generation", run_id=run_id,
-        pip_requirements=reqs, model_config={"max_new_tokens": 32}, tags=tags or None,
-    )
+    # Model.log resolves the store and the experiment from the process-wide settings.
+    with mlflow_process_store(tracking_uri):
+        mlflow.set_experiment(experiment_id=run.info.experiment_id)
+        info = mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tokenizer}, name=LOGGED_MODEL_NAME, task="text-generation", run_id=run_id,
+            pip_requirements=reqs, model_config={"max_new_tokens": 32}, tags=tags or None,
+        )
     if export_dir:
         client.log_model_artifacts(info.model_id, export_dir, RAYSPEED_SUBDIR)
     return info
@@ -142,9 +142,9 @@ def register_logged_model(tracking_uri: str, info: Any, registered_name: str, ru
             return str(mv.version)
     import mlflow
 
-    mlflow.set_registry_uri(tracking_uri)
     # register_model also records the version on the logged model (mlflow.modelVersions), which the UI follows.
-    mv = mlflow.register_model(info.model_uri, registered_name, tags=tags)
+    with mlflow_process_store(tracking_uri):
+        mv = mlflow.register_model(info.model_uri, registered_name, tags=tags)
     c.update_model_version(registered_name, mv.version, description=f"run {run_id}")
     c.set_tag(run_id, "rayspeed.registered_version", f"{registered_name}/{mv.version}")
     c.set_tag(run_id, "rayspeed.logged_model_id", info.model_id)
