@@ -1,7 +1,8 @@
 """`make bench`: one JSON line per benchmark, each side by side within the same run.
 
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
-                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu] [--home DIR] [--keep]
+                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu,checkpoint] [--home DIR]
+                            [--keep]
 
 Lines (in this order; "bench" names each):
   cpu_overhead  The platform (jobs/train.py under Ray Train + DeepSpeed, 2 CPU workers) against a bare
@@ -25,6 +26,9 @@ Lines (in this order; "bench" names each):
   planner_512   The planner's layout search for a 512-GPU job (Llama-70B shape on 64 x 8 H100):
                 in-process search time (median of 7) and the `rayspeed plan --json` command end to end.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
+  checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
+                asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
+                steps/s while the background write runs, both runs' wall time, same_loss.
 
 Everything runs in a scratch RAYSPEED_HOME (its own mlflow.db and runs/), deleted unless --keep.
 """
@@ -496,6 +500,14 @@ def bench_gpu(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "gpu", "status": "failed", "rc": proc.returncode}]
 
 
+def bench_checkpoint(args) -> list[dict[str, Any]]:
+    _note("checkpoint: sync vs async save of a ~300M-parameter model (scripts/bench_checkpoint.py)")
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_checkpoint.py")], cwd=str(ROOT), stdout=subprocess.PIPE,
+                          text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines or [{"bench": "checkpoint", "status": "failed", "rc": proc.returncode}]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench.py", description="rayspeed benchmarks: one JSON line each")
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
@@ -507,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu")
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -533,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.insert(1 if cpu is not None else 0, resil)
         if "gpu" in only:
             lines += bench_gpu(args)
+        if "checkpoint" in only:
+            lines += bench_checkpoint(args)
         for line in lines:
             _emit({**line, **stamp})
     except Exception as e:  # one clear line, not a traceback

@@ -270,6 +270,11 @@ class Reporter:
         log_rank(log, "step %d val loss %.4f", step, val_loss)
         self.window.pause_excluded()
 
+    def before_checkpoint(self) -> None:
+        """Every step up to a checkpoint reaches MLflow before the checkpoint can commit (an async one commits in
+        the background): a crash just after it loses no step that a resume from it would not re-run."""
+        self.tracker.flush(5.0)
+
     def log_checkpoint(self, step: int, stall: float) -> None:
         """A save returned: `stall` is how long training was blocked (an async save's background write is logged
         by log_checkpoints_written when it commits)."""

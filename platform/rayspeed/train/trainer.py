@@ -183,6 +183,7 @@ class Trainer:
                 val_loss = self.validator.run(self.engine)
                 self.reporter.log_validation(done, val_loss)
             if self.checkpointer.should_save(done):
+                self.reporter.before_checkpoint()
                 stall = self.checkpointer.save(done, self.engine, self.client_state(done))
                 self.reporter.log_checkpoint(done, stall)
             self.reporter.log_checkpoints_written(self.checkpointer.poll())  # async: when the background commits
