@@ -74,11 +74,12 @@ def _losses(home: Path, name: str) -> dict[int, float]:
 def run_round(args: argparse.Namespace, home: Path, kill_step: int, max_steps: int, rng: random.Random) -> dict:
     point = rng.choice(CHECKPOINT_POINTS)
     rank = rng.randrange(args.workers if args.launcher == "ray" else 1)
+    root = home / "runs" / NAME
+    before, _ = manifest.latest_verified(root)  # what this round's start must resume from (it may be pruned later)
     t0 = time.time()
     rc, out = _run(_job(args, max_steps, "--set", f"name={NAME}", "--set",
                         f"chaos.kill_rank_in_checkpoint={{rank: {rank}, step: {kill_step}, point: {point}}}"), home)
     m = RESUMED.search(out)
-    root = home / "runs" / NAME
     killed_dir = root / manifest.dir_name(kill_step)
     committed = manifest.verify(killed_dir).ok if killed_dir.exists() else False
     newest, _ = manifest.latest_verified(root)
@@ -87,8 +88,8 @@ def run_round(args: argparse.Namespace, home: Path, kill_step: int, max_steps: i
            "resumed_from": m.group(1) if m else None, "resumed_step": int(m.group(2)) if m else 0,
            "killed_checkpoint_committed": committed, "newest_verified_after": newest.name if newest else None,
            "seconds": round(time.time() - t0, 1)}
-    if m:
-        rec["resumed_checkpoint_verified"] = manifest.verify(root / m.group(1)).ok
+    if m:  # verified when the round started (the newer saves of the round may have pruned it since)
+        rec["resumed_checkpoint_verified"] = before is not None and before.name == m.group(1)
     return rec
 
 
