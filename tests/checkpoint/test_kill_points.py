@@ -57,3 +57,5 @@ def test_kill_inside_a_save_resumes_from_the_newest_committed_checkpoint(ray_hea
     if mode == "async":
         assert "checkpoints: resilience.checkpoint_mode async -> async" in out
         assert summary["checkpoint_write_s"] is not None and summary["checkpoint_bytes"] > 0
+        for key in ("checkpoint/stall_s", "checkpoint/write_s", "checkpoint/bytes", "perf/checkpoint_stall_s"):
+            assert metric_history(tmp_path, summary["mlflow_run_id"], key), key
