@@ -121,11 +121,12 @@ def test_a_rank_dying_between_stages_leaves_the_previous_or_the_new_checkpoint(t
         assert "ranks [1] did not report" in str(res[0])
 
 
-def test_a_failed_write_is_reported_and_never_committed(tmp_path):
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failed_write_is_reported_and_never_committed(tmp_path, failing):
     exp = storage.locate(str(tmp_path / "exp"))
     save_id = "s"
     jobs = [_job(exp, 6, r, save_id=save_id, timeout_s=5) for r in (0, 1)]
-    jobs[1].write = lambda st, p: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    jobs[failing].write = lambda st, p: (_ for _ in ()).throw(OSError(28, "No space left on device"))
     out = {}
     threads = [threading.Thread(target=lambda j=j: out.__setitem__(j.rank, _catch(async_save.run, j))) for j in jobs]
     t0 = time.monotonic()
@@ -133,8 +134,11 @@ def test_a_failed_write_is_reported_and_never_committed(tmp_path):
         t.start()
     for t in threads:
         t.join(30)
-    assert time.monotonic() - t0 < 4  # the error marker ends rank 0's wait at once, not after the timeout
-    assert "No space left" in str(out[1]) and "rank 1 could not write" in str(out[0])
+    assert time.monotonic() - t0 < 4  # the error marker ends the other rank's wait at once, not after the timeout
+    other = 1 - failing
+    assert "No space left" in str(out[failing])
+    assert (f"rank {failing} could not write" if other == 0 else "was not committed: rank 0 could not write") \
+        in str(out[other])
     assert manifest.latest_verified(exp.local)[0] is None
 
 

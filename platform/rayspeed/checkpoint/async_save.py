@@ -92,6 +92,8 @@ def run(job: AsyncJob) -> AsyncResult:
         markers.write_json(f"rank{job.rank}.json", {"rank": job.rank, "files": mine})
     except Exception as e:
         _best_effort(markers, f"rank{job.rank}.json", {"rank": job.rank, "error": _why(e)})
+        if job.rank == 0:  # the others stop waiting for a commit that will not come
+            _best_effort(markers, ABANDONED, {"reason": f"rank 0 could not write its part: {_why(e)}"})
         raise
     if job.rank == 0:
         try:

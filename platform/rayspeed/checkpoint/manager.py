@@ -266,7 +266,7 @@ class CheckpointManager:
             step=step, name=name, save_id=save_id, rank=self.ctx.rank, world=self.ctx.world_size, exp=exp, folder=d,
             captured=list(captured), write=compat.checkpoint_writer(engine), rng_state=rng.state(), claimed=claimed,
             meta=self._meta() if rank0 else None, keep=self.cfg.resilience.keep_checkpoints,
-            timeout_s=self.cfg.resilience.collective_timeout_s, drill=self._drill)
+            timeout_s=self.cfg.resilience.collective_timeout_s, drill=self._drill, poll_s=0.2 if exp.is_local else 1.0)
         job.stall_s = stall = time.perf_counter() - t0
         self._overlap = 0
         self._writer.start(lambda: async_save.run(job))
