@@ -82,24 +82,33 @@ mlflow-ui: setup
 bench: setup
 	$(BIN)/python scripts/bench.py
 
+# The values of the scheduling targets reach rayspeed through the environment, unexpanded ($(value ...)): neither
+# make nor bash ever parses CRON, CONFIG, ARGS or RETRAIN_LOG (a cron line is installed from them), rayspeed
+# validates them, and ARGS is split like a shell would split it, without running anything (`--args`).
 # One retraining cycle (warm start from the champion, train, evaluate, register, promote on improvement).
 # `rayspeed retrain` exits 0 promoted, 3 skipped, 4 rejected, 1 failed, 2 bad input (make reports it as "Error N").
+retrain schedule unschedule: export RAYSPEED_MAKE_CONFIG = $(value CONFIG)
+retrain schedule: export RAYSPEED_MAKE_ARGS = $(value ARGS)
 retrain: setup
-	$(BIN)/rayspeed retrain --config $(CONFIG) $(ARGS)
+	$(BIN)/rayspeed retrain --config "$$RAYSPEED_MAKE_CONFIG" --args "$$RAYSPEED_MAKE_ARGS"
 
 # One crontab line (marker "# rayspeed-retrain <repo>:<config>") running `make retrain`, logs to runs/retrain.log.
 # Idempotent: re-running replaces the line for this repo + config. DRY_RUN=1 prints it only.
 CRON ?=
 DRY_RUN ?=
-RETRAIN_LOG ?= $(CURDIR)/runs/retrain.log
+RETRAIN_LOG ?= runs/retrain.log
+schedule: export RAYSPEED_MAKE_CRON = $(value CRON)
+schedule: export RAYSPEED_MAKE_LOG = $(value RETRAIN_LOG)
 schedule: setup
-	@$(BIN)/rayspeed schedule install --cron "$(CRON)" --config $(CONFIG) --repo $(CURDIR) \
-	  --log $(RETRAIN_LOG) $(if $(strip $(ARGS)),--args '$(ARGS)') $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
+	@$(BIN)/rayspeed schedule install --cron "$$RAYSPEED_MAKE_CRON" --config "$$RAYSPEED_MAKE_CONFIG" \
+	  --repo "$(CURDIR)" --log "$$RAYSPEED_MAKE_LOG" --args "$$RAYSPEED_MAKE_ARGS" \
+	  $(if $(filter 1 yes true,$(value DRY_RUN)),--dry-run)
 
 # Removes this repository's rayspeed-retrain lines (only CONFIG's when CONFIG is given on the command line).
 unschedule: setup
-	@$(BIN)/rayspeed schedule remove --repo $(CURDIR) \
-	  $(if $(filter command line,$(origin CONFIG)),--config $(CONFIG)) $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
+	@$(BIN)/rayspeed schedule remove --repo "$(CURDIR)" \
+	  $(if $(filter command line,$(origin CONFIG)),--config "$$RAYSPEED_MAKE_CONFIG") \
+	  $(if $(filter 1 yes true,$(value DRY_RUN)),--dry-run)
 
 clean:
 	rm -rf runs mlartifacts mlflow.db .pytest_cache

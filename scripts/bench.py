@@ -1,8 +1,8 @@
 """`make bench`: one JSON line per benchmark, each side by side within the same run.
 
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
-                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu,checkpoint] [--home DIR]
-                            [--keep]
+                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy]
+                            [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
   cpu_overhead  The platform (jobs/train.py under Ray Train + DeepSpeed, 2 CPU workers) against a bare
@@ -25,6 +25,10 @@ Lines (in this order; "bench" names each):
                 Read from summary.json when it carries them, else from MLflow, else derived (see `*_source`).
   planner_512   The planner's layout search for a 512-GPU job (Llama-70B shape on 64 x 8 H100):
                 in-process search time (median of 7) and the `rayspeed plan --json` command end to end.
+  plan_accuracy `rayspeed calibrate --config configs/tiny-cpu.yaml --workers 2` into a profile, then the tiny-cpu
+                job with cluster.profile set (60 steps): the plan's step time against the measured steady-state
+                one (plan/predicted_step_time_s vs plan/measured_step_time_s, median of the windows after 10
+                warm-up steps), and the error. Not in the default --only: it is a measurement, ~3 minutes.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
@@ -484,6 +488,33 @@ def bench_planner(args) -> dict[str, Any]:
     }
 
 
+def bench_plan_accuracy(args, home: Path) -> dict[str, Any]:
+    env = dict(os.environ, RAYSPEED_HOME=str(home),
+               PYTHONPATH=str(ROOT / "platform") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    profile = home / "profile.json"
+    t0 = time.perf_counter()
+    cal = subprocess.run([PY, "-m", "rayspeed", "calibrate", "--config", args.config, "--workers", "2", "--out",
+                          str(profile)], env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=args.timeout)
+    calibrate_s = time.perf_counter() - t0
+    if cal.returncode != 0:
+        raise RuntimeError(f"rayspeed calibrate failed (exit {cal.returncode}):\n{cal.stdout[-2000:]}")
+    res = run_platform(home, args.config, f"plan-accuracy-{args.tag}",
+                       [f"cluster.profile={profile}", "train.max_steps=60"], args.timeout)
+    run_id = res["summary"].get("mlflow_run_id")
+
+    def last(key: str) -> Optional[float]:
+        h = metric_history(home, run_id, key) if run_id else []
+        return h[-1][1] if h else None
+
+    pred, meas = last("plan/predicted_step_time_s"), last("plan/measured_step_time_s")
+    return {"bench": "plan_accuracy", "config": args.config, "workers": 2, "calibrate_s": _r(calibrate_s, 1),
+            "predicted_step_time_s": _r(pred, 4), "measured_step_time_s": _r(meas, 4),
+            "error": _r(pred / meas - 1.0, 3) if pred and meas else None, "within_25pct": bool(
+                pred and meas and abs(pred / meas - 1.0) <= 0.25), "loadavg": os.getloadavg()[0]}
+
+
 def bench_gpu(args) -> list[dict[str, Any]]:
     try:
         import torch
@@ -519,7 +550,9 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint")
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint",
+                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, plan_accuracy (not in the "
+                    "default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -543,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.insert(0, cpu)
         if resil is not None:
             lines.insert(1 if cpu is not None else 0, resil)
+        if "plan_accuracy" in only:
+            lines.append(bench_plan_accuracy(args, home))
         if "gpu" in only:
             lines += bench_gpu(args)
         if "checkpoint" in only:

@@ -15,8 +15,9 @@ step_s is the median window after --warmup steps. Same Transformer (rayspeed.mod
 token file, same batch (micro = global = --batch, no accumulation), no activation checkpointing.
 
 Model "1b": TinyLlama-1.1B's shape (h 2048, 22 layers, 32 heads, 4 kv heads, SwiGLU 5632, vocab 32000,
-untied). MFU = tokens/s x (6N + 12 L h s) / 989e12, N = parameters that do matmuls (the input embedding
-of an untied model is a lookup). The token file holds ids in [0, 256) so the byte tokenizer accepts it;
+untied). MFU = tokens/s x (6N + 12 L h s) / 989e12 with rayspeed's one definition (ModelShape.flops_per_token,
+PaLM's: N = non-embedding parameters, the input embedding of an untied model being a lookup), the same as the
+training metric perf/mfu and the planner. The token file holds ids in [0, 256) so the byte tokenizer accepts it;
 the model's 32000-way head sets the cost, not the ids.
 
 One JSON line per mode ({"bench": "gpu", "mode": ...}) and a closing {"bench": "gpu_summary"} line on stdout;
@@ -89,14 +90,14 @@ def model_cfg(a) -> dict[str, Any]:
 
 
 def flops_per_token(a) -> tuple[int, float]:
+    """(parameters, model FLOPs per token): rayspeed.config.shape.ModelShape's, the one definition of MFU (PaLM's
+    6 N non-embedding + 12 L h s) that perf/mfu and the planner use."""
     from types import SimpleNamespace
 
-    from rayspeed.model.transformer import count_parameters
+    from rayspeed.config.shape import ModelShape
 
-    m = model_cfg(a)
-    n_total = count_parameters(SimpleNamespace(**m))
-    n_matmul = n_total - (0 if m["tie_embeddings"] else m["vocab_size"] * m["hidden_size"])
-    return n_total, 6.0 * n_matmul + 12.0 * m["num_layers"] * m["hidden_size"] * a.seq
+    shape = ModelShape.from_config(SimpleNamespace(**model_cfg(a)))
+    return shape.params, shape.flops_per_token
 
 
 def token_file(workdir: Path, a) -> Path:

@@ -48,3 +48,20 @@ def s3():
             else:
                 os.environ[k] = v
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_auth(tmp_path_factory):
+    """A real MLflow server with basic authentication for the session (tests/_mlflow_auth.py). Skips (with the
+    reason) only when mlflow[auth] (Flask-WTF) is not installed."""
+    try:
+        import flask_wtf  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"mlflow[auth] is not installed ({e}); pip install -e '.[test]'")
+    from _mlflow_auth import MlflowAuthServer
+
+    server = MlflowAuthServer(tmp_path_factory.mktemp("mlflow-auth"))
+    try:
+        yield server
+    finally:
+        server.stop()

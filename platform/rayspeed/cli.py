@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from typing import Callable, Optional
 
 # command -> (module, function) that runs it with the parsed arguments
 HANDLERS = {
-    "plan": ("rayspeed.planner.report", "plan_command"),
+    "plan": ("rayspeed.planning", "plan_command"),
+    "calibrate": ("rayspeed.health.calibrate", "calibrate_command"),
     "train": ("rayspeed.train.launch", "train_command"),
     "keys": ("rayspeed.cli", "keys_command"),
     "healthcheck": ("rayspeed.health.healthcheck", "healthcheck_command"),
@@ -42,6 +44,23 @@ def _plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", action="store_true", help="print the full explanation")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="plan for N workers instead of cluster.num_workers (its maximum when elastic)")
+    p.add_argument("--profile", metavar="FILE", help="a hardware profile from `rayspeed calibrate` (overrides "
+                   "cluster.profile; precedence: profile > cluster.hardware > the built-in table)")
+    p.add_argument("--calibrate-from", metavar="EXPERIMENT", help="fit the profile's efficiency factors to the "
+                   "finished runs of this MLflow experiment (leave-one-out error reported), save it, plan with it")
+
+
+def _calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="the job to calibrate for (its model shapes, cluster section and precision); "
+                   "default: a generic job on --workers ranks")
+    _job_args(p, config_required=False)
+    p.add_argument("--workers", type=int, help="ranks to measure on (default: the job's cluster.num_workers)")
+    p.add_argument("--out", required=True, metavar="FILE", help="where to write the hardware profile (JSON)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="one GPU per rank, NCCL")
+    g.add_argument("--cpu", dest="gpu", action="store_false", help="CPU ranks, gloo")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck rank is reported (300)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not record the calibration as an MLflow run")
 
 
 def _train(p: argparse.ArgumentParser) -> None:
@@ -98,6 +117,9 @@ def _retrain(p: argparse.ArgumentParser) -> None:
                    help="cycle folders (checkpoints) kept under storage; older ones are deleted (0: keep all)")
     p.add_argument("--reeval-max-gflop", type=float, default=2000.0,
                    help="re-evaluate the champion on changed data on the CPU only below this cost (GFLOP)")
+    p.add_argument("--args", dest="args_string", default="", metavar="STRING",
+                   help="more arguments of this command in one string, split like a shell splits words but "
+                        "without running anything (what `make retrain ARGS=...` passes)")
 
 
 def _schedule(p: argparse.ArgumentParser) -> None:
@@ -139,6 +161,9 @@ def _export(p: argparse.ArgumentParser) -> None:
 
 COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = [
     ("plan", "the layout to run, its memory and time, and why (no GPU, Ray or torch needed)", _plan),
+    ("calibrate", "measure this cluster for the planner (GEMMs at the job's shapes, collectives inside and across "
+                  "nodes, p2p, the engine): a hardware profile for `rayspeed plan --profile` / cluster.profile",
+     _calibrate),
     ("train", "train a job (same as python jobs/train.py)", _train),
     ("keys", "every job-file key with its type and meaning", lambda p: None),
     ("healthcheck", "inventory, topology and all-reduce/all-gather bandwidth of the Ray cluster", _healthcheck),
@@ -172,6 +197,13 @@ def main(argv: Optional[list[str]] = None, prog: str = "rayspeed") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
+        if getattr(args, "args_string", ""):  # --args "...": words split without a shell, parsed like the rest
+            try:
+                more = shlex.split(args.args_string)
+            except ValueError as e:
+                print(f"{prog}: --args {args.args_string!r}: {e}", file=sys.stderr)
+                return 2
+            args = parser.parse_args(argv + more)
     except SystemExit as e:  # argparse printed the usage: --help is 0, a usage error is bad input (2)
         return int(e.code or 0)
     if args.command is None:

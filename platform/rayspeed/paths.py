@@ -57,7 +57,7 @@ def guessed_locations(cfg: Any) -> list[str]:
     return keys
 
 
-def auto_home_problem(cfg: Any, nodes: int) -> str | None:
+def auto_home_problem(cfg: Any, nodes: int, package_root: Path | None = None) -> str | None:
     """Why `auto` must not guess where this job's files go, or None when the guess is safe: the job may span more
     than one node (a folder next to the launcher is not seen by the others), or the launch home is a Ray Jobs
     working-dir copy or an installed package rather than a checkout, and RAYSPEED_HOME does not say otherwise."""
@@ -71,10 +71,11 @@ def auto_home_problem(cfg: Any, nodes: int) -> str | None:
                 f"({home()}), which the other {max(nodes, cfg.cluster.num_nodes) - 1} node(s) do not see; {fix}")
     if os.environ.get("RAYSPEED_HOME"):
         return None
-    here = Path(__file__).resolve().parents[2]
+    here = package_root or Path(__file__).resolve().parents[2]  # (tests give another one)
     if _working_dir_copy(here):
-        return (f"{' and '.join(keys)}: auto would write into {here}, the temporary copy `ray job submit --working-dir` "
-                "made (deleted with the job); pass RAYSPEED_HOME (what `make submit` does) or " + fix)
+        return (f"{' and '.join(keys)}: auto would write into {here}, the temporary copy "
+                "`ray job submit --working-dir` made (deleted with the job); pass RAYSPEED_HOME "
+                "(what `make submit` does) or " + fix)
     if not (here / "platform" / "rayspeed").is_dir():
         return (f"{' and '.join(keys)}: auto needs a rayspeed checkout or RAYSPEED_HOME to put runs in, and the "
                 f"package is installed at {Path(__file__).resolve().parent}; set RAYSPEED_HOME or " + fix)

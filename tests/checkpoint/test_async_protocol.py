@@ -98,11 +98,10 @@ def test_commit_after_every_rank_is_durable(tmp_path, monkeypatch):
     assert torch.equal(torch.load(final / "ds/zero_pp_rank_1_optim_states.pt")["w"], torch.full((64,), 5.0))
 
 
-# (rank, point) -> the checkpoint the next start must load: a rank that dies before its marker (or rank 0 before
-# the manifest) leaves step 2; rank 1 dying after its marker cannot stop rank 0's commit.
-EXPECTED = {(r, p): 2 for r in (0, 1) for p in ("between_shards", "after_shards")}
-EXPECTED.update({(0, "before_manifest"): 2, (1, "before_manifest"): 4, (0, "after_manifest"): 4,
-                 (1, "after_manifest"): 4})
+# (rank, point) -> the checkpoint the next start must load: a kill before the manifest on any rank (a rank other
+# than 0 reports its part only after its before_manifest point) leaves step 2, a kill after it step 4.
+EXPECTED = {(r, p): 2 for r in (0, 1) for p in ("between_shards", "after_shards", "before_manifest")}
+EXPECTED.update({(0, "after_manifest"): 4, (1, "after_manifest"): 4})
 
 
 @pytest.mark.parametrize("rank,point", sorted(EXPECTED))

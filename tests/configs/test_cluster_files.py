@@ -14,9 +14,13 @@ What is checked:
   nvidia.com/gpu requests = limits on every worker, token auth, rayVersion = the pinned Ray, the shared volume
   mounted at the same path in every pod, the MLflow Service that the tracking URI names.
 - kuberay-storage-mlflow.yaml and Dockerfile: the objects the Ray manifests refer to exist and agree.
+- MLflow authentication everywhere a cluster file starts or reaches the server: `--app-name basic-auth` with
+  mlflow[auth] installed, the admin account and session key from a generated file (ray up) or a Secret
+  (KubeRay), the driver's MLFLOW_TRACKING_USERNAME/PASSWORD from the same place, no secret value in any file.
 Nothing here needs a network, a cloud SDK or kubectl; nothing is vendored.
 """
 
+import inspect
 import json
 import re
 import shlex
@@ -245,7 +249,7 @@ def _env_of_job(doc: dict) -> dict:
     if doc["kind"] == "RayJob":
         return yaml.safe_load(doc["spec"]["runtimeEnvYAML"])["env_vars"]
     head = doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    return {e["name"]: e["value"] for e in head.get("env", [])}
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in head.get("env", [])}
 
 
 @pytest.mark.parametrize("fname,kind", [("kuberay-rayjob.yaml", "RayJob"), ("kuberay-raycluster.yaml", "RayCluster")])
@@ -324,3 +328,75 @@ def test_launcher_schema_catches_mistakes(launcher):
     bad["available_node_types"]["gpu_h200"]["resources"]["GPU"] = "8"  # must be an integer
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
+
+
+# ---------------------------------------------------------------- MLflow authentication
+
+AUTH_SECRET = "rayspeed-mlflow-auth"
+
+
+def _secret_ref(env: list[dict], name: str) -> tuple[str, str] | None:
+    for e in env:
+        if e["name"] == name:
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef") or {}
+            assert "value" not in e, f"{name}: a literal value in a manifest"
+            return ref.get("name"), ref.get("key")
+    return None
+
+
+def test_mlflow_requires_authentication_everywhere():
+    """Ray needs a token, so must MLflow: nobody else on the cluster network may log runs or move `champion`."""
+    from _mlflow_auth import MlflowAuthServer  # the tests' real server starts the same way
+
+    mlflow_pin = re.search(r'"mlflow==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f'"mlflow[auth]=={mlflow_pin}"' in (CLUSTER / "Dockerfile").read_text()
+
+    # ray up: the head generates the admin password and session key once, starts the server with them and writes
+    # the same account into ~/rayspeed.env for the driver.
+    launcher = yaml.safe_load((CLUSTER / "ray-cluster.yaml").read_text())
+    setup = " ; ".join(launcher["head_setup_commands"])
+    start = next(c for c in launcher["head_start_ray_commands"] if "mlflow server" in c)
+    assert f'pip install -q "mlflow[auth]=={mlflow_pin}"' in setup
+    assert "umask 077" in setup and "secrets.token_urlsafe" in setup and "> ~/mlflow/auth.env" in setup
+    server_src = inspect.getsource(MlflowAuthServer)  # tests/tracking/test_mlflow_auth.py's server
+    assert "--app-name\", \"basic-auth" in server_src
+    for var in ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+        assert var in setup and var in server_src, var
+    assert "MLFLOW_TRACKING_USERNAME=admin" in setup and "MLFLOW_TRACKING_PASSWORD=$(sed" in setup
+    assert re.search(r"\. ~/mlflow/auth\.env && set \+a && exec nohup mlflow server .*--app-name basic-auth\b", start)
+
+    # KubeRay: the Deployment's admin and session key, and the head pods' client credentials, from one Secret.
+    docs = [d for d in yaml.safe_load_all((CLUSTER / "kuberay-storage-mlflow.yaml").read_text()) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"][:3] == ["mlflow", "server", "--app-name=basic-auth"]
+    assert c["workingDir"] == "/var/lib/mlflow"  # basic_auth.db on the server's own volume
+    assert _secret_ref(c["env"], "MLFLOW_AUTH_ADMIN_USERNAME") == (AUTH_SECRET, "username")
+    assert _secret_ref(c["env"], "MLFLOW_AUTH_ADMIN_PASSWORD") == (AUTH_SECRET, "password")
+    assert _secret_ref(c["env"], "MLFLOW_FLASK_SERVER_SECRET_KEY") == (AUTH_SECRET, "flask-secret-key")
+    assert not any(d["kind"] == "Secret" for d in docs), "the Secret is created by hand, never shipped"
+    for fname in ("kuberay-rayjob.yaml", "kuberay-raycluster.yaml"):
+        doc = yaml.safe_load((CLUSTER / fname).read_text())
+        spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+        head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+        assert _secret_ref(head["env"], "MLFLOW_TRACKING_USERNAME") == (AUTH_SECRET, "username"), fname
+        assert _secret_ref(head["env"], "MLFLOW_TRACKING_PASSWORD") == (AUTH_SECRET, "password"), fname
+    # No file carries a secret value in clear.
+    from rayspeed.redact import is_secret_key
+
+    for path in CLUSTER.iterdir():
+        for d in yaml.safe_load_all(path.read_text()) if path.suffix == ".yaml" else []:
+            for where, env in _all_env(d):
+                for e in env:
+                    assert not (is_secret_key(e["name"]) and "value" in e), f"{path.name} {where}: {e['name']}"
+
+
+def _all_env(doc, where=""):
+    if isinstance(doc, dict):
+        if isinstance(doc.get("env"), list) and "name" in doc:
+            yield f"{where}/{doc['name']}", doc["env"]
+        for k, v in doc.items():
+            yield from _all_env(v, f"{where}/{k}")
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _all_env(v, f"{where}/{i}")

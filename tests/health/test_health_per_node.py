@@ -29,15 +29,42 @@ def test_two_nodes_compare_with_each_other_and_healthy_nodes_pass():
     assert [r["slow"] for r in table] == [[], ["intra_busbw_gbps"]] and len(found) == 1
 
 
-def test_nodes_without_ranks_are_listed_and_wrong_results_are_not_speeds():
+def test_nodes_without_ranks_are_listed_and_wrong_results_are_errors_not_speeds():
     m = _measured({"a": 4.0, "b": 4.0})
-    m["b"]["intra_busbw_gbps"] = -1.0  # a wrong all-reduce result: reported, never a reference
+    m["b"]["intra_busbw_gbps"] = -1.0  # the sweep's correctness marker: b's intra-node all-reduce returned wrong data
     table, found = analysis.per_node(m, factor=0.5, all_nodes=["head", "a", "b"])
     assert [(r["node"], r["ranks"]) for r in table] == [("a", [0, 1]), ("b", [2, 3]), ("head", [])]
-    assert not found
+    assert [r["wrong_result"] for r in table] == [[], ["intra_busbw_gbps"], []]
+    assert [r["slow"] for r in table] == [[], [], []]  # never compared as a speed
+    (f,) = found
+    assert (f.id, f.severity, f.extra["node"]) == ("collective_wrong_result", "error", "b")
+    assert f.evidence == ["node b (ranks 2,3): the intra-node all-reduce returned wrong data"]
     lines = analysis.per_node_lines(table)
     assert lines[1].startswith("node b: ranks 2,3; intra-node all-reduce busbw BAD GB/s")
+    assert lines[1].endswith("WRONG RESULT (the intra-node all-reduce)")
     assert lines[2] == "node head: no ranks"
+
+
+def test_a_wrong_per_node_result_fails_the_healthcheck_and_the_preflight():
+    """The verdicts on recorded data: a wrong result in the per-node table alone (every other figure healthy)."""
+    from types import SimpleNamespace
+
+    from rayspeed.health import healthcheck, preflight
+
+    m = _measured({"a": 4.0, "b": 4.0})
+    m["a"]["cross_busbw_gbps"] = m["b"]["cross_busbw_gbps"] = -1.0
+    table, found = analysis.per_node(m, factor=0.5)
+    assert {f.id for f in found} == {"collective_wrong_result"}
+    rep = {"findings": [f.to_json() for f in found]}
+    assert healthcheck.exit_code(rep) == 1
+    assert healthcheck.exit_code({"findings": []}) == 0
+    h = SimpleNamespace(preflight_min_busbw_gbps=0.0, fail_on_slow_rank=False)
+    sweep = [{"bytes": 1 << 20, "ok": True, "busbw_gbps": 3.0}]
+    reason = preflight.verdict(h, sweep, {"tp": 2.0}, table, found, [])
+    assert reason.startswith("a collective returned wrong data")
+    assert "node a: the all-reduce across nodes; node b: the all-reduce across nodes" in reason
+    healthy, ok_found = analysis.per_node(_measured({"a": 4.0, "b": 4.0}), factor=0.5)
+    assert preflight.verdict(h, sweep, {"tp": 2.0}, healthy, ok_found, []) == ""
 
 
 def _node_bw(rank, world):

@@ -88,7 +88,8 @@ def test_seq_len_is_a_job_key_bounded_by_max_positions(tmp_path):
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM"),
+    ({"architectures": ["GPT2LMHeadModel"]},
+     "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 32}, "sliding_window 32"),
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
@@ -197,7 +198,8 @@ def test_bad_checkpoint_exits_2_before_anything_is_written(qwen_dir, tmp_path):
     home.mkdir()
     r = subprocess.run([sys.executable, str(ROOT / "jobs" / "train.py"), "--config", TINY, "--set",
                         f"model.pretrained={d}", "--set", "model.seq_len=32"], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "platform"), "RAYSPEED_HOME": str(home)},
+                       timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "platform"), "RAYSPEED_HOME": str(home)},
                        cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "FalconForCausalLM is not supported" in r.stderr

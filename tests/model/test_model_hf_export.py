@@ -77,8 +77,8 @@ def _save_checkpoints(rank, world_size, model_dir, root):
     import dataclasses
 
     import torch.distributed as dist
-    from _deepspeed_world import _init_deepspeed
 
+    from _deepspeed_world import _init_deepspeed
     from rayspeed.checkpoint import manifest
     from rayspeed.checkpoint.consolidate import manifest_model_meta
     from rayspeed.config import parse

@@ -152,7 +152,27 @@ def test_gather_single_process_and_flatten():
     assert flat["system/node1/rank3/gpu_mem_fragmentation"] == 0.4
     assert flat["system/node0/rank1/gpu_mem_peak_gib"] == 5.0
     assert flat["memory/peak_allocated_gib"] == 5.0 and flat["memory/fragmentation"] == 0.4
-    assert fragmentation(3.0, 4.0) == pytest.approx(0.25) and fragmentation(1.0, 0.0) == 0.0
+
+
+GIB_ = 1 << 30
+# torch.cuda.memory_stats() of a device (the keys fragmentation reads, with torch's names; no GPU was available to
+# record one, so the numbers are made up and every other key omitted): 10 GiB reserved, 6 GiB allocated, of the
+# 4 GiB not allocated 1 GiB sits in split blocks that are partly in use, 3 GiB in whole cached blocks.
+MEMORY_STATS = {
+    "allocated_bytes.all.current": 6 * GIB_, "allocated_bytes.all.peak": 7 * GIB_,
+    "reserved_bytes.all.current": 10 * GIB_, "reserved_bytes.all.peak": 10 * GIB_,
+    "inactive_split_bytes.all.current": 1 * GIB_, "inactive_split_bytes.large_pool.current": 1 * GIB_,
+    "inactive_split.all.current": 12, "segment.all.current": 40, "num_alloc_retries": 0, "num_ooms": 0,
+}
+
+
+def test_fragmentation_is_inactive_split_bytes_over_reserved():
+    """Not 1 - allocated/reserved (0.4 here: mostly an idle cache a new tensor reuses whole) but the free bytes
+    stranded in split blocks: 1 GiB of 10."""
+    assert fragmentation(MEMORY_STATS) == pytest.approx(0.1)
+    assert fragmentation({**MEMORY_STATS, "inactive_split_bytes.all.current": 0}) == 0.0
+    assert fragmentation({"reserved_bytes.all.current": 0}) is None  # nothing reserved yet
+    assert fragmentation({"reserved_bytes.all.current": GIB_}) is None  # the stats do not say
 
 
 def test_nvidia_smi_parsing_and_device_matching(monkeypatch):
@@ -193,15 +213,16 @@ def test_gpu_branch_with_a_fake_device(monkeypatch):
     import rayspeed.monitoring.system as sysmod
 
     gib = 1 << 30
-    mem = iter([(2 * gib, 4 * gib, 3 * gib), (3 * gib, 4 * gib, 5 * gib)])
+    # (allocated, reserved, peak, inactive split) bytes of two samples
+    mem = iter([(2 * gib, 4 * gib, 3 * gib, 2 * gib), (3 * gib, 4 * gib, 5 * gib, 1 * gib)])
     state = {}
 
     def step():
-        state["a"], state["r"], state["p"] = next(mem)
+        a, r, p, i = next(mem)
+        state["stats"] = {"allocated_bytes.all.current": a, "reserved_bytes.all.current": r,
+                          "allocated_bytes.all.peak": p, "inactive_split_bytes.all.current": i}
 
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["a"])
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: state["r"])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: state["p"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d=None: state["stats"])
 
     def no_nvml(d=None):
         raise ModuleNotFoundError("pynvml")

@@ -81,3 +81,13 @@ def test_no_torch_ray_deepspeed_import():
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "platform"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_plan_runs_the_health_key_checks_too(capsys):
+    """Every command loads the job through the same checks (before, `rayspeed plan` skipped the health section
+    and the cluster.env lint, so a job it planned could still fail at launch)."""
+    assert main([TINY, "--set", "health.grad_norm_spike_factor=1"]) == 2
+    assert "health.grad_norm_spike_factor" in capsys.readouterr().err
+    assert main([TINY, "--set", 'cluster.env={NCCL_SOCKET_TIMEOUT: "600"}']) == 2
+    err = capsys.readouterr().err
+    assert "cluster.env.NCCL_SOCKET_TIMEOUT" in err and "collective_timeout_s" in err

@@ -1,5 +1,6 @@
 """Planner arithmetic: parameter counts, FLOPs, bytes per parameter, ZeRO divisions, activations, rules."""
 
+import dataclasses
 import math
 
 import pytest
@@ -45,9 +46,13 @@ def test_tied_embeddings_are_counted_once():
     assert untied.params - tied.params == 256 * 64
 
 
-def test_flops_per_token_is_6n_plus_attention():
-    sh = LLAMA2_7B
-    assert sh.flops_per_token == 6 * sh.params + 12 * sh.num_layers * sh.hidden_size * sh.seq_len
+def test_flops_per_token_is_palms_6n_non_embedding_plus_attention():
+    sh = LLAMA2_7B  # untied: the input embedding is a lookup and does not count; the head is a matmul and does
+    n = sh.params - sh.vocab_size * sh.hidden_size
+    assert sh.non_embedding_params == n
+    assert sh.flops_per_token == 6 * n + 12 * sh.num_layers * sh.hidden_size * sh.seq_len
+    tied = dataclasses.replace(sh, tie_embeddings=True)  # the shared matrix counts once, as the head
+    assert tied.non_embedding_params == tied.params
 
 
 def test_stage_params_split_tp_and_pp():

@@ -106,12 +106,7 @@ def test_cron_cli_and_make_targets(fake_crontab, tmp_path):
     assert not fake_crontab.table.exists()
     assert main(["install", "--cron", "", "--config", "configs/tiny-cpu.yaml", "--repo", str(ROOT)]) == 2
 
-    make = shutil.which("make")
-    if make is None or subprocess.run([make, "-q", "setup"], cwd=ROOT, capture_output=True).returncode != 0:
-        pytest.skip("make, or an up-to-date .venv (make setup), is needed for the make targets")
-    env = {**os.environ, "RAYSPEED_CRONTAB": fake_crontab.cmd}
-    run = lambda *a: subprocess.run([make, "--no-print-directory", *a], cwd=ROOT, env=env, capture_output=True,  # noqa: E731
-                                    text=True, timeout=120)
+    run = _make_runner(tmp_path, {"RAYSPEED_CRONTAB": fake_crontab.cmd})
     p = run("schedule", "CRON=0 3 * * *", "DRY_RUN=1")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().startswith("0 3 * * * cd ")
@@ -124,6 +119,68 @@ def test_cron_cli_and_make_targets(fake_crontab, tmp_path):
     assert len(fake_crontab.lines()) == 1 and fake_crontab.nwrites() == 1
     p = run("unschedule")
     assert p.returncode == 0 and fake_crontab.lines() == []
+
+
+def _make_runner(tmp_path, extra_env=None):
+    """`make <target> ...` in the repository, with the Python running these tests (its bin/ as BIN, an up-to-date
+    stamp in place of .venv's, so `setup` does nothing) and this checkout's package first on the path."""
+    make = shutil.which("make")
+    bindir = Path(sys.executable).parent
+    if make is None or not (bindir / "rayspeed").exists():
+        pytest.skip("make and the rayspeed entry point next to this Python are needed for the make targets")
+    stamp = tmp_path / "installed.stamp"
+    stamp.touch()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), os.environ.get("PYTHONPATH", "")]),
+           **(extra_env or {})}
+    return lambda *a: subprocess.run([make, "--no-print-directory", f"BIN={bindir}", f"STAMP={stamp}", *a],
+                                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_make_passes_schedule_values_without_a_shell(fake_crontab, tmp_path):
+    """CRON, ARGS and CONFIG reach rayspeed through the environment: neither make nor bash runs what they hold."""
+    run = _make_runner(tmp_path, {"RAYSPEED_CRONTAB": fake_crontab.cmd})
+    marks = {k: tmp_path / f"injected-{k}" for k in ("cron", "args", "config", "retrain")}
+    p = run("schedule", f"CRON=`touch {marks['cron']}` * * * *", "DRY_RUN=1")
+    assert p.returncode != 0 and "CRON '`touch" in p.stderr  # rayspeed saw the text and refused it
+    p = run("schedule", "CRON=0 3 * * *", f"ARGS=$(touch {marks['args']}) --force", "DRY_RUN=1")
+    assert p.returncode == 0, p.stderr
+    assert f"ARGS='$(touch {marks['args']}) --force'" in p.stdout  # kept as text, quoted in the line
+    p = run("schedule", "CRON=0 3 * * *", f"CONFIG=configs/tiny-cpu.yaml;touch {marks['config']}", "DRY_RUN=1")
+    assert p.returncode != 0 and "no such job file" in p.stderr
+    p = run("retrain", f"ARGS=$(touch {marks['retrain']}) --force")  # what the cron line runs
+    assert p.returncode != 0 and "unrecognized arguments: $(touch" in p.stderr
+    assert not [m.name for m in marks.values() if m.exists()]
+    assert not fake_crontab.table.exists()
+    # Quoted words still group as in a shell.
+    p = run("schedule", "CRON=0 3 * * *", "ARGS=--set a='x y' --force", "DRY_RUN=1")
+    assert p.returncode == 0 and "ARGS='--set a='\"'\"'x y'\"'\"' --force'" in p.stdout
+
+
+def test_no_credential_is_written_into_the_crontab(fake_crontab, tmp_path, monkeypatch):
+    from rayspeed.cli import main as cli
+
+    secret_pw, secret_token = "pw-FAKE-1234567", "tok-FAKE-7654321"
+    uri = f"http://alice:{secret_pw}@mlflow.internal:5000"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", secret_token)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    args = ["schedule", "install", "--cron", "0 3 * * *", "--config", "configs/tiny-cpu.yaml", "--repo", str(ROOT)]
+    assert cli(args) == 0
+    (line,) = fake_crontab.lines()
+    assert secret_pw not in line and secret_token not in line
+    assert "MLFLOW_TRACKING_USERNAME=alice RAY_ADDRESS=http://head:8265 " in line  # not secrets: in the line
+    env_file = Path(line.split("set -a && . ", 1)[1].split(" && set +a", 1)[0])
+    assert env_file.parent == tmp_path / "xdg" / "rayspeed" and (env_file.stat().st_mode & 0o777) == 0o600
+    # Sourced the way the line does, the file gives the job the values themselves.
+    show = 'echo "$MLFLOW_TRACKING_URI|$MLFLOW_TRACKING_PASSWORD|$MLFLOW_TRACKING_USERNAME"'
+    got = subprocess.run(["sh", "-c", f'set -a && . "{env_file}" && set +a && {show}'],
+                         capture_output=True, text=True, env={"PATH": os.environ["PATH"]}).stdout.strip()
+    assert got == f"{uri}|{secret_token}|"
+    assert cli(args + ["--args", f"--set cluster.env='{{HF_TOKEN: {secret_token}}}'"]) == 2  # refused
+    assert cli(["schedule", "remove", "--repo", str(ROOT)]) == 0
+    assert fake_crontab.lines() == [] and not env_file.exists()
 
 
 # ---------------------------------------------------------------- lock, decision, exit codes

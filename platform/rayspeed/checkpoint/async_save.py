@@ -9,7 +9,8 @@ background thread, which never issues a collective on the training process group
    size and sha256 on local staging, upload, check every uploaded object's size, and only then delete the staging
    copy;
 3. report: a done-marker `<experiment>/.checkpoint_done/<name>/rank<R>.json` with its files' sizes and sha256
-   (or the error that stopped it);
+   (or the error that stopped it); a rank's before_manifest drill point is just before it (rank 0's: after every
+   marker is in), so a kill at before_manifest on any rank leaves the checkpoint uncommitted, as in a sync save;
 4. rank 0 waits for every rank's marker (at most `timeout_s`), checks that every listed file is there with its
    size, writes the manifest and (local storage) renames the folder into place: the commit; then prunes. The other
    ranks wait for that manifest, recognised by this save's id, to appear.
@@ -89,6 +90,8 @@ def run(job: AsyncJob) -> AsyncResult:
     try:
         mine = _write_own(job)
         job.drill(job.step, "after_shards")
+        if job.rank != 0:  # a rank that dies here has not reported: nothing commits (as in a sync save's barrier)
+            job.drill(job.step, "before_manifest")
         markers.write_json(f"rank{job.rank}.json", {"rank": job.rank, "files": mine})
     except Exception as e:
         _best_effort(markers, f"rank{job.rank}.json", {"rank": job.rank, "error": _why(e)})
@@ -111,7 +114,6 @@ def run(job: AsyncJob) -> AsyncResult:
         if job.exp.is_local:
             manifest.clean_stale_saves(job.exp.local)
     else:
-        job.drill(job.step, "before_manifest")
         _wait_committed(job, markers)
         nbytes = sum(int(v["bytes"]) for v in mine.values())
     job.drill(job.step, "after_manifest")

@@ -198,6 +198,7 @@ class CheckpointManager:
         self._drill(step, "after_shards")
         files = {k: v for part in gather_objects(mine) for k, v in part.items()}  # every rank's part is done
         self._drill(step, "before_manifest")
+        dist.barrier()  # the manifest commits only while every rank is alive past its shards
         if self.ctx.is_rank0:
             if exp.is_local:
                 manifest.write_manifest(d, step, self._meta(), files)

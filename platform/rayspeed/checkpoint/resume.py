@@ -49,16 +49,24 @@ def choose(root: str | Path, preferred: str | Path | None = None, deep: bool = T
     return found
 
 
-def layout_of(cfg: Any) -> dict[str, int]:
-    return Layout.from_parallel(cfg.parallel).partition()
+def layout_of(cfg: Any) -> dict[str, Any]:
+    lay = Layout.from_parallel(cfg.parallel)
+    out: dict[str, Any] = lay.partition()
+    if lay.stage_layers is not None:
+        out["stage_layers"] = list(lay.stage_layers)
+    return out
 
 
-def needs_universal(manifest: dict[str, Any], layout: dict[str, int]) -> bool:
-    """ZeRO partitions (stages 1-3) are tied to the data-parallel size they were written at."""
+def needs_universal(manifest: dict[str, Any], layout: dict[str, Any]) -> bool:
+    """ZeRO partitions (stages 1-3) are tied to the data-parallel size they were written at, and to the
+    parameters of each pipeline stage (a different stage split moves blocks between optimizer partitions)."""
     old = manifest.get("layout") or {}
     if int(old.get("zero_stage", 0)) == 0 and int(layout.get("zero_stage", 0)) == 0:
         return False
-    return any(int(old.get(k, -1)) != int(layout[k]) for k in PARTITION_KEYS)
+    if any(int(old.get(k, -1)) != int(layout[k]) for k in PARTITION_KEYS):
+        return True
+    before, now = old.get("stage_layers"), layout.get("stage_layers")
+    return bool(before and now and [int(n) for n in before] != [int(n) for n in now])
 
 
 def conversion_workers() -> int:

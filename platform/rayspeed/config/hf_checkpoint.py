@@ -32,7 +32,8 @@ _IN_LAYER = {
 for _p in "qkvo":
     for _kind in ("weight", "bias"):
         _IN_LAYER[f"attn.w{_p}.{_kind}"] = f"self_attn.{_p}_proj.{_kind}"
-_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
+_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "head.weight": "lm_head.weight"}
 _FROM_HF_IN_LAYER = {v: k for k, v in _IN_LAYER.items()}
 _FROM_HF_TOP = {v: k for k, v in _TOP.items()}
 # Column-parallel tensors are split along their rows (output features, or the vocabulary), row-parallel ones
@@ -148,8 +149,7 @@ def weight_problems(model_dir: str | Path, shape: ModelShape) -> list[str]:
     for name, want in param_shapes(shape).items():
         hname = hf_name(name)
         f = files.get(hname)
-        entry = headers[f].get(hname) if f is not None else None
-        if entry is None:
+        if f is None or (entry := headers[f].get(hname)) is None:
             missing.append(hname)
         elif tuple(entry["shape"]) != want:
             wrong.append(f"{hname} is {tuple(entry['shape'])} in {f.name}, config.json implies {want}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Optional
 
@@ -126,7 +127,8 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
     problems: list[str] = []
     arch = _architecture(hf)
     if arch not in SUPPORTED_ARCHITECTURES:
-        problems.append(f"{where}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        problems.append(f"{where}: architecture {arch} is not supported; "
+                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         return {}, problems
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
                if hf.get(k) is None]
@@ -178,7 +180,7 @@ def _same(key: str, a: Any, b: Any) -> bool:
     return a == b
 
 
-def apply_pretrained(explicit: dict[str, Any], model: Any) -> list[str]:
+def apply_pretrained(explicit: Collection[str], model: Any) -> list[str]:
     """Fill `model` (a ModelConfig, in place) from its model.pretrained config.json. `explicit`: the model keys
     the job file and --set gave; one that differs from config.json is a problem naming both values."""
     try:

@@ -50,8 +50,12 @@ class Layout:
     """Transformer blocks per pipeline stage, first to last (None: as even as the engine splits them)."""
 
     def __post_init__(self) -> None:
-        bad = [f"{k} {getattr(self, k)}" for k in ("dp", "tp", "pp", "micro_batch_size", "grad_accum", "hpz")
-               if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
+        degrees = (self.dp, self.tp, self.pp, self.micro_batch_size, self.grad_accum, self.hpz)
+        if not all(type(v) is int and v >= 1 for v in degrees):  # the common case checked cheaply (planner search)
+            bad = [f"{k} {getattr(self, k)}" for k in ("dp", "tp", "pp", "micro_batch_size", "grad_accum", "hpz")
+                   if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
+        else:
+            bad = []
         if bad:
             raise LayoutError(f"layout degrees must be integers >= 1: {', '.join(bad)}")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -18,6 +18,7 @@ import yaml
 from rayspeed.config.schema import JobConfig
 from rayspeed.config.validate import check
 from rayspeed.errors import ConfigError
+from rayspeed.redact import redact_mapping
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -255,7 +256,8 @@ def load(path: str, overrides: list[str] | None = None, lint_cluster_env: bool =
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason}); give the job's YAML file, "
                           "saved as UTF-8") from None
     except OSError as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); check the path and its permissions") from None
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); "
+                          "check the path and its permissions") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -277,7 +279,9 @@ def to_dict(cfg: Any) -> dict:
 
 
 def to_yaml(cfg: Any) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML for people and records (--dry-run, MLflow's config/resolved.yaml): secrets masked
+    (rayspeed.redact). Not for handing the config on: use to_dict."""
+    return yaml.safe_dump(redact_mapping(to_dict(cfg)), sort_keys=False)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -131,6 +131,10 @@ class ParallelConfig:
     """Shard norm/dropout regions along the sequence across the tp group (only with tp > 1)."""
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = AUTO
     """none | selective (attention and MLP blocks recomputed) | full (whole blocks recomputed)."""
+    stage_layers: Optional[list[int]] = None
+    """Transformer blocks per pipeline stage, first to last, e.g. [4, 4, 4, 3] for 15 layers on pp 4 (stages
+    may differ; they add up to model.num_layers). null: the planner balances the stages by time, the
+    embedding counted on the first and the head and loss on the last, and the resolved config records it."""
 
 
 @dataclass
@@ -157,6 +161,10 @@ class ClusterConfig:
     hardware: dict[str, float] = field(default_factory=dict)
     """Overrides of the planner's hardware table for cluster.gpu, e.g. {memory_gib: 75, inter_node_gbps: 25}
     (see `rayspeed plan --explain` and docs/PLANNER.md for the fields)."""
+    profile: Optional[str] = None
+    """Path of a hardware profile measured by `rayspeed calibrate --out FILE` on this cluster: the planner's
+    GEMM, collective and overhead figures then come from it (precedence: profile > cluster.hardware > the
+    built-in table). null: the built-in table."""
     local_num_cpus: Union[int, Auto] = AUTO
     """Logical CPUs a local Ray (started for this job) declares. auto: enough for all workers, even on a
     machine with fewer cores (CPU workers then share cores)."""

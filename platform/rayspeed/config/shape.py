@@ -146,13 +146,22 @@ class ModelShape:
         """Total parameters N (final norm included)."""
         return self.num_layers * self.layer_params + self.embedding_params + self.head_params + self.hidden_size
 
+    @property
+    def non_embedding_params(self) -> int:
+        """N of the FLOP count: every parameter but the input embedding, which is a lookup, not a matmul. The output
+        head is a matmul and counts (for tied embeddings the shared matrix counts once, as the head)."""
+        return self.params - (0 if self.tie_embeddings else self.embedding_params)
+
     # ---- FLOPs
 
     @property
     def flops_per_token(self) -> float:
-        """Model FLOPs per token, forward + backward: 6N + 12 L h s (the MFU convention: recomputation is
-        hardware work, not model work)."""
-        return 6.0 * self.params + 12.0 * self.num_layers * self.hidden_size * self.seq_len
+        """Model FLOPs per token, forward + backward, PaLM's definition (Chowdhery et al. 2022, appendix B):
+        6 N + 12 L h s, N = non_embedding_params (the matmul weights: 2 FLOPs per weight forward, 4 backward) and
+        12 L h s the attention scores and their weighted sum (QK^T and AV, forward + backward, causal mask not
+        discounted). Recomputation is hardware work, not model work, so it is not counted. The one definition of
+        MFU everywhere: the training metric perf/mfu, the planner and scripts/bench_gpu.py."""
+        return 6.0 * self.non_embedding_params + 12.0 * self.num_layers * self.hidden_size * self.seq_len
 
 
 def rope_fields(scaling: Optional[dict[str, Any]]) -> dict[str, Any]:

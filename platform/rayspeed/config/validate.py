@@ -112,6 +112,14 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
             f"parallel.zero_stage ({par.zero_stage}) with parallel.pp ({par.pp}): DeepSpeed's pipeline engine "
             "supports ZeRO 0 or 1 only; set parallel.zero_stage to 0, 1 or auto"
         )
+    split = getattr(par, "stage_layers", None)
+    if split is not None:
+        if not split or any(n < 1 for n in split) or sum(split) != m.num_layers:
+            p.append(f"parallel.stage_layers ({split}): blocks per stage, each >= 1, adding up to model.num_layers "
+                     f"({m.num_layers})")
+        elif par.pp != AUTO and len(split) != par.pp:
+            p.append(f"parallel.stage_layers gives {len(split)} stages but parallel.pp is {par.pp}; set pp to "
+                     f"{len(split)} or auto")
     if par.sequence_parallel is True and par.tp == 1:
         p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
     if isinstance(c.num_workers, list):

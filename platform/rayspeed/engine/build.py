@@ -53,6 +53,7 @@ def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
             sequence_parallel=bool(par.sequence_parallel),
             activation_checkpointing=par.activation_checkpointing,
             seed=cfg.train.seed,
+            stage_layers=getattr(par, "stage_layers", None) or None,
         )
     from rayspeed.model.transformer import Transformer
 

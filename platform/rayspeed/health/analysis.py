@@ -146,6 +146,9 @@ def hardware_for(device_name: str | None, configured: str = "auto", use_gpu: boo
 
 # What each per-node measurement is called in findings and output.
 NODE_METRICS = {"intra_busbw_gbps": "intra-node all-reduce busbw", "link_gbps": "link to the other nodes"}
+# The per-node collectives whose result is checked (a wrong result reads -1).
+WRONG_RESULT_METRICS = {"intra_busbw_gbps": "the intra-node all-reduce",
+                        "cross_busbw_gbps": "the all-reduce across nodes"}
 
 
 def per_node(measured: Mapping[str, Mapping[str, Any]], factor: float,
@@ -154,13 +157,26 @@ def per_node(measured: Mapping[str, Mapping[str, Any]], factor: float,
     "cross_busbw_gbps"}} (collectives.node_bandwidth); `all_nodes`: every node of the cluster, so nodes without
     ranks are listed too (ranks [], no figures). A node is flagged `slow` on a metric when it is below factor x
     the median of the other nodes' (compared with the others: with two nodes the slow one would otherwise drag
-    the reference down)."""
+    the reference down). A figure of -1 is a collective that returned wrong data: listed in the row's
+    `wrong_result` and reported as a `collective_wrong_result` error, never compared as a speed."""
     kb = load()
     order = list(measured) + [n for n in (all_nodes or []) if n not in measured]
     rows = {n: {"node": n, "ranks": list(measured.get(n, {}).get("ranks", [])),
-                **{k: measured.get(n, {}).get(k) for k in (*NODE_METRICS, "cross_busbw_gbps")}, "slow": []}
+                **{k: measured.get(n, {}).get(k) for k in (*NODE_METRICS, "cross_busbw_gbps")}, "slow": [],
+                "wrong_result": []}
             for n in order}
     found: list[Finding] = []
+    # A negative figure is the sweep's correctness marker (collectives.node_bandwidth): that collective returned
+    # wrong data. It is never a speed, and always an error.
+    for n, r in rows.items():
+        for metric in WRONG_RESULT_METRICS:
+            if r[metric] is not None and r[metric] < 0:
+                r["wrong_result"].append(metric)
+        if r["wrong_result"]:
+            found.append(kb.entry("collective_wrong_result").finding(
+                evidence=[f"node {n} (ranks {','.join(map(str, r['ranks']))}): {WRONG_RESULT_METRICS[m]} returned "
+                          "wrong data" for m in r["wrong_result"]],
+                node=n, metrics=list(r["wrong_result"])))
     for metric, label in NODE_METRICS.items():
         vals = {n: r[metric] for n, r in rows.items() if r[metric] is not None and r[metric] >= 0}
         for node, v, med in outliers(vals, factor):
@@ -183,6 +199,8 @@ def per_node_lines(table: list[dict[str, Any]]) -> list[str]:
             lines.append(f"node {r['node']}: no ranks")
             continue
         slow = f"  SLOW ({', '.join(NODE_METRICS[m] for m in r['slow'])})" if r["slow"] else ""
+        if r.get("wrong_result"):
+            slow += f"  WRONG RESULT ({', '.join(WRONG_RESULT_METRICS[m] for m in r['wrong_result'])})"
         lines.append(f"node {r['node']}: ranks {','.join(map(str, r['ranks']))}; intra-node all-reduce busbw "
                      f"{fmt(r['intra_busbw_gbps'])} GB/s; link to the other nodes {fmt(r['link_gbps'])} GB/s; "
                      f"all-reduce across nodes {fmt(r['cross_busbw_gbps'])} GB/s{slow}")

@@ -2,6 +2,7 @@
 
     allreduce_sweep(group=None, sizes=None, device="cpu") -> [{bytes, count, algbw_gbps, busbw_gbps, time_s, ok}]
     allgather_sweep(...)                                   -> same, bytes = the gathered (output) size
+    reducescatter_sweep(...)                               -> same, bytes = the input size
     ring_sendrecv(group, nbytes, device)                   -> this rank's send bandwidth to the next rank (GB/s)
     local_bench(device)                                    -> {matmul_gflops, copy_gbps}: this rank alone
 
@@ -153,6 +154,35 @@ def allgather_sweep(group=None, sizes: list[int] | None = None, device: Any = "c
                      "dtype": "float32", "iters": iters})
         del inp, out
     return _finish("allgather", rows, times, oks, dev, group)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+def reducescatter_sweep(group=None, sizes: list[int] | None = None, device: Any = "cpu", iters: int | None = None,
+                        warmup: int | None = None) -> list[dict]:
+    """Sum reduce-scatter from one buffer; `bytes` is the input size, as in nccl-tests."""
+    dev = _device(device)
+    it, wu = default_iters(dev)
+    iters = iters or it
+    warmup = wu if warmup is None else warmup
+    n = dist.get_world_size(group)
+    rows, times, oks = [], [], []
+    for size in sizes or default_sizes(dev):
+        per_rank = max(1, int(size) // (ELEMENT_BYTES * n))
+        inp = torch.ones(per_rank * n, dtype=ELEMENT, device=dev)
+        out = torch.empty(per_rank, dtype=ELEMENT, device=dev)
+        _reduce_scatter(out, inp, group)
+        _sync(dev)
+        oks.append(bool(out[0].item() == n and out[-1].item() == n))
+        inp.zero_()
+        times.append(_timed(lambda out=out, inp=inp: _reduce_scatter(out, inp, group), iters, warmup, dev, group))
+        rows.append({"op": "reducescatter", "bytes": per_rank * n * ELEMENT_BYTES, "count": per_rank * n,
+                     "dtype": "float32", "iters": iters})
+        del inp, out
+    return _finish("reducescatter", rows, times, oks, dev, group)
 
 
 def ring_sendrecv(group=None, nbytes: int = 4 << 20, device: Any = "cpu", iters: int = 3) -> float:

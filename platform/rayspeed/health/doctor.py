@@ -166,10 +166,13 @@ def doctor_command(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.json:
-        print(json.dumps({"source": source, **extra, "findings": [f.to_json() for f in findings]}, default=str))
+    from rayspeed.redact import redact_mapping, redact_text
+
+    if args.json:  # the environment and the log's lines may carry secrets: none reach the output
+        print(json.dumps(redact_mapping({"source": source, **extra, "findings": [f.to_json() for f in findings]}),
+                         default=str))
     else:
-        print(render(findings, source))
+        print(redact_text(render(findings, source)))
     return EXIT_FAILED if any(f.severity == "error" for f in findings) else EXIT_OK
 
 

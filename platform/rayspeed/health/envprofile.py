@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from rayspeed.config import env_lint
 from rayspeed.config.env_lint import EnvIssue
 from rayspeed.health.knowledge import Finding
+from rayspeed.redact import redact_mapping, redact_value
 
 log = logging.getLogger("rayspeed.health")
 
@@ -65,8 +66,8 @@ def env_profile(cfg, world_size: int | None = None) -> dict[str, str]:
 
 
 def describe(prof: Mapping[str, Any]) -> str:
-    """One log line: the tier and every variable with where it came from."""
-    parts = [f"{k}={v}" + (" (cluster.env)" if k in prof["from_cluster_env"] else "")
+    """One log line: the tier and every variable with where it came from (secret values masked)."""
+    parts = [f"{k}={redact_value(k, v)}" + (" (cluster.env)" if k in prof["from_cluster_env"] else "")
              for k, v in sorted(prof["env"].items())]
     over = f"; cluster.env overrides the rule for {', '.join(prof['overridden'])}" if prof["overridden"] else ""
     return (f"env profile for {prof['world_size']} workers, {prof['tier']}: "
@@ -83,10 +84,16 @@ def log_profile(cfg, world_size: int | None = None) -> dict[str, str]:
 # ---------------------------------------------------------------- lint
 
 
+def redacted(prof: Mapping[str, Any]) -> dict[str, Any]:
+    """The profile for output (healthcheck report, logs): values of secret-named variables masked."""
+    return redact_mapping(dict(prof))
+
+
 def to_finding(issue: EnvIssue) -> Finding:
+    value = redact_value(issue.variable, issue.value)
     return Finding(category="env_invalid", cause=issue.cause, remedy=issue.remedy, severity=issue.severity,
-                   id=f"env:{issue.variable}", source=issue.source, evidence=[f"{issue.variable}={issue.value}"],
-                   extra={"variable": issue.variable, "value": issue.value, "use": issue.use, "status": issue.status})
+                   id=f"env:{issue.variable}", source=issue.source, evidence=[f"{issue.variable}={value}"],
+                   extra={"variable": issue.variable, "value": value, "use": issue.use, "status": issue.status})
 
 
 def lint_env(env: Mapping[str, str], production: bool = True, world_size: int | None = None) -> list[Finding]:

@@ -119,6 +119,10 @@ class HealthRank:
             out["allreduce"] = collectives.allreduce_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
             out["allgather"] = collectives.allgather_sweep(None, opts["sizes"], device, opts["iters"], opts["warmup"])
             out["per_node"] = collectives.node_bandwidth(opts["nodes"], device, opts["link_bytes"], opts["iters"])
+            if opts.get("calibrate"):  # `rayspeed calibrate`: what the planner's time model needs, measured here
+                from rayspeed.health.calibration import measure_rank
+
+                out["calibration"] = measure_rank(rank, world, device, opts["calibrate"])
             return out
         finally:
             dist.destroy_process_group()
@@ -128,8 +132,9 @@ class HealthRank:
 
 
 def run_healthcheck(cfg, use_gpu: bool | None = None, sizes: list[int] | None = None, iters: int | None = None,
-                    timeout_s: float = 300.0) -> dict[str, Any]:
-    """Connect (or start) Ray, run the check for cfg.cluster.max_workers ranks, and return the report dict."""
+                    timeout_s: float = 300.0, calibrate: dict | None = None) -> dict[str, Any]:
+    """Connect (or start) Ray, run the check for cfg.cluster.max_workers ranks, and return the report dict.
+    `calibrate`: a spec for rayspeed.health.calibration.measure_rank; each rank's result under "calibration"."""
     from rayspeed.cluster import connect_ray
 
     info = connect_ray(cfg)
@@ -140,20 +145,21 @@ def run_healthcheck(cfg, use_gpu: bool | None = None, sizes: list[int] | None = 
             use_gpu = float(ray.cluster_resources().get("GPU", 0)) >= cfg.cluster.max_workers
             if use_gpu and not cfg.cluster.use_gpu:
                 cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=True))
-        return _check(cfg, info, bool(use_gpu), sizes, iters, timeout_s)
+        return _check(cfg, info, bool(use_gpu), sizes, iters, timeout_s, calibrate)
     finally:
         if info.get("started"):
             ray.shutdown()
 
 
-def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int | None, timeout_s: float) -> dict:
+def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int | None, timeout_s: float,
+           calibrate: dict | None = None) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     from rayspeed.health import analysis, topology
     from rayspeed.health.collectives import default_iters, default_sizes
-    from rayspeed.health.envprofile import profile
+    from rayspeed.health.envprofile import profile, redacted
     from rayspeed.health.knowledge import Finding, load
 
     kb = load()
@@ -164,8 +170,9 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
     sizes = sizes or default_sizes(device)
     it, wu = default_iters(device)
     prof = profile(cfg, world)
+    shown = redacted(prof)
     log.info("healthcheck: %d ranks (%s) on %s; %s", world, "NCCL" if use_gpu else "gloo", info["address"],
-             f"env profile: {prof['tier']}" + (f" {prof['env']}" if prof["env"] else ""))
+             f"env profile: {prof['tier']}" + (f" {shown['env']}" if prof["env"] else ""))
 
     # One probe per alive node, pinned to it (num_cpus=0: it runs even on a node whose CPUs are all reserved).
     probe = ray.remote(num_cpus=0)(_probe_node)
@@ -207,7 +214,8 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
             port = ray.get(actors[order[0]].free_port.remote(), timeout=timeout_s)
             opts = {"use_gpu": use_gpu, "sizes": sizes, "iters": iters or it, "warmup": wu, "timeout_s": timeout_s,
                     "production": cfg.health.production, "link_bytes": (64 << 20) if use_gpu else (4 << 20),
-                    "threads": max(1, int(c.cpus_per_worker)), "nodes": [where[i]["ip"] for i in order]}
+                    "threads": max(1, int(c.cpus_per_worker)), "nodes": [where[i]["ip"] for i in order],
+                    "calibrate": calibrate}
             refs = [actors[i].run.remote(rank, world, addr, port, opts) for rank, i in enumerate(order)]
             # One at a time, so a rank that fails ends the check now instead of after the others' timeout.
             pending, deadline = list(refs), time.monotonic() + timeout_s + 30
@@ -285,7 +293,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
                     "resources": {k: v for k, v in info["resources"].items() if not k.startswith("node:")}},
         "backend": "nccl" if use_gpu else "gloo",
         "placement": {"bundle": bundle, "strategy": c.placement_strategy},
-        "env_profile": {"tier": prof["tier"], "env": prof["env"], "notes": prof["notes"]},
+        "env_profile": {"tier": prof["tier"], "env": shown["env"], "notes": prof["notes"]},
         "hardware": {"name": hw.name, "expected_busbw_gbps": analysis.expected_busbw(hw, nodes_used)},
         "nodes": node_info,
         "ranks": ranks,
@@ -295,6 +303,7 @@ def _check(cfg, info: dict, use_gpu: bool, sizes: list[int] | None, iters: int |
         "findings": [f.to_json() for f in findings],
         "seconds": round(time.perf_counter() - t0, 2),
         "phases": phases,
+        **({"calibration": [r.get("calibration") for r in results]} if calibrate else {}),
     }
 
 
@@ -357,20 +366,28 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def healthcheck_command(args: argparse.Namespace) -> int:
+def job_for(args: argparse.Namespace) -> Any:
+    """The job a cluster command measures for: --config (with --set), else a generic one; --workers and
+    --gpu/--cpu override its cluster section. Raises ConfigError."""
     from rayspeed.config.load import load
     from rayspeed.config.schema import JobConfig
+
+    cfg = load(args.config, args.overrides) if args.config else JobConfig()
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError(f"--workers {args.workers}: need at least 1")
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_workers=args.workers))
+    if args.gpu is not None:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=args.gpu))
+    return cfg
+
+
+def healthcheck_command(args: argparse.Namespace) -> int:
     from rayspeed.logs import setup
 
     setup()
     try:
-        cfg = load(args.config, args.overrides) if args.config else JobConfig()
-        if args.workers is not None:
-            if args.workers < 1:
-                raise ConfigError(f"--workers {args.workers}: need at least 1")
-            cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_workers=args.workers))
-        if args.gpu is not None:
-            cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, use_gpu=args.gpu))
+        cfg = job_for(args)
         use_gpu = (args.gpu if args.gpu is not None
                    else (True if cfg.cluster.use_gpu else None if not args.config else False))
         sizes = None
@@ -384,4 +401,10 @@ def healthcheck_command(args: argparse.Namespace) -> int:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     print(json.dumps(rep, default=str) if args.json else render(rep), flush=True)
+    return exit_code(rep)
+
+
+def exit_code(rep: dict[str, Any]) -> int:
+    """1 when the check found an error (a wrong collective result anywhere, the per-node table included; a hang;
+    a failed rank), else 0."""
     return EXIT_FAILED if any(f["severity"] == "error" for f in rep["findings"]) else EXIT_OK

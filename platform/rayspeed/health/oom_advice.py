@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rayspeed.config.layout import LAYOUT_KEYS, Layout, LayoutError
 from rayspeed.errors import ConfigError
 from rayspeed.health.knowledge import Finding
 from rayspeed.health.log_detectors import FLOAT
@@ -64,16 +65,20 @@ def planner_view(cfg, lines: list[str]) -> dict[str, Any]:
         m = _PLAN_IN_LOG.search(line) or m
     world = None
     if m:
-        lay = dict(zip(("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum"), map(int, m.groups()[:6])))
-        lay["activation_checkpointing"] = m.group(7)
-        world = lay["dp"] * lay["tp"] * lay["pp"]
-        ran = evaluate_layout(cfg, lay, world_size=world)
-        view["ran"] = {**lay, "memory_gib_per_gpu": ran.get("memory_gib_per_gpu"), "fits": ran.get("fits"),
-                       "usable_memory_gib": ran.get("usable_memory_gib"), "reason": ran.get("reason")}
+        try:
+            ran_layout = Layout(*map(int, m.groups()[:6]), activation_checkpointing=m.group(7))
+        except LayoutError:  # the log's plan line is not a layout rayspeed could have run
+            ran_layout = None
+        if ran_layout is not None:
+            lay = {k: v for k, v in ran_layout.as_dict().items() if k != "sequence_parallel"}
+            world = ran_layout.world_size
+            ran = evaluate_layout(cfg, lay, world_size=world)
+            view["ran"] = {**lay, "memory_gib_per_gpu": ran.get("memory_gib_per_gpu"), "fits": ran.get("fits"),
+                           "usable_memory_gib": ran.get("usable_memory_gib"), "reason": ran.get("reason")}
     try:
         best = plan_job(cfg, world_size=world).best
-        view["best"] = {k: best.get(k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum",
-                                                   "activation_checkpointing", "memory_gib_per_gpu", "fits")}
+        keys = [k for k in LAYOUT_KEYS if k != "sequence_parallel"]
+        view["best"] = {k: best.get(k) for k in (*keys, "memory_gib_per_gpu", "fits")}
     except ConfigError as e:
         view["best"] = None
         view["no_fit"] = e.render()

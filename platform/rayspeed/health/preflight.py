@@ -7,8 +7,9 @@ runs a small all-reduce sweep over the world (and one size over the tp and dp gr
 subgroups, as training uses them), then decides on data every rank has gathered, so every rank reaches the same
 verdict: all ranks raise the same PreflightError, or none does. Under a second on 2 CPU workers.
 
-Fails on: an environment lint error on any rank, a collective returning wrong data, all-reduce bus bandwidth
-below health.preflight_min_busbw_gbps, and (health.fail_on_slow_rank) a slow rank or node.
+Fails on: an environment lint error on any rank, a collective returning wrong data (the world sweep, a parallel
+group, or any node's intra-node or cross-node all-reduce of the per-node table), all-reduce bus bandwidth below
+health.preflight_min_busbw_gbps, and (health.fail_on_slow_rank) a slow rank or node.
 """
 
 from __future__ import annotations
@@ -109,6 +110,29 @@ def _device_name(device: torch.device) -> str | None:
     return None
 
 
+def verdict(h, sweep: list[dict], groups_bw: dict[str, float], node_table: list[dict], findings: list[Finding],
+            lint_errors: list[Finding]) -> str:
+    """Why the preflight fails ("" when it passes), from data every rank holds: an environment lint error, a
+    collective that returned wrong data (the world sweep, a tp/dp/pp group, or a node of the per-node table), a
+    bus bandwidth below the floor, and (health.fail_on_slow_rank) a slow rank or node."""
+    wrong = [f"node {r['node']}: " + ", ".join(analysis.WRONG_RESULT_METRICS[m] for m in r["wrong_result"])
+             for r in node_table if r.get("wrong_result")]
+    if any(not r["ok"] for r in sweep):
+        wrong.append("the all-reduce over the world")
+    wrong += [f"{name} group all-reduce" for name, v in groups_bw.items() if v < 0]
+    if lint_errors:
+        return "environment: " + "; ".join(
+            f"{f.extra.get('variable')}={f.extra.get('value')} (rank {','.join(map(str, f.extra['ranks']))}): "
+            f"{f.cause} -> {f.remedy}" for f in lint_errors)
+    if wrong:
+        return f"a collective returned wrong data (faulty GPU, driver or transport): {'; '.join(wrong)}"
+    if h.preflight_min_busbw_gbps and any(f.extra.get("floor_gbps") for f in findings):
+        return next(f.cause for f in findings if f.extra.get("floor_gbps"))
+    if h.fail_on_slow_rank and any(f.category == "slow_rank" for f in findings):
+        return "slow: " + "; ".join(f.evidence[0] for f in findings if f.category == "slow_rank")
+    return ""
+
+
 def run_preflight(cfg, groups=None, device: Any = "cpu", sizes: list[int] | None = None) -> PreflightReport:
     """Run on every rank of an initialized torch.distributed world. `groups`: the job's ParallelGroups (or None).
     Returns the same report on every rank, or raises PreflightError on every rank."""
@@ -171,17 +195,7 @@ def run_preflight(cfg, groups=None, device: Any = "cpu", sizes: list[int] | None
     findings += analysis.device_findings(ranks, hw)
     findings += analysis.bandwidth_findings(sweep, hw, nodes, min_busbw=h.preflight_min_busbw_gbps)
 
-    reason = ""
-    if lint_errors:
-        reason = "environment: " + "; ".join(
-            f"{f.extra.get('variable')}={f.extra.get('value')} (rank {','.join(map(str, f.extra['ranks']))}): "
-            f"{f.cause} -> {f.remedy}" for f in lint_errors)
-    elif any(not r["ok"] for r in sweep) or any(v < 0 for v in groups_bw.values()):
-        reason = "a collective returned wrong data (faulty GPU, driver or transport)"
-    elif h.preflight_min_busbw_gbps and any(f.extra.get("floor_gbps") for f in findings):
-        reason = next(f.cause for f in findings if f.extra.get("floor_gbps"))
-    elif h.fail_on_slow_rank and any(f.category == "slow_rank" for f in findings):
-        reason = "slow: " + "; ".join(f.evidence[0] for f in findings if f.category == "slow_rank")
+    reason = verdict(h, sweep, groups_bw, node_table, findings, lint_errors)
     report = PreflightReport(ok=not reason, seconds=time.perf_counter() - t0, world_size=world,
                              backend=dist.get_backend(), nodes=nodes, allreduce=sweep, groups=groups_bw,
                              per_node=node_table, ranks=ranks, findings=findings, reason=reason)

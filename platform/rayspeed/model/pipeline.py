@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
+from rayspeed.compat import pipeline_explicit_parts
 from rayspeed.config.shape import ModelShape
 from rayspeed.model.transformer import Block, OutputHead, RMSNorm, check_mode, check_split
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
@@ -127,6 +128,11 @@ def _pipeline_module_class():
         def forward(self, forward_input):
             return self._stage_output(super().forward(self._stage_input(forward_input)))
 
+        def _partition_layers(self, method="uniform"):
+            # An explicit per-stage split ('parts:...', see build_pipeline_module's stage_layers).
+            if not pipeline_explicit_parts(self, method):
+                super()._partition_layers(method)
+
     return SequenceParallelPipelineModule
 
 
@@ -141,6 +147,7 @@ def build_pipeline_module(
     seed: int = 0,
     partition_method: str = "parameters",
     loss_chunk_tokens: Optional[int] = None,
+    stage_layers: Optional[Sequence[int]] = None,
 ):
     """A deepspeed.pipe.PipelineModule of the Transformer described by `cfg`.
 
@@ -150,6 +157,8 @@ def build_pipeline_module(
     builds, and so initialises, every layer on every rank to count them, which is slow for big
     models), "uniform" (same number of specs per stage) or "type:Block" (same number of blocks,
     embedding on the first stage and norm + head on the last; builds nothing extra).
+    stage_layers: blocks per stage, first to last (the planner's split; stages may differ): overrides
+    partition_method, the embedding on the first stage and the final norm + head on the last.
     Activation checkpointing is done inside the blocks, not by DeepSpeed's interval.
     torch.distributed must be initialized (e.g. deepspeed.init_distributed()) and LOCAL_RANK set.
     """
@@ -200,6 +209,15 @@ def build_pipeline_module(
         )
     else:
         specs.append(LayerSpec(HeadPipe, dims, tp, sp, seed))
+
+    if stage_layers is not None:
+        n_stages = topology.get_dim("pipe") if topology is not None else num_stages
+        split = [int(n) for n in stage_layers]
+        if len(split) != n_stages or min(split) < 1 or sum(split) != dims.num_layers:
+            raise ValueError(f"stage_layers {split} must give {n_stages} stages of >= 1 block adding up to "
+                             f"{dims.num_layers}")
+        bounds = [0] + [1 + sum(split[:i + 1]) for i in range(n_stages - 1)] + [len(specs)]  # spec 0: embedding
+        partition_method = "parts:" + ",".join(map(str, bounds))
 
     # PipelineModule broadcasts tied weights in place while it is built; under grad mode
     # autograd would record that broadcast into the tied parameter's history.

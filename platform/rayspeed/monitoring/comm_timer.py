@@ -9,7 +9,9 @@ How: on a measured step the collectives of DeepSpeed's communication backend (`d
 backend object, through which ZeRO's reduce/reduce-scatter/all-gather, the engine's gradient all-reduce,
 the grad-norm and overflow reductions and pipeline tied-weight all-reduces all go) are wrapped by a
 timer; on GPU the device is synchronised before and after each one, so the wall time is the collective's
-own. Other steps pay nothing: the wrappers are installed only for the measured step and removed after.
+own. Other steps pay nothing: the wrappers are installed only for the measured step and removed after. The
+measured step is therefore slower than the others: the reporter samples it (one log step per window) and leaves
+it out of step time, tokens/s and MFU (rayspeed.train.reporting.StepWindow).
 
 What the number means: synchronising around each collective serialises what DeepSpeed would overlap
 (overlap_comm), so grad_sync_fraction = (time in gradient collectives) / (step time) of an unoverlapped

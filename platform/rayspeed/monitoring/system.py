@@ -14,7 +14,10 @@ Per rank (names under `system/node{n}/rank{r}/`):
   on GPU (torch.cuda available):
   gpu_util_percent     GPU utilization, % (torch.cuda.utilization / pynvml, else nvidia-smi, else omitted)
   gpu_mem_allocated_gib, gpu_mem_reserved_gib, gpu_mem_peak_gib
-  gpu_mem_fragmentation  1 - allocated / reserved (the caching allocator's idle share)
+  gpu_mem_fragmentation  inactive split bytes / reserved bytes (torch.cuda.memory_stats: the share of the
+                         caching allocator's reserved memory held in free pieces of blocks still partly in use,
+                         which a new tensor larger than each piece cannot use: fragmentation proper, not the idle
+                         cache that 1 - allocated/reserved would count)
 Plus, on GPU, the job-level `memory/peak_allocated_gib` (max over ranks) and `memory/fragmentation`
 (worst rank, averaged over the window).
 
@@ -131,26 +134,31 @@ class _GpuUtil:
 
 
 def cuda_memory(device: int) -> dict[str, float]:
-    """Caching-allocator numbers of one device, in GiB, and the fragmentation index."""
+    """Caching-allocator numbers of one device, in GiB, and the fragmentation index (one memory_stats read)."""
     import torch
 
-    alloc = torch.cuda.memory_allocated(device)
-    reserved = torch.cuda.memory_reserved(device)
+    stats = torch.cuda.memory_stats(device)
     out = {
-        "gpu_mem_allocated_gib": alloc / GIB,
-        "gpu_mem_reserved_gib": reserved / GIB,
-        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "gpu_mem_allocated_gib": stats.get("allocated_bytes.all.current", 0) / GIB,
+        "gpu_mem_reserved_gib": stats.get("reserved_bytes.all.current", 0) / GIB,
+        "gpu_mem_peak_gib": stats.get("allocated_bytes.all.peak", 0) / GIB,
     }
-    if reserved > 0:
-        out["gpu_mem_fragmentation"] = fragmentation(alloc, reserved)
+    frag = fragmentation(stats)
+    if frag is not None:
+        out["gpu_mem_fragmentation"] = frag
     return out
 
 
-def fragmentation(allocated: float, reserved: float) -> float:
-    """1 - allocated/reserved: the share of the allocator's reserved memory no tensor uses."""
-    if reserved <= 0:
-        return 0.0
-    return max(0.0, min(1.0, 1.0 - allocated / reserved))
+def fragmentation(stats: dict[str, Any]) -> Optional[float]:
+    """The allocator's fragmentation from a torch.cuda.memory_stats() dict: inactive split bytes / reserved bytes
+    (`inactive_split_bytes.all.current` / `reserved_bytes.all.current`): free bytes inside blocks that are split
+    and partly in use, so only a tensor no larger than each free piece can use them (PyTorch's "non-releasable
+    memory"). Cached blocks that are entirely free are not fragmentation: a later tensor reuses them whole.
+    None when nothing is reserved (or the stats do not say)."""
+    reserved = float(stats.get("reserved_bytes.all.current", 0) or 0)
+    if reserved <= 0 or "inactive_split_bytes.all.current" not in stats:
+        return None
+    return max(0.0, min(1.0, float(stats["inactive_split_bytes.all.current"]) / reserved))
 
 
 # ------------------------------------------------------------------------------------------- sampler

@@ -7,7 +7,7 @@ from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import COMPONENTS
-from rayspeed.planner.search import Estimate
+from rayspeed.planner.search import NEAR_TIE, Estimate, headroom, model_error
 
 TIME_PARTS = (
     ("compute_s", "compute (forward + backward + recomputation)"),
@@ -17,6 +17,7 @@ TIME_PARTS = (
     ("dp_comm_s", "exposed data-parallel/ZeRO communication"),
     ("zero3_overhead_s", "ZeRO-3 gather bookkeeping"),
     ("optimizer_s", "optimizer step + engine"),
+    ("straggler_s", "waiting for the slowest GPU"),
 )
 LABEL = dict(TIME_PARTS)
 
@@ -25,10 +26,14 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     """The time component that grew the most against the chosen layout."""
     a, b = e.time.as_dict(), best.time.as_dict()
     diffs = {k: a[k] - b[k] for k, _ in TIME_PARTS}
-    k = max(diffs, key=diffs.get)
+    k = max(diffs, key=diffs.__getitem__)
     slower = 100 * (e.step_s / best.step_s - 1)
+    if slower < -0.05:
+        return (f"{-slower:.1f}% faster by the model, within its error; the chosen layout leaves more memory free "
+                f"({100 * headroom(best):.0f}% vs {100 * headroom(e):.0f}% of usable)")
     if slower <= 0.05:
-        return "a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, less recomputation)"
+        return ("a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, "
+                "less recomputation)")
     what = LABEL[k]
     if k == "compute_s" and a["recompute_s"] - b["recompute_s"] > 0.5 * diffs[k]:
         what = "recomputation"
@@ -53,7 +58,8 @@ def key_alternatives(best: Estimate, estimates: list[Estimate], fixed: dict) -> 
                     not e.fits and not cur.fits and e.memory_gib < cur.memory_gib):
                 others[v] = e
         parts = []
-        for v in sorted(others, key=lambda x: (str(type(x)), x if not isinstance(x, str) else CHECKPOINT_MODES.index(x))):
+        for v in sorted(others, key=lambda x: (str(type(x)),
+                                               x if not isinstance(x, str) else CHECKPOINT_MODES.index(x))):
             e = others[v]
             if e.fits:
                 parts.append(f"{v}: {100 * (e.step_s / best.step_s - 1):+.1f}%")
@@ -74,7 +80,8 @@ def _key_reason(key: str, best: Estimate) -> str:
     if key == "activation_checkpointing":
         return ": the cheapest mode that fits and is fastest"
     if key == "grad_accum":
-        return f": global batch {ctx.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch_size} x {lay.grad_accum}"
+        return (f": global batch {ctx.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch_size} "
+                f"x {lay.grad_accum}")
     return ""
 
 
@@ -113,20 +120,26 @@ def time_table(e: Estimate) -> list[str]:
 def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: list[Estimate], rules: dict,
            fixed: dict, notes: list[str], job_name: str, counts: dict) -> str:
     sh = ctx.shape
+    err = model_error(ctx)
     lay = best.layout
     L = []
     n = sh.params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     L.append(f"rayspeed plan: {job_name}: {size} parameters ({sh.num_layers} layers, hidden {sh.hidden_size}, "
-             f"{sh.num_heads} heads / {sh.num_kv_heads} kv, ffn {sh.ffn_hidden_size}, vocab {sh.vocab_size}, seq {sh.seq_len}, "
-             f"{'tied' if sh.tie_embeddings else 'untied'} embeddings)")
+             f"{sh.num_heads} heads / {sh.num_kv_heads} kv, ffn {sh.ffn_hidden_size}, vocab {sh.vocab_size}, "
+             f"seq {sh.seq_len}, {'tied' if sh.tie_embeddings else 'untied'} embeddings)")
     L.append(f"cluster: {ctx.world} x {ctx.hw.name} ({ctx.nodes} node(s) x {ctx.node_size}), {ctx.precision}; "
              f"global batch {ctx.global_batch} sequences = {ctx.global_batch * sh.seq_len:,} tokens per step")
+    L.append("hardware: "
+             + (ctx.profile and f"calibrated profile {ctx.profile} (held-out error "
+                                f"{'%.1f%%' % (100 * ctx.model_error) if ctx.model_error else 'not fitted'})"
+                or "built-in table (no profile: `rayspeed calibrate --out FILE`, then --profile FILE)"))
     L.append("")
     L.append(f"chosen layout: {lay.short()}")
     L.append(f"  fastest of {counts['fitting']} fitting layouts ({counts['evaluated']} evaluated, "
              f"{counts['evaluated'] - counts['fitting']} do not fit in memory; "
-             f"{counts['beyond_cap']} more excluded by the accumulation cap of {rules['accumulation_cap']['max_grad_accum']})")
+             f"{counts['beyond_cap']} more excluded by the accumulation cap of "
+             f"{rules['accumulation_cap']['max_grad_accum']})")
     for line in key_alternatives(best, estimates, fixed):
         L.append(f"  - {line}")
     L.append("")
@@ -134,12 +147,21 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L.append("")
     L += time_table(best)
     L.append("")
+    fastest = min((x.step_s for x in estimates if x.fits), default=best.step_s)
+    ties = [e for e in estimates if e.fits and e.step_s <= fastest * (1 + err)]
+    if len(ties) > 1:
+        roomy = "more memory headroom" if best.step_s > fastest * (1 + NEAR_TIE) else "speed, then simplicity"
+        L.append(f"near tie: {len(ties)} fitting layouts are within the time model's own error (+-{100 * err:.0f}%"
+                 f"{', held out on ' + ctx.profile if ctx.profile else ', uncalibrated'}) of the fastest; chosen for "
+                 f"{roomy} ({100 * headroom(best):.0f}% of usable memory free); measure a few steps of the runner-ups "
+                 "to decide between them")
+        L.append("")
     if alternatives:
         L.append("runner-up layouts:")
         for i, e in enumerate(alternatives, 1):
             L.append(f"  {i}. {e.layout.short()}: {e.step_s:.4f} s, {e.memory_gib:.1f} GiB; {why_lost(e, best)}")
     # Faster layouts that miss by little (within half the usable memory): what more memory would buy.
-    near = [e for e in estimates if not e.fits and e.step_s < best.step_s and e.overshoot_gib() < 0.5 * ctx.usable_gib]
+    near = [e for e in estimates if not e.fits and e.overshoot_gib() < 0.5 * ctx.usable_gib and e.step_s < best.step_s]
     faster = sorted(near, key=lambda e: e.step_s)[:3]
     if faster:
         L.append("faster layouts that just do not fit:")
@@ -154,7 +176,8 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
              f"{'fits' if s['fits'] else 'does NOT fit'}; chosen follows it: {s['chosen_follows_rule']}; {s['note']}")
     lr = rules["lr"]
     used = "used for train.lr: auto" if lr.get("applied") else "not used: train.lr is set in the job"
-    L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g} ({used})" + (f"; {lr['floored']}" if "floored" in lr else ""))
+    L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g} ({used})"
+             + (f"; {lr['floored']}" if "floored" in lr else ""))
     if lr.get("applied") and "warning" in lr:
         L.append(f"    WARNING: {lr['warning']}")
     cap = rules["accumulation_cap"]
@@ -174,6 +197,6 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     if notes:
         L.append("")
         L.append("assumptions:")
-        for n in notes:
-            L.append(f"  - {n}")
+        for note in notes:
+            L.append(f"  - {note}")
     return "\n".join(L) + "\n"

@@ -1,10 +1,8 @@
 """Accelerator table: what the time and memory models need to know about one GPU (or one CPU worker).
 
-Numbers are datasheet peaks (dense, no sparsity) and typical measured collective bandwidths; the one
-calibration we own is the H200 anchor (docs/PLANNER.md): a large bf16 matmul reached 790 of 989 TFLOP/s,
-so the best-case GEMM efficiency is 0.80 of peak. Every field can be overridden from the job file
-(`cluster.hardware: {memory_gib: 75, inter_node_gbps: 25, ...}`) when the lead adds that key; until then
-`hardware_overrides` can be passed explicitly.
+Numbers are datasheet peaks (dense, no sparsity) and achievable (measured, not link-peak) bandwidths, each with
+its source in docs/PLANNER.md. Precedence when planning: a calibrated hardware profile (`cluster.profile`,
+`rayspeed plan --profile`) > the job's `cluster.hardware` overrides > this table.
 """
 
 from __future__ import annotations
@@ -26,24 +24,59 @@ class Hardware:
     hbm_gbps: float = 3350.0
     """Device memory bandwidth (GB/s): bounds element-wise work, small GEMMs, the optimizer step."""
     intra_node_gbps: float = 360.0
-    """NCCL bus bandwidth of a collective inside one node (NVLink/NVSwitch or PCIe), GB/s."""
-    inter_node_gbps: float = 40.0
-    """Network bandwidth per GPU across nodes (its own NIC, after protocol overhead), GB/s."""
-    intra_latency_us: float = 10.0
-    """Fixed cost of one collective or send inside a node."""
-    inter_latency_us: float = 30.0
-    """Fixed cost of one collective or send across nodes."""
-    intra_hop_us: float = 1.0
-    """Added per algorithm step inside a node (a ring of n ranks takes n - 1 steps per phase)."""
-    inter_hop_us: float = 5.0
-    """Added per algorithm step when the group spans nodes (each ring step waits on the network hop)."""
+    """Achievable NCCL bus bandwidth of a ring collective inside one node at large messages (nccl-tests busbw),
+    GB/s; also the point-to-point bandwidth between two GPUs of a node."""
+    inter_node_gbps: float = 45.0
+    """Achievable network bandwidth per GPU across nodes (its share of the node's NICs after protocol
+    overhead), GB/s. A ring spanning nodes gets min(intra, ranks-per-node x this)."""
+    intra_latency_us: float = 8.4
+    """Fixed cost of one collective or send inside a node (NCCL's base latency, Simple protocol)."""
+    inter_latency_us: float = 22.4
+    """Fixed cost of one send across nodes (base + one network hop, NCCL tuning model)."""
+    intra_hop_us: float = 3.4
+    """Gloo/alpha-beta model only: added per algorithm step inside a node (GPUs use NCCL's hop table)."""
+    inter_hop_us: float = 14.0
+    """Gloo/alpha-beta model only: added per algorithm step across nodes."""
+    intra_link: str = "nvlink"
+    """nvlink | pci: which row of NCCL's latency table the node's links use."""
+    nccl_latency_scale: float = 1.0
+    """Measured / modelled collective latency (a calibrated profile sets it; 1 = NCCL's own model)."""
     gemm_efficiency: float = 0.80
     """Best fraction of peak a large GEMM reaches (790/989 measured on the H200 anchor)."""
     attention_efficiency: float = 0.35
-    """Fraction of peak for fused (flash/SDPA) attention at head dim 128, forward and backward together
-    (FlashAttention-2 on H100, causal FLOPs counted as executed)."""
+    """Fraction of peak for fused (flash/SDPA) attention at head dim `attention_head_dim`, forward and backward
+    together (FlashAttention-2 on H100 at head dim 128, causal FLOPs counted as executed)."""
+    attention_head_dim: int = 128
+    """Head dim at which attention_efficiency holds (a profile measures at the job's own)."""
     kernel_overhead_us: float = 6.0
     """Host time to launch one eager op; bounds tiny models (the GPU waits on Python)."""
+    host_fwd_layer_us: float = 0.0
+    """Measured host time of one block's forward (a calibrated profile); 0: ops x kernel_overhead_us."""
+    host_bwd_layer_us: float = 0.0
+    """Measured host time of one block's backward, the engine's gradient hooks included; 0: derived."""
+    host_fixed_mb_us: float = 0.0
+    """Measured host time per micro-batch outside the blocks (engine wrappers, embedding, head, loss); 0: none
+    (on GPUs it hides behind the kernels)."""
+    engine_step_s: float = 0.005
+    """DeepSpeed engine time per optimizer step beyond the optimizer's memory traffic (H200 anchor: ZeRO-1
+    207.5 ms vs eager 193.2 ms at 774M, minus the Adam traffic)."""
+    mem_efficiency: float = 0.8
+    """Fraction of memory bandwidth element-wise kernels reach (STREAM-like copies on H100: ~80-90%)."""
+    work_scale_fwd: float = 1.0
+    """Measured / modelled time of one block's forward (host included) at a calibrated profile's reference layout
+    (the job's own model through its engine at two depths): the block is anchored at what was measured, other
+    layouts follow the model's ratio to the reference. 1: the model's parts as they are."""
+    work_scale_bwd: float = 1.0
+    """The same for one block's backward."""
+    head_work_scale: float = 1.0
+    """The same for what is not a block: embedding, final norm, head, loss and the engine's fixed time per
+    micro-batch, forward and backward."""
+    sm_count: int = 132
+    """Streaming multiprocessors: GEMM tiles are scheduled in waves of this many (wave quantization)."""
+    straggler_sigma: float = 0.012
+    """Relative spread (1 sigma) of one GPU's speed across a cluster of identical GPUs: Sinha et al. (SC22,
+    arXiv 2208.11035) measured 8% average performance variation (max 22%) between GPUs of one SKU; 8% as a
+    +-3.3 sigma range gives 1.2%. A synchronous step waits for the slowest of n: + sigma sqrt(2 ln n)."""
     bf16: bool = True
     tf32: bool = True
     """TF32 tensor cores for fp32 matmuls (Ampere and newer)."""
@@ -62,8 +95,9 @@ _H100_SXM = Hardware(
     peak_tflops={"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
     memory_gib=79.6,  # 81559 MiB
     hbm_gbps=3350.0,
-    intra_node_gbps=360.0,  # NVLink 4 (450 GB/s per direction) at ~80% in nccl-tests all_reduce
-    inter_node_gbps=40.0,  # one 400 Gb/s NDR NIC per GPU = 50 GB/s, ~80% achieved
+    intra_node_gbps=360.0,  # NVLink 4 (450 GB/s per direction): nccl-tests ring all_reduce busbw ~360 at 1 GiB
+    inter_node_gbps=45.0,  # one 400 Gb/s NDR NIC per GPU = 50 GB/s; 4 x 8 B200 nodes reached 94% (ml-engineering)
+    sm_count=132,
 )
 
 TABLE: dict[str, Hardware] = {
@@ -75,8 +109,9 @@ TABLE: dict[str, Hardware] = {
         memory_gib=79.6,
         hbm_gbps=2000.0,
         intra_node_gbps=40.0,  # PCIe Gen5 x16 (64 GB/s) through switches; NVLink bridges pair GPUs only
-        inter_node_gbps=12.5,  # typically one 200 Gb/s NIC per two GPUs
-        inter_latency_us=40.0,
+        inter_node_gbps=11.0,  # typically one 200 Gb/s NIC per two GPUs, ~90% achieved
+        intra_link="pci",
+        sm_count=114,
     ),
     "a100-80gb": Hardware(
         name="a100-80gb",
@@ -84,7 +119,8 @@ TABLE: dict[str, Hardware] = {
         memory_gib=80.0,
         hbm_gbps=2039.0,
         intra_node_gbps=230.0,  # NVLink 3 (300 GB/s per direction), nccl-tests ~230
-        inter_node_gbps=20.0,  # one 200 Gb/s HDR NIC per GPU = 25 GB/s, ~80% achieved
+        inter_node_gbps=22.5,  # one 200 Gb/s HDR NIC per GPU = 25 GB/s; nccl-tests #119: 85-96% achieved
+        sm_count=108,
     ),
     "a100-40gb": Hardware(
         name="a100-40gb",
@@ -92,7 +128,8 @@ TABLE: dict[str, Hardware] = {
         memory_gib=40.0,
         hbm_gbps=1555.0,
         intra_node_gbps=230.0,
-        inter_node_gbps=20.0,
+        inter_node_gbps=22.5,
+        sm_count=108,
     ),
     "l40s": Hardware(
         name="l40s",
@@ -100,8 +137,9 @@ TABLE: dict[str, Hardware] = {
         memory_gib=44.5,  # 46068 MiB GDDR6
         hbm_gbps=864.0,
         intra_node_gbps=20.0,  # PCIe Gen4 only, no NVLink
-        inter_node_gbps=12.5,
-        inter_latency_us=40.0,
+        inter_node_gbps=11.0,
+        intra_link="pci",
+        sm_count=142,
     ),
     # One CPU core per worker: fp32 AVX2/AVX-512 FMA (~100 GFLOP/s peak, PyTorch reaches ~60%),
     # ~8 GB/s of DRAM bandwidth per core, gloo collectives over loopback (~1.5 GB/s, ~60 us each),
@@ -120,6 +158,9 @@ TABLE: dict[str, Hardware] = {
         gemm_efficiency=0.6,
         attention_efficiency=0.3,
         kernel_overhead_us=15.0,
+        engine_step_s=0.006,  # `rayspeed calibrate` on the 2-core dev box: ZeRO-1 6.0 ms, ZeRO-2 7.1 ms per step
+        sm_count=0,  # no waves: GEMMs split across cores by the BLAS
+        straggler_sigma=0.0,
         bf16=False,
         tf32=False,
         is_gpu=False,

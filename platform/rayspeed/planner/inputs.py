@@ -4,6 +4,7 @@ rayspeed.config.layout.Layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.planner.hardware import Hardware
@@ -13,7 +14,7 @@ from rayspeed.planner.hardware import Hardware
 class Ctx:
     shape: ModelShape
     hw: Hardware
-    precision: str  # fp32 | bf16 | fp16 (resolved)
+    precision: Literal["fp32", "bf16", "fp16"]  # resolved
     grad_accum_dtype: str  # fp32 | bf16
     world: int
     node_size: int  # ranks per node for topology (tp never spans one)
@@ -21,6 +22,27 @@ class Ctx:
     memory_gib: float  # device (or per-worker) memory
     usable_fraction: float = 0.95  # headroom for what the model does not see (allocator spikes, NCCL growth)
     notes: tuple = field(default_factory=tuple)  # assumptions made while building the context
+    gemm_table: tuple = ()  # ((m, k, n, flop/s), ...) measured by `rayspeed calibrate` on this cluster
+    efficiency: tuple = (1.0, 1.0, 1.0)  # (compute, comm, overhead) factors fitted from finished runs
+    profile: str = ""  # where the hardware profile came from ("" = the built-in table)
+    model_error: float = 0.0  # the time model's held-out relative error from the profile's fit (0: unknown)
+    engine_by_zero: tuple = ()  # ((zero, host fwd us/block, host bwd us/block, fixed us/micro-batch, step s), ...)
+    gloo_fit: tuple = ()  # ((kind, latency us, bus GB/s), ...) measured per collective on CPU workers
+    # Costs shared by many layouts of one search (block, head, split), keyed by what they depend on; never
+    # copied by dataclasses.replace (init=False), so a changed context starts empty.
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    @property
+    def compute_factor(self) -> float:
+        return self.efficiency[0]
+
+    @property
+    def comm_factor(self) -> float:
+        return self.efficiency[1]
+
+    @property
+    def overhead_factor(self) -> float:
+        return self.efficiency[2]
 
     @property
     def nodes(self) -> int:

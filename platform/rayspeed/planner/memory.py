@@ -10,7 +10,7 @@ from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.model_math import stage_params
+from rayspeed.planner.model_math import split_of, stage_params
 
 COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "logits_loss",
               "zero3_gathered", "comm_buckets", "cuda_context", "allocator_slack")
@@ -71,12 +71,15 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
         kept, working = 2 * sh.hidden_size / out_div, max(attn, mlp)
     else:  # full: only each block's input is kept; one block is rebuilt at a time
         kept, working = sh.hidden_size / out_div, full
-    layers = sh.num_layers // lay.pp
+    layers = split_of(sh, lay)[stage]
     # 1F1B: stage i has (pp - i) micro-batches in flight (at most the number of micro-batches).
     in_flight = 1 if lay.pp == 1 else min(lay.pp - stage, lay.grad_accum)
     # Backward transient: gradients of one block's widest tensors (SwiGLU gate/up, the residual).
     transient = 2 * sh.ffn_hidden_size / lay.tp + 2 * sh.hidden_size
-    elems = tokens * (in_flight * layers * kept + working + transient)
+    # DeepSpeed's pipeline engine keeps an input and an output buffer per in-flight micro-batch
+    # (PipelineEngine num_pipe_buffers = min(stages - stage_id, micro_batches)), the full hidden state each.
+    pipe = 2 * in_flight * sh.hidden_size if lay.pp > 1 else 0.0
+    elems = tokens * (in_flight * layers * kept + working + transient + pipe)
     return elems * ctx.w_bytes
 
 
@@ -102,8 +105,17 @@ def buckets(ctx: Ctx, lay: Layout) -> dict:
     """DeepSpeed bucket sizes (elements), from the hidden size like the HF integration's "auto"
     (h^2 reduce/all-gather buckets, 0.9 h^2 prefetch, 10h persistence threshold), clamped so that small
     models still send a few large messages and large ones do not reserve gigabytes."""
+    n0 = split_of(ctx.shape, lay)[0]
+    key = ("buckets", lay.tp, lay.pp, n0)
+    got = ctx.memo.get(key)
+    if got is None:
+        got = ctx.memo[key] = _buckets(ctx, lay, n0)
+    return got
+
+
+def _buckets(ctx: Ctx, lay: Layout, n0: int) -> dict:
     sh = ctx.shape
-    n = stage_params(sh, lay.tp, lay.pp, 0)
+    n = stage_params(sh, lay.tp, lay.pp, 0, n0)
     bucket = int(min(max(sh.hidden_size * sh.hidden_size, 2**23), 5e8, max(n, 1)))
     layer_elems = sh.layer_matrix_params // lay.tp
     return {
@@ -125,8 +137,10 @@ def bucket_bytes(ctx: Ctx, lay: Layout) -> float:
     if lay.zero_stage in (1, 2):
         if not ctx.hw.is_gpu:  # overlap_comm is off on CPU: one reduce and one gather bucket
             return b["reduce_bucket_size"] * ctx.comm_bytes + b["allgather_bucket_size"] * ctx.w_bytes
-        # DeepSpeed: overlap_comm "uses 4.5x the allgather_bucket_size and reduce_bucket_size values".
-        return 4.5 * (b["reduce_bucket_size"] + b["allgather_bucket_size"]) * ctx.w_bytes
+        # DeepSpeed: overlap_comm "uses 4.5x the allgather_bucket_size and reduce_bucket_size values" (stated for
+        # 2-byte elements); the reduce side's buffers are in the communication dtype (fp32 here: the ipg
+        # buckets are keyed by communication_data_type in stage_1_and_2).
+        return 4.5 * (b["reduce_bucket_size"] * ctx.comm_bytes + b["allgather_bucket_size"] * ctx.w_bytes)
     return 2 * b["reduce_bucket_size"] * ctx.comm_bytes
 
 
@@ -141,24 +155,30 @@ def zero3_gathered_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     if stage == 0 or stage == lay.pp - 1:
         biggest = max(biggest, sh.vocab_size * sh.hidden_size / lay.tp)
     live = (min(b["stage3_max_live_parameters"], 2 * biggest) + b["stage3_prefetch_bucket_size"]) * ctx.w_bytes
-    secondary = stage_params(sh, lay.tp, lay.pp, stage) * ctx.w_bytes / lay.hpz if lay.hpz > 1 else 0.0
+    n = stage_params(sh, lay.tp, lay.pp, stage, split_of(sh, lay)[stage])
+    secondary = n * ctx.w_bytes / lay.hpz if lay.hpz > 1 else 0.0
     return live + secondary
 
 
 def communicators(lay: Layout) -> int:
-    return sum(1 for d in (lay.dp, lay.tp, lay.pp) if d > 1)
+    """NCCL communicators a rank initialises: the world (DeepSpeed's engine group), dp, tp, and pp's two
+    neighbour pairs (the pipeline engine's p2p groups)."""
+    if lay.world_size <= 1:
+        return 0
+    return 1 + sum(1 for d in (lay.dp, lay.tp) if d > 1) + (2 if lay.pp > 1 else 0)
 
 
 def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
     """Bytes per component for one rank of `stage`."""
-    n = stage_params(ctx.shape, lay.tp, lay.pp, stage)
+    n = stage_params(ctx.shape, lay.tp, lay.pp, stage, split_of(ctx.shape, lay)[stage])
     out = model_state_bytes(n, ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.dp)
     out["activations"] = activation_bytes(ctx, lay, stage)
     out["logits_loss"] = logits_bytes(ctx, lay, stage)
     out["zero3_gathered"] = zero3_gathered_bytes(ctx, lay, stage)
     out["comm_buckets"] = bucket_bytes(ctx, lay)
     if ctx.hw.is_gpu:
-        # CUDA context + cuBLAS workspaces, and NCCL channel buffers per communicator.
+        # CUDA context + cuBLAS workspaces (0.75 GiB), and per NCCL communicator its channel buffers:
+        # NCCL_BUFFSIZE (4 MiB) x up to 32 channels x send + receive = 0.25 GiB.
         out["cuda_context"] = (0.75 + 0.25 * communicators(lay)) * GIB
     else:
         out["cuda_context"] = 0.4 * GIB  # the Python + torch process itself
@@ -170,16 +190,21 @@ def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
 
 def worst_stage(ctx: Ctx, lay: Layout) -> tuple[int, dict]:
     """(stage, bytes by component) of the rank with the largest total. The first stage holds the most
-    in-flight micro-batches and the embedding, the last the head and the logits; middle stages hold less
-    than the first."""
-    stages = {0, lay.pp - 1}
-    best = None
-    for st in sorted(stages):
-        br = stage_breakdown(ctx, lay, st)
-        tot = sum(br.values())
-        if best is None or tot > best[0]:
-            best = (tot, st, br)
-    return best[1], best[2]
+    in-flight micro-batches and the embedding, the last the head and the logits; with an uneven split a
+    middle stage may hold the most, so every stage whose (blocks, in-flight) pair is new is costed."""
+    split = split_of(ctx.shape, lay)
+    # Everything else equal, an earlier stage holds more in-flight micro-batches: per block count only the
+    # earliest middle stage can be the worst.
+    seen: set = set()
+    stages = []
+    for st, n in enumerate(split):
+        key = (n, st == 0, st == lay.pp - 1)
+        if key not in seen:
+            seen.add(key)
+            stages.append(st)
+    breakdowns = {st: stage_breakdown(ctx, lay, st) for st in stages}
+    worst = max(stages, key=lambda st: sum(breakdowns[st].values()))  # the first of equal totals
+    return worst, breakdowns[worst]
 
 
 def to_gib(br: dict) -> dict:

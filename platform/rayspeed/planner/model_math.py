@@ -3,15 +3,24 @@ rayspeed.config.shape.ModelShape)."""
 
 from __future__ import annotations
 
+from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
 
 
-def stage_params(sh: ModelShape, tp: int, pp: int, stage: int) -> int:
-    """Parameters held by one rank of pipeline stage `stage` (0-based) with tensor degree tp.
-    Layers are split evenly (pp divides L); the vocab-parallel embedding sits on the first stage, the final
-    norm and output head on the last; a tied head on pp > 1 is a second copy on the last stage (its
-    gradient is all-reduced with the first stage's)."""
-    layers = sh.num_layers // pp
+def even_split(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Blocks per stage as even as they go, the extra ones on the middle-to-last stages (the first stage holds
+    the most in-flight micro-batches under 1F1B, so it gets the fewest)."""
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if i >= pp - extra else 0) for i in range(pp))
+
+
+def stage_params(sh: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None) -> int:
+    """Parameters held by one rank of pipeline stage `stage` (0-based) with tensor degree tp, holding `layers`
+    blocks (default: the even share L // pp). The vocab-parallel embedding sits on the first stage, the final
+    norm and output head on the last; a tied head on pp > 1 is a second copy on the last stage (its gradient
+    is all-reduced with the first stage's)."""
+    if layers is None:
+        layers = sh.num_layers // pp
     n = layers * (sh.layer_matrix_params // tp + sh.layer_norm_params)
     if stage == 0:
         n += sh.embedding_params // tp
@@ -22,5 +31,17 @@ def stage_params(sh: ModelShape, tp: int, pp: int, stage: int) -> int:
     return n
 
 
-def max_stage_params(sh: ModelShape, tp: int, pp: int) -> int:
-    return max(stage_params(sh, tp, pp, 0), stage_params(sh, tp, pp, pp - 1))
+def max_stage_params(sh: ModelShape, tp: int, pp: int, split: tuple[int, ...] | None = None) -> int:
+    """The largest stage: the first, the last, or the middle stage with the most blocks."""
+    split = split or tuple([sh.num_layers // pp] * pp)
+    cands = {0, pp - 1}
+    if pp > 2:
+        cands.add(max(range(1, pp - 1), key=lambda i: split[i]))
+    return max(stage_params(sh, tp, pp, i, split[i]) for i in cands)
+
+
+def split_of(sh: ModelShape, lay: Layout) -> tuple[int, ...]:
+    """The layout's explicit split, else the even one."""
+    if lay.stage_layers is not None:
+        return tuple(lay.stage_layers)
+    return even_split(sh.num_layers, lay.pp)

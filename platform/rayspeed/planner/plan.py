@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.config.validate import shape_split_problems
 from rayspeed.errors import ConfigError
 from rayspeed.planner.checkpoint_memory import checkpoint_plan
 from rayspeed.planner.checkpoint_memory import explain_lines as checkpoint_explain
@@ -24,7 +25,9 @@ from rayspeed.planner.search import (
     enumerate_layouts,
     evaluate,
     fixed_keys,
+    headroom,
     hpz_applies,
+    model_error,
     rank,
 )
 
@@ -70,11 +73,12 @@ def _diverse(ranked: list[Estimate], top_k: int) -> list[Estimate]:
 
 def _search(cfg: JobConfig, ctx: Ctx, fixed: dict):
     en = enumerate_layouts(ctx, fixed)
-    estimates = [evaluate(ctx, lay) for lay in en.layouts]
+    cache: dict = {}
+    estimates = [evaluate(ctx, lay, cache) for lay in en.layouts]
     ranked = rank(estimates)
     notes = list(ctx.notes)
     if not ranked and en.beyond_cap:
-        extra = [evaluate(ctx, lay) for lay in en.beyond_cap]
+        extra = [evaluate(ctx, lay, cache) for lay in en.beyond_cap]
         ranked = rank(extra)
         estimates += extra
         if ranked:
@@ -83,9 +87,10 @@ def _search(cfg: JobConfig, ctx: Ctx, fixed: dict):
     return en, estimates, ranked, notes
 
 
-def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5) -> PlanResult:
-    """Search every valid layout for this job and cluster; raise ConfigError when none is possible."""
-    ctx = build_ctx(cfg, world_size)
+def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, profile=None) -> PlanResult:
+    """Search every valid layout for this job and cluster; raise ConfigError when none is possible.
+    `profile`: a hardware-profile path or dict (default: the job's cluster.profile)."""
+    ctx = build_ctx(cfg, world_size, profile=profile)
     fixed = fixed_keys(cfg)
     en, estimates, ranked, notes = _search(cfg, ctx, fixed)
     if not ranked:
@@ -106,6 +111,7 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5) -> P
     text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts)
     plan = _plan_dict(cfg, ctx, best, rules)
     plan["notes"] = notes
+    plan["near_ties"] = near_ties(ranked)
     # Host memory of an async checkpoint's snapshot, and the checkpoint mode it allows.
     plan["checkpoint"] = checkpoint_plan(ctx, best.layout, sum(best.memory.values()), r.checkpoint_mode)
     text += "\n" + "\n".join(checkpoint_explain(plan["checkpoint"])) + "\n"
@@ -126,8 +132,24 @@ def _plan_dict(cfg: JobConfig, ctx: Ctx, e: Estimate, rules: dict | None = None)
         d["activation_checkpointing_template"] = {k: v for k, v in rules["checkpointing"].items()
                                                   if k not in ("mode", "template")}
     d.update(world_size=ctx.world, gpu=ctx.hw.name, nodes=ctx.nodes, precision=ctx.precision, deepspeed=ds)
+    d["profile"] = {"path": ctx.profile or None, "model_error": round(model_error(ctx), 4),
+                    "efficiency": dict(zip(("compute", "comm", "overhead"), ctx.efficiency))}
     d["lr"] = cfg.train.lr if cfg.train.lr != AUTO else lr_rule(ctx.global_batch, ctx.world)["lr"]
     return d
+
+
+def near_ties(ranked: list[Estimate]) -> dict:
+    """The layouts the time model cannot tell from the chosen one (within its own error of the fastest)."""
+    if not ranked:
+        return {}
+    err = model_error(ranked[0].ctx)
+    fastest = min(e.step_s for e in ranked)
+    ties = [e for e in ranked if e.step_s <= fastest * (1 + err)]
+    return {"model_error": round(err, 4), "count": len(ties),
+            "layouts": [{"layout": e.layout.short(), "step_time_s": round(e.step_s, 6),
+                         "headroom": round(headroom(e), 3)} for e in ties[:5]],
+            "chosen_for": ("more memory headroom, within the model's error of the fastest"
+                           if ranked[0].step_s > fastest * 1.01 else "fastest (simplest within 1%)")}
 
 
 # ---------------------------------------------------------------- errors
@@ -164,8 +186,9 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
     bpp = sum(bytes_per_param(ctx.precision, ctx.grad_accum_dtype).values())
     need = math.ceil(ctx.shape.params * bpp / GIB / max(ctx.usable_gib * 0.6, 1e-9))
     problems.append(f"what would fit: more {'GPUs' if ctx.hw.is_gpu else 'workers'} (model states alone need "
-                    f"{ctx.shape.params * bpp / GIB:.0f} GiB: about {need} or more with ZeRO-3), a GPU with more memory "
-                    f"(cluster.gpu), or a shorter model.seq_len / smaller train.global_batch_size")
+                    f"{ctx.shape.params * bpp / GIB:.0f} GiB: about {need} or more with ZeRO-3), "
+                    "a GPU with more memory (cluster.gpu), or a shorter model.seq_len / smaller "
+                    "train.global_batch_size")
     return problems
 
 
@@ -186,7 +209,8 @@ def _what_would_fit(ctx: Ctx, fixed: dict) -> str | None:
         options.sort(key=lambda o: o[0])
         cap = accumulation_cap(ctx)
         lines = [f"parallel.{key}={getattr(e.layout, key)} (then {e.layout.short()}, {e.memory_gib:.1f} GiB, "
-                 f"{e.step_s:.3g} s/step" + (f", accumulation above the cap of {cap}" if e.layout.grad_accum > cap else "")
+                 f"{e.step_s:.3g} s/step"
+                 + (f", accumulation above the cap of {cap}" if e.layout.grad_accum > cap else "")
                  + ")" for _, key, e in options[:3]]
         return "what would fit, changing one fixed key: " + "; or ".join(lines)
     e = _best_fitting(ctx, {})
@@ -200,18 +224,23 @@ def _what_would_fit(ctx: Ctx, fixed: dict) -> str | None:
 # ---------------------------------------------------------------- resolve / evaluate
 
 
-def resolve(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, PlanResult]:
-    """A new JobConfig with every auto in parallel and train filled (and cluster.gpu), plus the plan."""
-    res = plan_job(cfg, world_size)
+def resolve(cfg: JobConfig, world_size: int | None = None, profile=None) -> tuple[JobConfig, PlanResult]:
+    """A new JobConfig with every auto in parallel and train filled (and cluster.gpu, and the pipeline's
+    stage split parallel.stage_layers), plus the plan."""
+    res = plan_job(cfg, world_size, profile=profile)
     lay, ctx = res.layout, res.ctx
-    par = dataclasses.replace(cfg.parallel, **{k: getattr(lay, k) for k in LAYOUT_KEYS})
-    train = dataclasses.replace(cfg.train, precision=ctx.precision,
-                                lr=cfg.train.lr if cfg.train.lr != AUTO else res.best["lr"])
+    assert lay is not None and ctx is not None  # plan_job always sets both
+    fill = {k: getattr(lay, k) for k in LAYOUT_KEYS}
+    if hasattr(cfg.parallel, "stage_layers"):
+        fill["stage_layers"] = list(lay.stage_layers) if (lay.stage_layers and lay.pp > 1) else None
+    par = dataclasses.replace(cfg.parallel, **fill)
+    lr = cfg.train.lr if cfg.train.lr != AUTO else res.best["lr"]
+    train = dataclasses.replace(cfg.train, precision=ctx.precision, lr=lr)
     if train.min_lr == AUTO:
-        train = dataclasses.replace(train, min_lr=float(train.lr) * 0.1)
-    elif train.min_lr > train.lr:  # only with lr: auto (validation refuses a fixed lr below min_lr)
+        train = dataclasses.replace(train, min_lr=float(lr) * 0.1)
+    elif train.min_lr > lr:  # only with lr: auto (validation refuses a fixed lr below min_lr)
         raise ConfigError(f"train.min_lr ({train.min_lr:g}) is above the learning rate lr: auto gives this job "
-                          f"({train.lr:.3g}, {res.rules['lr']['rule']}); lower train.min_lr (or set it to auto: "
+                          f"({lr:.3g}, {res.rules['lr']['rule']}); lower train.min_lr (or set it to auto: "
                           "lr / 10), or set train.lr")
     if getattr(train, "compile", False) == AUTO:
         # torch.compile before DeepSpeed keeps part of its gain (H200 anchor) where the engine allows it:
@@ -224,20 +253,23 @@ def resolve(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, P
     return dataclasses.replace(cfg, parallel=par, train=train, cluster=cluster), res
 
 
-def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None) -> dict:
+def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None, profile=None) -> dict:
     """One plan object for a given layout. Missing keys are derived (dp from the world, grad_accum from the
-    batch, sequence_parallel from tp; zero_stage 0, micro_batch_size 1, checkpointing none).
-    `valid` says whether the platform can run it, `fits` whether it is valid and fits in memory, `reason`
-    why not. Layouts that break a rule but can still be costed (tp across nodes, ZeRO-2/3 with pp, a batch
-    that does not match the job, accumulation above the cap) keep their memory and time estimates."""
-    ctx = build_ctx(cfg, world_size)
+    batch, sequence_parallel from tp; zero_stage 0, micro_batch_size 1, checkpointing none; for pp > 1 the
+    planner's stage split unless `stage_layers` gives one).
+    `valid`: the layout obeys the platform's structural and topology rules (an engine could run it);
+    `runnable`: this runtime builds it for this job; `fits`: runnable and it fits in memory; `reason`: why not.
+    Layouts that break a rule but can still be costed (tp across nodes, ZeRO-2/3 with pp, a batch that does not
+    match the job, accumulation above the cap) keep their memory and time estimates."""
+    ctx = build_ctx(cfg, world_size, profile=profile)
     sh = ctx.shape
     fatal: list[str] = []  # cannot be costed
-    broken: list[str] = []  # costed, but the platform would refuse it
+    broken: list[str] = []  # costed, but against the platform's rules (not valid)
+    unbuildable: list[str] = []  # valid, but this runtime does not build it for this job
     warnings: list[str] = []
-    unknown = [k for k in layout if k not in LAYOUT_KEYS]
+    unknown = [k for k in layout if k not in LAYOUT_KEYS and k != "stage_layers"]
     if unknown:
-        warnings.append(f"ignored unknown key(s) {unknown}; expected {list(LAYOUT_KEYS)}")
+        warnings.append(f"ignored unknown key(s) {unknown}; expected {list(LAYOUT_KEYS) + ['stage_layers']}")
     try:
         tp = int(layout.get("tp", 1))
         pp = int(layout.get("pp", 1))
@@ -245,9 +277,11 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None)
         mb = int(layout.get("micro_batch_size", 1))
         ga = int(layout.get("grad_accum", max(1, ctx.global_batch // max(1, dp * mb))))
         z = int(layout.get("zero_stage", 0))
-    except (TypeError, ValueError) as e:
-        return {**{k: layout.get(k) for k in LAYOUT_KEYS}, "fits": False, "valid": False,
-                "reason": f"layout values must be integers: {e}"}
+        split = layout.get("stage_layers")
+        split = tuple(int(n) for n in split) if split not in (None, "", []) else None
+    except (TypeError, ValueError) as exc:
+        return {**{k: layout.get(k) for k in LAYOUT_KEYS}, "fits": False, "valid": False, "runnable": False,
+                "reason": f"layout values must be integers: {exc}"}
     sp = layout.get("sequence_parallel", tp > 1)
     sp = sp if isinstance(sp, bool) else str(sp).lower() == "true"
     ac = str(layout.get("activation_checkpointing", "none"))
@@ -256,20 +290,25 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None)
     elif dp * tp * pp != ctx.world:
         fatal.append(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size ({ctx.world})")
     if tp >= 1 and (sh.num_heads % tp or sh.num_kv_heads % tp):
-        fatal.append(f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and model.num_kv_heads ({sh.num_kv_heads})")
-    if pp >= 1 and sh.num_layers % pp:
-        fatal.append(f"pp {pp} does not divide model.num_layers ({sh.num_layers})")
+        fatal.append(f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and "
+                     f"model.num_kv_heads ({sh.num_kv_heads})")
+    if pp > sh.num_layers:
+        fatal.append(f"pp {pp} exceeds model.num_layers ({sh.num_layers}): every stage needs at least one layer")
+    if split is not None and (len(split) != pp or min(split) < 1 or sum(split) != sh.num_layers):
+        fatal.append(f"stage_layers {list(split)} must give pp ({pp}) stages of >= 1 layer adding up to "
+                     f"model.num_layers ({sh.num_layers})")
     if z not in (0, 1, 2, 3):
         fatal.append(f"zero_stage {z} is not 0..3")
     if ac not in CHECKPOINT_MODES:
         fatal.append(f"activation_checkpointing {ac!r} is not one of {list(CHECKPOINT_MODES)}")
     lay_d = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": z, "micro_batch_size": mb, "grad_accum": ga,
              "sequence_parallel": sp, "activation_checkpointing": ac}
+    if split is not None:
+        lay_d["stage_layers"] = list(split)
     if fatal:
-        return {**lay_d, "fits": False, "valid": False, "reason": "; ".join(fatal), "memory_gib_per_gpu": None,
-                "memory_breakdown_gib": {}, "step_time_s": None, "tokens_per_s_per_gpu": None, "mfu": None}
-    if sh.vocab_size % tp:
-        warnings.append(f"tp {tp} does not divide model.vocab_size ({sh.vocab_size}): the vocab-parallel embedding needs padding")
+        return {**lay_d, "fits": False, "valid": False, "runnable": False, "reason": "; ".join(fatal),
+                "memory_gib_per_gpu": None, "memory_breakdown_gib": {}, "step_time_s": None,
+                "tokens_per_s_per_gpu": None, "mfu": None}
     if tp > ctx.node_size:
         broken.append(f"tp {tp} spans nodes ({ctx.node_size} ranks per node): the topology rule keeps tp inside a node")
     if pp > 1 and z > 1:
@@ -277,20 +316,25 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None)
     if sp and tp == 1:
         broken.append("sequence_parallel needs tp > 1")
         sp = False
+    if split is not None and pp == 1:
+        warnings.append("stage_layers ignored with pp 1")
+        split = None
+    unbuildable += [f"the runtime's model builder: {p}" for p in shape_split_problems(sh, tp, sp)]
     if dp * mb * ga != ctx.global_batch:
-        broken.append(f"dp ({dp}) x micro_batch_size ({mb}) x grad_accum ({ga}) = {dp * mb * ga} != "
-                      f"train.global_batch_size ({ctx.global_batch}); costed at {dp * mb * ga} sequences per step")
+        unbuildable.append(f"dp ({dp}) x micro_batch_size ({mb}) x grad_accum ({ga}) = {dp * mb * ga} != "
+                           f"train.global_batch_size ({ctx.global_batch}); costed at {dp * mb * ga} sequences per step")
         ctx = dataclasses.replace(ctx, global_batch=dp * mb * ga)
     if ga > accumulation_cap(ctx):
         warnings.append(f"grad_accum {ga} is above the field guide's cap ({accumulation_cap(ctx)})")
     hpz = max(1, min(dp, ctx.node_size // tp)) if z == 3 and hpz_applies(ctx, tp, dp) else 1
-    e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, hpz))
+    e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, hpz, stage_layers=split))
     if hpz > 1 and not e.fits:  # hierarchical partitioning only where its node-local copy fits
-        e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, 1))
+        e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, 1, stage_layers=split))
     d = _plan_dict(cfg, ctx, e)
     d["valid"] = not broken
-    reasons = broken + ([d["reason"]] if "reason" in d else [])
-    d["fits"] = bool(e.fits and not broken)
+    d["runnable"] = not broken and not unbuildable
+    reasons = broken + unbuildable + ([d["reason"]] if "reason" in d else [])
+    d["fits"] = bool(e.fits and d["runnable"])
     if reasons:
         d["reason"] = "; ".join(reasons)
     if warnings:

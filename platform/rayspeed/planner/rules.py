@@ -5,6 +5,7 @@ and the rule says so."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from rayspeed.config.layout import Layout
 from rayspeed.planner.inputs import Ctx
@@ -13,7 +14,7 @@ from rayspeed.planner.search import Estimate, accumulation_cap
 # ---------------------------------------------------------------- 1. strategy by size
 
 
-def strategy_family(ctx: Ctx) -> tuple[str, callable]:
+def strategy_family(ctx: Ctx) -> tuple[str, Callable[[Layout], bool]]:
     """(name, predicate on a layout) of the strategy the size rule recommends."""
     b = ctx.shape.params / 1e9
     if b < 10:
@@ -59,10 +60,10 @@ def strategy_rule(ctx: Ctx, best: Estimate | None, ranked: list[Estimate], all_e
 # ---------------------------------------------------------------- 3. learning rate
 
 
-# Peak learning rates of published pretraining recipes for 1B-70B decoders (docs/PLANNER.md cites each): Llama 2
-# 7B/13B 3e-4, 70B 1.5e-4; Llama 3 8B 3e-4, 70B 1.5e-4; OLMo 1B 4e-4, 7B 3e-4; Pythia 1B 3e-4, 1.4B 2e-4,
-# 6.9B 1.2e-4 (rounded into the band below). The field guide's rule is kept visible; a value outside this band
-# for a model in this size band is warned about, never changed.
+# Peak learning rates of published pretraining recipes for 1B-70B decoders (docs/PLANNER.md cites each): LLaMA and
+# Llama 2 3e-4 at 7B-13B, 1.5e-4 at 33B-70B; OLMo 1B 4e-4, 7B 3e-4; Pythia 1B 3e-4, 1.4B 2e-4, 2.8B 1.6e-4. The
+# field guide's rule is kept visible; a value outside this band for a model in this size band is warned about,
+# never changed.
 PUBLISHED_LR_BAND = (1.5e-4, 6e-4)
 PUBLISHED_LR_PARAMS = (0.9e9, 80e9)
 
@@ -89,7 +90,7 @@ def lr_rule(global_batch: int, gpus: int, params: int | None = None) -> dict:
     lo, hi = PUBLISHED_LR_BAND
     if params is not None and PUBLISHED_LR_PARAMS[0] <= params <= PUBLISHED_LR_PARAMS[1] and not lo <= lr <= hi:
         out["warning"] = (f"lr: auto gives {lr:.2g} for a {params / 1e9:.1f}B model, outside the {lo:.1e}-{hi:.0e} "
-                          "that published recipes use at 1B-70B (Llama 2/3, OLMo, Pythia; docs/PLANNER.md); "
+                          "that published recipes use at 1B-70B (LLaMA, Llama 2, OLMo, Pythia; docs/PLANNER.md); "
                           "set train.lr to override the field guide's rule")
     return out
 
@@ -144,7 +145,7 @@ def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = Non
 
 def precision_rule(ctx: Ctx, requested: str) -> dict:
     hw = ctx.hw
-    out = {"precision": ctx.precision, "requested": requested}
+    out: dict[str, object] = {"precision": ctx.precision, "requested": requested}
     if requested == "auto":
         out["why"] = ("fp32 on CPU workers" if not hw.is_gpu else
                       "bf16: the GPU supports it (prefer bf16)" if hw.bf16 else "fp16: the GPU has no bf16")
@@ -173,7 +174,8 @@ def checkpointing_template(ctx: Ctx, lay: Layout) -> dict:
         "mode": lay.activation_checkpointing,
         "template": f"{what} (torch.utils.checkpoint, non-reentrant, RNG state not preserved)",
         "preserve_rng_state": False,  # the model has no dropout
-        "number_checkpoints": ctx.shape.num_layers // lay.pp if lay.activation_checkpointing != "none" else 0,
+        "number_checkpoints": ((max(lay.stage_layers) if lay.stage_layers else ctx.shape.num_layers // lay.pp)
+                               if lay.activation_checkpointing != "none" else 0),
         "not_applied": "DeepSpeed partition_activations / contiguous_memory_optimization / cpu_checkpointing "
                        "(they need deepspeed.checkpointing.checkpoint, which the model does not use)",
     }
@@ -194,7 +196,8 @@ def topology_rule(ctx: Ctx, lay: Layout) -> dict:
         "tp_within_node": lay.tp <= k,
         "symmetric": n % k == 0 or nodes == 1,
         "min_4_per_node": nodes == 1 or per_node >= 4,
-        "placement_strategy": "PACK" if nodes == 1 else "SPREAD across nodes, PACK within (ranks tp-fastest, then dp, then pp)",
+        "placement_strategy": ("PACK" if nodes == 1
+                               else "SPREAD across nodes, PACK within (ranks tp-fastest, then dp, then pp)"),
         "order": "tp innermost (NVLink), then dp, then pp across nodes",
     }
     if lay.pp > 1 and nodes > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -10,25 +11,35 @@ from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
 from rayspeed.errors import ConfigError
-from rayspeed.planner import hardware
+from rayspeed.planner import hardware, hwprofile
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
+from rayspeed.planner.partition import choose_split
 from rayspeed.planner.timing import StepTime, step_time
 
 GIB = hardware.GIB
 NEAR_TIE = 0.01  # within 1% the model cannot tell layouts apart: prefer the simpler one (see `preference`)
+# The model's own error without a fitted profile: the H200 anchor rows are predicted within -4%..+13%.
+DEFAULT_MODEL_ERROR = 0.10
+HEADROOM_MARGIN = 0.10  # more headroom matters when it is at least 10% of usable memory (smaller is noise)
 
 
 # ---------------------------------------------------------------- context
 
 
-def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides: dict | None = None) -> Ctx:
+def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides: dict | None = None,
+              profile=None) -> Ctx:
+    """The planning context. `profile`: a hardware-profile path or dict (else `cluster.profile`)."""
     c, t = cfg.cluster, cfg.train
     notes: list[str] = []
     world = int(world_size) if world_size else c.max_workers
     if world < 1:
         raise ConfigError(f"world size must be >= 1, got {world}")
+    src = profile if profile is not None else getattr(c, "profile", None)
+    prof = hwprofile.load(src) if src not in (None, "") else None
     gpu = c.gpu
+    if gpu == AUTO and prof is not None and prof.gpu in hardware.TABLE and (prof.gpu == "cpu") == (not c.use_gpu):
+        gpu = prof.gpu
     if gpu == AUTO:
         gpu = "h100-sxm-80gb" if c.use_gpu else "cpu"
         if c.use_gpu:
@@ -40,11 +51,18 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
         raise ConfigError("cluster.gpu: cpu contradicts cluster.use_gpu: true; set a GPU type or auto")
     if not c.use_gpu and gpu != "cpu":
         notes.append(f"cluster.use_gpu is false but cluster.gpu is {gpu}: planned for {gpu} GPUs")
+    if prof is not None:
+        hwprofile.check_device(prof, gpu)
     overrides = dict(hardware_overrides or getattr(c, "hardware", None) or {})
     try:
         hw = hardware.get(gpu, overrides)
     except KeyError as e:
         raise ConfigError(f"cluster.hardware: {e.args[0]}") from None
+    if prof is not None:  # precedence: the measured profile > the job's overrides > the table
+        hw = prof.apply(hw)
+        notes.append(prof.describe())
+        if prof.hardware.get("memory_gib"):
+            overrides["memory_gib"] = prof.hardware["memory_gib"]
     if hw.is_gpu:
         node_size = c.gpus_per_node
     else:  # CPU workers: one node unless the job says there are several
@@ -59,9 +77,10 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
         precision = "fp32" if not hw.is_gpu else ("bf16" if hw.bf16 else "fp16")
     elif precision == "bf16" and hw.is_gpu and not hw.bf16:
         raise ConfigError(f"train.precision: bf16 is not supported on {hw.name}; use fp16 or auto")
+    extra = prof.ctx_fields() if prof is not None else {}
     return Ctx(shape=ModelShape.from_config(cfg.model), hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
                world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
-               notes=tuple(notes))
+               notes=tuple(notes), **extra)
 
 
 # ---------------------------------------------------------------- constraints
@@ -79,7 +98,11 @@ def divisors(n: int) -> list[int]:
 
 def fixed_keys(cfg: JobConfig) -> dict:
     par = cfg.parallel
-    return {k: getattr(par, k) for k in LAYOUT_KEYS if getattr(par, k) != AUTO}
+    out = {k: getattr(par, k) for k in LAYOUT_KEYS if getattr(par, k) != AUTO}
+    split = getattr(par, "stage_layers", None)
+    if split:
+        out["stage_layers"] = tuple(int(n) for n in split)
+    return out
 
 
 def tp_ok(ctx: Ctx, tp: int) -> str | None:
@@ -121,19 +144,26 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
             if "tp" in fixed:
                 out.rejected.append(f"parallel.tp: {why}")
             continue
-        pps = [fixed["pp"]] if "pp" in fixed else divisors(W // tp)
+        split = fixed.get("stage_layers")
+        pps = [fixed["pp"]] if "pp" in fixed else ([len(split)] if split else divisors(W // tp))
         for pp in pps:
             if (W // tp) % pp:
-                out.rejected.append(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide the world size ({W})")
+                out.rejected.append(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} "
+                                    f"does not divide the world size ({W})")
                 continue
-            if sh.num_layers % pp:
+            if pp > sh.num_layers:  # any pp up to the layer count: stages may hold unequal numbers of blocks
                 if "pp" in fixed:
-                    out.rejected.append(f"parallel.pp ({pp}) does not divide model.num_layers ({sh.num_layers})")
+                    out.rejected.append(f"parallel.pp ({pp}) exceeds model.num_layers ({sh.num_layers}): every stage "
+                                        "needs at least one layer")
+                continue
+            if split and (len(split) != pp or sum(split) != sh.num_layers):
+                out.rejected.append(f"parallel.stage_layers {list(split)} must give pp ({pp}) stages adding up to "
+                                    f"model.num_layers ({sh.num_layers})")
                 continue
             dp = W // (tp * pp)
             if "dp" in fixed and fixed["dp"] != dp:
-                out.rejected.append(f"parallel.dp ({fixed['dp']}) x tp ({tp}) x pp ({pp}) must equal the world size ({W}); "
-                                    f"dp would be {dp}")
+                out.rejected.append(f"parallel.dp ({fixed['dp']}) x tp ({tp}) x pp ({pp}) "
+                                    f"must equal the world size ({W}); dp would be {dp}")
                 continue
             if "micro_batch_size" in fixed and B % (dp * fixed["micro_batch_size"]):
                 mb = fixed["micro_batch_size"]
@@ -158,8 +188,9 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     continue
                 ga = per // mb
                 if "grad_accum" in fixed and fixed["grad_accum"] != ga:
-                    out.rejected.append(f"train.global_batch_size ({B}) != dp ({dp}) x parallel.micro_batch_size ({mb}) x "
-                                        f"parallel.grad_accum ({fixed['grad_accum']}); grad_accum would be {ga}")
+                    out.rejected.append(f"train.global_batch_size ({B}) != dp ({dp}) x "
+                                        f"parallel.micro_batch_size ({mb}) x parallel.grad_accum "
+                                        f"({fixed['grad_accum']}); grad_accum would be {ga}")
                     continue
                 zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else ([0, 1] if pp > 1 else [0, 1, 2, 3])
                 for z in zeros:
@@ -179,7 +210,8 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                             hpzs.append(max(1, min(dp, ctx.node_size // tp)))
                         for ac in modes:
                             for hpz in hpzs:
-                                lay = Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz)
+                                lay = Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
+                                             stage_layers=split if (split and pp > 1) else None)
                                 if ga > cap and "grad_accum" not in fixed:
                                     out.beyond_cap.append(lay)
                                 else:
@@ -224,7 +256,7 @@ class Estimate:
         return self.memory_gib - self.ctx.usable_gib
 
     def biggest_part(self) -> tuple[str, float]:
-        k = max(self.memory, key=self.memory.get)
+        k = max(self.memory, key=self.memory.__getitem__)
         return k, self.memory[k] / GIB
 
     def to_plan(self) -> dict:
@@ -235,7 +267,8 @@ class Estimate:
             memory_gib_per_gpu=round(self.memory_gib, 3),
             memory_breakdown_gib=to_gib(self.memory),
             # Exact model-state bytes of the worst rank, for checking against the real engine.
-            model_state_bytes={k: int(self.memory.get(k, 0)) for k in ("weights", "gradients", "master_weights", "optimizer_states")},
+            model_state_bytes={k: int(self.memory.get(k, 0))
+                               for k in ("weights", "gradients", "master_weights", "optimizer_states")},
             usable_memory_gib=round(self.ctx.usable_gib, 3),
             worst_stage=self.worst_stage,
             step_time_s=round(self.step_s, 6),
@@ -251,7 +284,18 @@ class Estimate:
         return d
 
 
-def evaluate(ctx: Ctx, lay: Layout) -> Estimate:
+def evaluate(ctx: Ctx, lay: Layout, cache: dict | None = None) -> Estimate:
+    """Memory and (lazily) time of one layout; a pipeline without an explicit split gets the planner's.
+    `cache`: splits already chosen in this search (they depend on tp, pp, micro-batch, sp and checkpointing)."""
+    if lay.pp > 1 and lay.stage_layers is None:
+        key = (lay.tp, lay.pp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing,
+               lay.zero_stage)
+        split = cache.get(key) if cache is not None else None
+        if split is None:
+            split = choose_split(ctx, lay)
+            if cache is not None:
+                cache[key] = split
+        lay = dataclasses.replace(lay, stage_layers=split)
     stage, mem = worst_stage(ctx, lay)
     tot = sum(mem.values()) / GIB
     return Estimate(layout=lay, fits=tot <= ctx.usable_gib, memory=mem, worst_stage=stage, ctx=ctx)
@@ -264,15 +308,34 @@ def preference(e: Estimate) -> tuple:
     return (lay.grad_accum, lay.tp, lay.pp, lay.zero_stage, CHECKPOINT_MODES.index(lay.activation_checkpointing))
 
 
+def model_error(ctx: Ctx) -> float:
+    """The time model's own relative error: the profile's held-out error when it was fitted, else the default."""
+    return ctx.model_error if ctx.model_error > 0 else DEFAULT_MODEL_ERROR
+
+
+def headroom(e: Estimate) -> float:
+    """Free fraction of usable memory on the worst rank."""
+    return max(0.0, 1.0 - e.memory_gib / max(e.ctx.usable_gib, 1e-9))
+
+
 def rank(estimates: list[Estimate]) -> list[Estimate]:
-    """Fitting estimates, fastest first, near ties (NEAR_TIE) resolved by `preference`."""
+    """Fitting estimates, fastest first; within 1% the simpler one (`preference`). Layouts within the model's
+    own error of the fastest cannot be told apart by it: when one of them leaves materially more memory free
+    (HEADROOM_MARGIN of usable memory more than the fast choice), the fastest of the roomy ones goes first, a
+    margin against what the model does not see (fragmentation, spikes)."""
     fit = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
     if not fit:
         return []
     best_t = fit[0].step_s
     head = sorted((e for e in fit if e.step_s <= best_t * (1 + NEAR_TIE)), key=preference)
-    rest = [e for e in fit if e not in head]
-    return head + rest
+    ordered = head + [e for e in fit if e not in head]
+    ties = [e for e in fit if e.step_s <= best_t * (1 + model_error(fit[0].ctx))]
+    roomiest = max(headroom(e) for e in ties)
+    if roomiest - headroom(ordered[0]) >= HEADROOM_MARGIN:
+        roomy = min((e for e in ties if headroom(e) >= roomiest - HEADROOM_MARGIN / 2), key=lambda e: e.step_s)
+        ordered.remove(roomy)
+        ordered.insert(0, roomy)
+    return ordered
 
 
 def deepspeed_options(ctx: Ctx, lay: Layout) -> dict:

@@ -1,8 +1,9 @@
-"""Step time of one layout, from first principles: GEMMs on a soft roofline (FLOPs at the measured best GEMM
-efficiency plus the bytes they move at HBM bandwidth, so small per-GPU work runs at lower efficiency),
-fused attention at its own efficiency, element-wise work at memory bandwidth, host launch overhead as a
-floor, collectives as latency + bytes / bus bandwidth with their overlap, the 1F1B pipeline bubble,
-ZeRO-3's per-tensor gather cost, and the optimizer step."""
+"""Step time of one layout, from first principles: GEMMs at the shapes each rank runs (gemm.py), fused attention
+at its own efficiency, element-wise work at memory bandwidth, host launch overhead (a floor on GPUs, where the
+host runs ahead; added on CPUs, where one core does both), collectives by NCCL's own algorithm/protocol cost
+model per bucket and group (comm_model.py), overlap only where the engine overlaps, the 1F1B pipeline with
+unequal stages, ZeRO-3's per-module gathers in every micro-batch, the optimizer step, and the wait for the
+slowest of n GPUs."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import math
 from dataclasses import dataclass
 
 from rayspeed.config.layout import Layout
+from rayspeed.planner import gemm as gemm_model
+from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, nccl_s
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
-from rayspeed.planner.model_math import stage_params
+from rayspeed.planner.model_math import max_stage_params, split_of
 
-MEM_EFFICIENCY = 0.8  # element-wise kernels reach ~80% of HBM bandwidth
-DEEPSPEED_STEP_S = 0.005  # engine cost per optimizer step beyond the math (H200 anchor: ZeRO-1 vs eager)
+__all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost",
+           "block_work", "engine_overheads"]
+
 ZERO3_PER_TENSOR_S = 0.0006  # ZeRO-3 fetch/release bookkeeping per gathered tensor per pass (H200 anchor:
 #                              774M on 1 GPU, 380.6 ms vs 207.5 ms at ZeRO-1 = 173 ms over 146 tensors x 2 passes)
 OVERLAP_TAX = 0.1  # overlapped communication still slows the compute it hides behind (shared SMs, HBM)
@@ -26,7 +30,7 @@ OPTIMIZER_BYTES_PER_PARAM = 36  # fused Adam: read w,g,m,v + write w,m,v (fp32),
 
 @dataclass
 class StepTime:
-    compute_s: float  # forward + backward + recomputation of all micro-batches (critical path, no bubble)
+    compute_s: float  # forward + backward + recomputation of all micro-batches on the slowest stage
     recompute_s: float  # part of compute_s spent recomputing activations
     tp_comm_s: float  # tensor-parallel collectives (critical path)
     pp_bubble_s: float  # pipeline fill and drain
@@ -35,207 +39,350 @@ class StepTime:
     dp_comm_total_s: float  # all data-parallel communication, hidden or not
     zero3_overhead_s: float  # ZeRO-3 gather bookkeeping
     optimizer_s: float  # optimizer step + engine overhead
+    straggler_s: float = 0.0  # waiting for the slowest GPU of the job at every synchronisation
 
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.tp_comm_s + self.pp_bubble_s + self.pp_p2p_s + self.dp_comm_s
-                + self.zero3_overhead_s + self.optimizer_s)
+                + self.zero3_overhead_s + self.optimizer_s + self.straggler_s)
 
     def as_dict(self) -> dict:
         d = {k: round(v, 6) for k, v in self.__dict__.items()}
         d["step_s"] = round(self.step_s, 6)
         return d
 
+    def groups(self) -> tuple[float, float, float]:
+        """(compute, communication, overhead) seconds: what the fitted efficiency factors scale."""
+        return (self.compute_s + self.pp_bubble_s + self.straggler_s,
+                self.tp_comm_s + self.pp_p2p_s + self.dp_comm_s,
+                self.optimizer_s + self.zero3_overhead_s)
+
+
+# ---------------------------------------------------------------- compute
+
 
 def gemm_s(ctx: Ctx, M: float, K: float, N: float) -> float:
-    """One GEMM (M x K) @ (K x N): FLOPs at the best efficiency plus its operand traffic at HBM speed
-    (a soft roofline: thin GEMMs from small micro-batches or large tp fall well below peak)."""
+    """One GEMM (M x K) @ (K x N) on one rank: measured throughput at this shape when the profile has it,
+    else the quantized soft roofline."""
     hw = ctx.hw
-    flops = 2.0 * M * K * N
-    traffic = ctx.w_bytes * (M * K + K * N + M * N)
-    return flops / (hw.peak(ctx.precision) * hw.gemm_efficiency) + traffic / (hw.hbm_gbps * 1e9)
+    t = gemm_model.measured_s(ctx.gemm_table, M, K, N)
+    if t is None:
+        t = gemm_model.roofline_s(M, K, N, hw.peak(ctx.precision), hw.gemm_efficiency, hw.hbm_gbps * 1e9,
+                                  ctx.w_bytes, hw.sm_count)
+    return t * ctx.compute_factor
 
 
-@dataclass(frozen=True)
-class Link:
-    gbps: float  # bus bandwidth
-    base_us: float  # fixed cost per call
-    hop_us: float  # cost per algorithm step
-
-
-def collective_s(nbytes: float, ranks: int, link: Link, kind: str, calls: int = 1) -> float:
-    """NCCL-style cost: (n-1)/n * bytes / bus bandwidth (twice for all-reduce) plus, per call, a fixed cost and
-    one hop per algorithm step: a ring all-gather or reduce-scatter takes n - 1 steps, an all-reduce runs as a
-    tree (2 log2 n steps) or a ring, whichever is shorter."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    factor = 2.0 if kind == "allreduce" else 1.0
-    steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks))) if kind == "allreduce" else ranks - 1
-    calls = max(1, calls)
-    return (factor * (ranks - 1) / ranks * nbytes / (link.gbps * 1e9)
-            + calls * (link.base_us + steps * link.hop_us) * 1e-6)
-
-
-def intra_link(ctx: Ctx) -> Link:
-    hw = ctx.hw
-    return Link(hw.intra_node_gbps, hw.intra_latency_us, hw.intra_hop_us)
-
-
-def inter_link(ctx: Ctx, gbps: float | None = None) -> Link:
-    hw = ctx.hw
-    return Link(gbps or hw.inter_node_gbps, hw.inter_latency_us, hw.inter_hop_us)
-
-
-def tp_link(ctx: Ctx, lay: Layout) -> Link:
-    """NVLink while the tp group fits in a node; beyond, each rank's own NIC (TP's mid-size messages do not
-    reach the aggregate bandwidth of big DP transfers: the measured ~40% loss per doubling past a node)."""
-    return intra_link(ctx) if lay.tp <= ctx.node_size else inter_link(ctx)
-
-
-def dp_link(ctx: Ctx, lay: Layout) -> Link:
-    """Ranks are placed tp-fastest, then dp, then pp. A dp group inside one node uses NVLink; one that
-    spans nodes is bounded by the NICs its ranks own on each node (NCCL runs one ring per NIC)."""
-    if lay.tp * lay.dp <= ctx.node_size:
-        return intra_link(ctx)
-    per_node = dp_ranks_per_node(ctx, lay)
-    return inter_link(ctx, min(ctx.hw.intra_node_gbps, per_node * ctx.hw.inter_node_gbps))
-
-
-def dp_ranks_per_node(ctx: Ctx, lay: Layout) -> int:
-    return max(1, min(lay.dp, ctx.node_size // lay.tp))
+def _mem_s(ctx: Ctx, nbytes: float) -> float:
+    return nbytes / (ctx.hw.hbm_gbps * 1e9 * ctx.hw.mem_efficiency) * ctx.compute_factor
 
 
 def attention_efficiency(ctx: Ctx) -> float:
     """Fused attention reaches less of peak with small heads (FlashAttention-2 on H100: ~35% of peak at head
-    dim 128, ~28% at 64, forward and backward together)."""
-    return ctx.hw.attention_efficiency * min(1.0, (ctx.shape.head_dim / 128) ** 0.3)
+    dim 128, ~28% at 64, forward and backward together), relative to the head dim it was measured at."""
+    return ctx.hw.attention_efficiency * min(1.0, (ctx.shape.head_dim / ctx.hw.attention_head_dim) ** 0.3)
+
+
+def _combine(ctx: Ctx, work: float, host: float) -> float:
+    # A GPU runs kernels while the host queues the next ones: the slower of the two. A CPU worker does both
+    # on the same core, one after the other.
+    return max(work, host) if ctx.hw.is_gpu else work + host
+
+
+def engine_overheads(ctx: Ctx, lay: Layout) -> tuple[float, float, float, float]:
+    """Seconds of host time per block forward and backward, fixed host time per micro-batch, and the engine's
+    time per optimizer step: measured for this ZeRO stage when the profile has it, else the table's."""
+    f = ctx.overhead_factor
+    for z, fwd_us, bwd_us, fixed_us, step_s in ctx.engine_by_zero:
+        if z == lay.zero_stage:
+            return fwd_us * 1e-6 * f, bwd_us * 1e-6 * f, fixed_us * 1e-6 * f, step_s * f
+    hw = ctx.hw
+    fwd = hw.host_fwd_layer_us or KERNELS_FWD_PER_LAYER * hw.kernel_overhead_us
+    bwd = hw.host_bwd_layer_us or KERNELS_BWD_PER_LAYER * hw.kernel_overhead_us
+    return fwd * 1e-6 * f, bwd * 1e-6 * f, hw.host_fixed_mb_us * 1e-6 * f, hw.engine_step_s * f
+
+
+def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
+    """(forward, backward) work of one block for one micro-batch before any measured scale and without host
+    time: what a calibration compares its measurement of the real block against."""
+    sh, hw = ctx.shape, ctx.hw
+    T = lay.micro_batch_size * sh.seq_len
+    g, ew, _ = layer_fwd(ctx, lay)
+    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / lay.tp
+                      / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
+    return g + ew, 2 * g + attn_bwd_extra + 2 * ew
 
 
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """One block's forward for one micro-batch: (gemm+attention s, element-wise s, host launch s)."""
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
+    h, f, kv = sh.hidden_size, sh.ffn_hidden_size, sh.kv_dim
     T = lay.micro_batch_size * sh.seq_len
-    g = (gemm_s(ctx, T, sh.hidden_size, (sh.hidden_size + 2 * sh.kv_dim) / t) + gemm_s(ctx, T, sh.hidden_size / t, sh.hidden_size)
-         + gemm_s(ctx, T, sh.hidden_size, 2 * sh.ffn_hidden_size / t) + gemm_s(ctx, T, sh.ffn_hidden_size / t, sh.hidden_size))
-    attn_flops = 2.0 * T * sh.seq_len * sh.hidden_size / t  # causal: half of QK^T and AV
-    g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx))
+    g = (gemm_s(ctx, T, h, (h + 2 * kv) / t) + gemm_s(ctx, T, h / t, h)
+         + gemm_s(ctx, T, h, 2 * f / t) + gemm_s(ctx, T, f / t, h))
+    attn_flops = 2.0 * T * sh.seq_len * h / t  # causal: half of QK^T and AV
+    g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor
     out_div = t if lay.sequence_parallel else 1
     # Element-wise traffic in working-dtype elements per token, forward. Outside the tp region: two RMSNorms
     # computed in fp32 (~6h each: read, fp32 statistics, scaled write) and two residual adds (3h each).
     # Inside: RoPE on q and k in fp32 (~3 passes), the attention-output reshape (2h), SwiGLU silu and
     # product (5f). Backward moves about twice as much.
-    elems = T * (18 * sh.hidden_size / out_div + (3 * (sh.hidden_size + sh.kv_dim) + 2 * sh.hidden_size + 5 * sh.ffn_hidden_size) / t)
-    ew = elems * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
-    host = KERNELS_FWD_PER_LAYER * hw.kernel_overhead_us * 1e-6
-    return g, ew, host
+    elems = T * (18 * h / out_div + (3 * (h + kv) + 2 * h + 5 * f) / t)
+    return g, _mem_s(ctx, elems * ctx.w_bytes), engine_overheads(ctx, lay)[0]
 
 
-def microbatch_stage_s(ctx: Ctx, lay: Layout, stage: int) -> tuple[float, float, float, float]:
-    """(compute, recompute, tp comm, backward compute) for one micro-batch on one stage."""
+@dataclass(frozen=True)
+class BlockCost:
+    """One block, one micro-batch, one rank."""
+    fwd: float
+    bwd: float
+    rec: float  # recomputation in backward
+    tp: float  # tensor-parallel collectives (fwd + bwd + recompute)
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd + self.rec + self.tp
+
+
+def block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
+    key = ("block", lay.tp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing, lay.zero_stage)
+    got = ctx.memo.get(key)
+    if got is None:
+        got = ctx.memo[key] = _block_cost(ctx, lay)
+    return got
+
+
+def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
     T = lay.micro_batch_size * sh.seq_len
-    layers = sh.num_layers // lay.pp
     g, ew, host = layer_fwd(ctx, lay)
-    attn_bwd_extra = 1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / t / (hw.peak(ctx.precision) * attention_efficiency(ctx))
-    fwd = max(g + ew, host)
-    bwd = max(2 * g + attn_bwd_extra + 2 * ew, KERNELS_BWD_PER_LAYER * hw.kernel_overhead_us * 1e-6)
+    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / t
+                      / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
+    # A calibrated profile anchors the block at the real block it measured (work_scale_*: measured / modelled
+    # at its reference layout); elsewhere the model's ratio to that reference carries it.
+    fwd = _combine(ctx, g + ew, host) * hw.work_scale_fwd
+    bwd = _combine(ctx, 2 * g + attn_bwd_extra + 2 * ew, engine_overheads(ctx, lay)[1]) * hw.work_scale_bwd
     rec = 0.0
     if lay.activation_checkpointing == "full":
         rec = fwd
     elif lay.activation_checkpointing == "selective":
-        rec = max(g + 0.8 * ew, host)  # residual adds are not rebuilt
-    comp = layers * (fwd + bwd + rec)
-    back = layers * (bwd + rec)
-    if stage == lay.pp - 1:  # output head + cross-entropy
-        head = gemm_s(ctx, T, sh.hidden_size, sh.vocab_size / t)
-        ce = T * sh.vocab_size / t * (ctx.w_bytes + 16) / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
-        # tp = 1: the chunked loss recomputes the logits in backward (one more head GEMM).
-        head_passes = 4 if t == 1 else 3
-        comp += head_passes * head + ce
-        back += (head_passes - 1) * head + ce / 2
-    if stage == 0:  # embedding lookup (its traffic only)
-        comp += 2 * T * sh.hidden_size * ctx.w_bytes / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY)
+        rec = _combine(ctx, g + 0.8 * ew, host)  # residual adds are not rebuilt
     tp = 0.0
     if t > 1:
-        link = tp_link(ctx, lay)
         act = T * sh.hidden_size * ctx.w_bytes
         per_layer = 4 + (2 if lay.activation_checkpointing != "none" else 0)  # 2 fwd + 2 bwd (+2 recompute)
+        grp = tp_group(ctx, lay)
         if lay.sequence_parallel:  # each all-reduce becomes all-gather + reduce-scatter: same bytes, two calls
-            one = collective_s(act, t, link, "all_gather") + collective_s(act, t, link, "reduce_scatter")
+            one = coll_s(ctx, "all_gather", act, grp) + coll_s(ctx, "reduce_scatter", act, grp)
         else:
-            one = collective_s(act, t, link, "allreduce")
-        tp = layers * per_layer * one
-        if stage == 0:
-            tp += collective_s(act, t, link, "allreduce")  # vocab-parallel embedding
-        if stage == lay.pp - 1:
-            tp += collective_s(T * 12, t, link, "allreduce", 3)  # vocab-parallel loss: max, sum, target logit
-    return comp, layers * rec, tp, back
+            one = coll_s(ctx, "allreduce", act, grp)
+        tp = per_layer * one
+    return BlockCost(fwd, bwd, rec, tp)
+
+
+def head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
+    """(fwd+bwd, bwd) of the final norm, output head and cross-entropy for one micro-batch on the last stage."""
+    key = ("head", lay.tp, lay.micro_batch_size)
+    got = ctx.memo.get(key)
+    if got is None:
+        got = ctx.memo[key] = _head_cost(ctx, lay)
+    return got
+
+
+def _head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
+    sh = ctx.shape
+    T = lay.micro_batch_size * sh.seq_len
+    head = gemm_s(ctx, T, sh.hidden_size, sh.vocab_size / lay.tp)
+    ce = _mem_s(ctx, T * sh.vocab_size / lay.tp * (ctx.w_bytes + 16))
+    head_passes = 4 if lay.tp == 1 else 3  # tp = 1: the chunked loss recomputes the logits in backward
+    comp, back = head_passes * head + ce, (head_passes - 1) * head + ce / 2
+    if lay.tp > 1:
+        grp = tp_group(ctx, lay)
+        comp += coll_s(ctx, "allreduce", T * 12, grp) * 3  # vocab-parallel loss: max, sum, target logit
+    return comp, back
+
+
+def embed_cost(ctx: Ctx, lay: Layout) -> float:
+    """The embedding lookup and its gradient scatter (their traffic), plus the vocab-parallel all-reduce."""
+    key = ("embed", lay.tp, lay.micro_batch_size)
+    got = ctx.memo.get(key)
+    if got is None:
+        got = ctx.memo[key] = _embed_cost(ctx, lay)
+    return got
+
+
+def _embed_cost(ctx: Ctx, lay: Layout) -> float:
+    sh = ctx.shape
+    T = lay.micro_batch_size * sh.seq_len
+    c = _mem_s(ctx, 2 * T * sh.hidden_size * ctx.w_bytes)
+    if lay.tp > 1:
+        c += coll_s(ctx, "allreduce", T * sh.hidden_size * ctx.w_bytes, tp_group(ctx, lay))
+    return c
+
+
+# ---------------------------------------------------------------- communication groups
+
+
+def coll_s(ctx: Ctx, kind: str, nbytes: float, grp: Group) -> float:
+    """One collective call on this cluster: NCCL's model on GPUs, latency + bandwidth with ring hops on CPUs."""
+    if grp.ranks <= 1 or nbytes <= 0:
+        return 0.0
+    hw = ctx.hw
+    if hw.is_gpu:
+        return nccl_s(kind, float(int(nbytes)), grp) * ctx.comm_factor
+    spans = grp.nodes > 1
+    link = Link(grp.busbw_gbps, hw.inter_latency_us if spans else hw.intra_latency_us,
+                hw.inter_hop_us if spans else hw.intra_hop_us)
+    for k, lat_us, gbps in ctx.gloo_fit:  # gloo's collectives differ by kind: each measured on its own
+        if k == kind and not spans:
+            link = Link(gbps, lat_us, 0.0)
+    return collective_s(nbytes, grp.ranks, link, kind) * ctx.comm_factor
+
+
+def _group(ctx: Ctx, ranks: int, per_node: int) -> Group:
+    hw = ctx.hw
+    per_node = max(1, min(ranks, per_node))
+    nodes = -(-ranks // per_node)
+    busbw = hw.intra_node_gbps if nodes == 1 else min(hw.intra_node_gbps, per_node * hw.inter_node_gbps)
+    return Group(ranks, nodes, busbw, hw.intra_link, ll128=nodes == 1 and hw.intra_link == "nvlink",
+                 latency_scale=hw.nccl_latency_scale)
+
+
+def tp_group(ctx: Ctx, lay: Layout) -> Group:
+    """Consecutive ranks: one node while tp fits in it (the topology rule); beyond, node-size pieces."""
+    return _group(ctx, lay.tp, ctx.node_size)
+
+
+def dp_group(ctx: Ctx, lay: Layout) -> Group:
+    """Ranks are placed tp-fastest, then dp, then pp: a node holds node_size / tp ranks of a dp group, and a
+    group spanning nodes gets the NICs its ranks own on each node (NCCL runs one ring per NIC)."""
+    return _group(ctx, lay.dp, max(1, ctx.node_size // lay.tp))
+
+
+def hpz_group(ctx: Ctx, lay: Layout) -> Group:
+    return _group(ctx, lay.hpz, lay.hpz)
+
+
+def p2p_s(ctx: Ctx, lay: Layout, nbytes: float) -> float:
+    """One pipeline send between neighbouring stages: over the network when a stage fills whole nodes (ranks
+    are tp, then dp, then pp), else over NVLink."""
+    hw = ctx.hw
+    across = ctx.world > ctx.node_size and lay.tp * lay.dp >= ctx.node_size
+    lat = hw.inter_latency_us if across else hw.intra_latency_us
+    gbps = hw.inter_node_gbps if across else hw.intra_node_gbps
+    scale = hw.nccl_latency_scale if hw.is_gpu else 1.0
+    return (lat * scale * 1e-6 + nbytes / (gbps * 1e9)) * ctx.comm_factor
+
+
+# ---------------------------------------------------------------- the step
+
+
+def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]]:
+    """Per stage, one micro-batch: (compute, recompute, tp comm, backward compute)."""
+    split = split_of(ctx.shape, lay)
+    bc = block_cost(ctx, lay)
+    head_c, head_b = head_cost(ctx, lay)
+    emb = embed_cost(ctx, lay)
+    host_f, host_b, fixed, _ = engine_overheads(ctx, lay)
+    hs = ctx.hw.head_work_scale  # embedding + head + loss (+ the engine's fixed host time), anchored like the block
+    out = []
+    for i, n in enumerate(split):
+        comp = n * (bc.fwd + bc.bwd + bc.rec)
+        back = n * (bc.bwd + bc.rec)
+        tp = n * bc.tp
+        if i == lay.pp - 1:
+            comp += head_c * hs
+            back += head_b * hs
+            if fixed:  # the engine's per-micro-batch host work: after the kernels on a CPU, beside them on a GPU
+                comp = max(comp, fixed + n * (host_f + host_b)) if ctx.hw.is_gpu else comp + fixed * hs
+        if i == 0:
+            comp += emb * hs
+        out.append((comp, n * bc.rec, tp, back))
+    return out
 
 
 def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     sh, hw = ctx.shape, ctx.hw
     m, p, d = lay.grad_accum, lay.pp, lay.dp
-    stages = sorted({0, p - 1})
-    per = {st: microbatch_stage_s(ctx, lay, st) for st in stages}
-    worst = max(stages, key=lambda st: per[st][0] + per[st][2])
-    comp, rec, tpc, back = per[worst]
+    split = split_of(sh, lay)
+    parts = stage_parts(ctx, lay)
+    slot = [c + tp for c, _, tp, _ in parts]
+    worst = max(range(p), key=lambda i: slot[i])
+    comp, rec, tpc, back = parts[worst]
 
-    # Pipeline: 1F1B runs m + p - 1 slots of the slowest stage; (p - 1) of them are the bubble. Each slot
-    # receives an activation (forward) and a gradient (backward) over the stage boundary.
+    # 1F1B with unequal stages: the first micro-batch crosses every stage, the other m - 1 follow at the pace
+    # of the slowest one. Bubble = everything beyond m slots of the slowest stage.
     p2p = 0.0
     if p > 1:
         T = lay.micro_batch_size * sh.seq_len
         nbytes = T * sh.hidden_size * ctx.w_bytes / (lay.tp if lay.sequence_parallel else 1)
-        link = inter_link(ctx) if ctx.world > ctx.node_size else intra_link(ctx)
-        p2p = (m + p - 1) * 2 * (link.base_us * 1e-6 + nbytes / (link.gbps * 1e9))
+        p2p = (m + p - 1) * 2 * p2p_s(ctx, lay, nbytes)
     compute = m * comp
-    bubble = (p - 1) * (comp + tpc)
+    bubble = sum(slot) - slot[worst]
     tp_total = m * tpc
 
-    # Data parallel / ZeRO.
-    n_stage = stage_params(sh, lay.tp, p, worst)
+    # Data parallel / ZeRO, for the stage whose parameters are largest (the one the others wait for).
+    n_stage = max_stage_params(sh, lay.tp, p, split)
     grads = n_stage * ctx.comm_bytes
     weights = n_stage * ctx.w_bytes
-    link = dp_link(ctx, lay)
-    calls = max(1, round(n_stage / buckets(ctx, lay)["reduce_bucket_size"]))
+    b = buckets(ctx, lay)
+    grp = dp_group(ctx, lay)
+
+    def reduce_(nbytes: float) -> float:  # DeepSpeed ZeRO-0..2 all-reduce bucket by bucket (see below)
+        return bucketed(lambda x: coll_s(ctx, "allreduce", x, grp), nbytes, b["reduce_bucket_size"] * ctx.comm_bytes)
+
+    def gather_(nbytes: float) -> float:
+        return bucketed(lambda x: coll_s(ctx, "all_gather", x, grp), nbytes, b["allgather_bucket_size"] * ctx.w_bytes)
+
     if not hw.is_gpu:
-        back = 0.0  # no overlap: the collective runs after the backward
+        back = 0.0  # no side stream: the collective runs after the backward
     dp_total = dp_exposed = z3 = 0.0
     if d > 1 or lay.zero_stage == 3:
         if lay.zero_stage in (0, 1):  # once per step, in the last micro-batch's backward
-            red = collective_s(grads, d, link, "allreduce" if lay.zero_stage == 0 else "reduce_scatter", calls)
-            gather = collective_s(weights, d, link, "all_gather", calls) if lay.zero_stage == 1 else 0.0
+            # DeepSpeed 0.19.8 ZeRO-1/2 reduce every bucket with an all-reduce (use_multi_rank_bucket_allreduce,
+            # stage_1_and_2.average_tensor), then keep their partition: all-reduce volume, not reduce-scatter.
+            red = reduce_(grads)
+            gather = gather_(weights) if lay.zero_stage == 1 else 0.0
             # ZeRO-1's backward hooks reduce buckets during the last micro-batch's backward (overlap_comm).
-            # Not hidden: ZeRO-0 (DeepSpeed all-reduces the flat gradients after backward), the pipeline engine
+            # Not hidden: ZeRO-0 (the flat gradients are all-reduced after backward), the pipeline engine
             # (reduces after the flush), CPU workers (no side stream).
             hidden = back if (lay.zero_stage == 1 and p == 1 and hw.is_gpu) else 0.0
             dp_total = red + gather
             dp_exposed = _exposed(red, hidden) + gather
-        elif lay.zero_stage == 2:  # reduce-scatter in every micro-batch's backward (gradients are partitioned)
-            red = collective_s(grads, d, link, "reduce_scatter", calls)
-            gather = collective_s(weights, d, link, "all_gather", calls)
+        elif lay.zero_stage == 2:  # reduced in every micro-batch's backward (gradients are partitioned)
+            red = reduce_(grads)
+            gather = gather_(weights)
             dp_total = m * red + gather
             dp_exposed = m * _exposed(red, back) + gather
         else:  # ZeRO-3: per micro-batch, gather weights module by module in forward and backward, reduce grads
-            modules = ZERO3_TENSORS_PER_LAYER * (sh.num_layers // p) + 1
+            modules = ZERO3_TENSORS_PER_LAYER * max(split) + 1
             fwd_time = comp - back
-            ag_f = collective_s(weights, d, link, "all_gather", modules)
+            per_module = weights / modules
+            ag_f = modules * coll_s(ctx, "all_gather", per_module, grp)
             if lay.hpz > 1:  # backward gathers from the node-local secondary partition over NVLink
-                ag_b = collective_s(weights, lay.hpz, intra_link(ctx), "all_gather", modules)
+                ag_b = modules * coll_s(ctx, "all_gather", per_module, hpz_group(ctx, lay))
             else:
                 ag_b = ag_f
-            red = collective_s(grads, d, link, "reduce_scatter", modules)
+            red = bucketed(lambda x: coll_s(ctx, "reduce_scatter", x, grp), grads,
+                           b["reduce_bucket_size"] * ctx.comm_bytes)
             dp_total = m * (ag_f + ag_b + red)
             dp_exposed = m * (_exposed(ag_f, fwd_time) + _exposed(ag_b + red, back))
-            z3 = m * 2 * modules * ZERO3_PER_TENSOR_S
+            z3 = m * 2 * modules * ZERO3_PER_TENSOR_S * ctx.overhead_factor
     if sh.tie_embeddings and p > 1:  # tied embedding: first and last stage all-reduce its gradient
-        dp_exposed += collective_s(sh.vocab_size * sh.hidden_size / lay.tp * ctx.comm_bytes, 2, inter_link(ctx), "allreduce")
+        tie = _group(ctx, 2, 1 if ctx.world > ctx.node_size else 2)
+        dp_exposed += coll_s(ctx, "allreduce", sh.vocab_size * sh.hidden_size / lay.tp * ctx.comm_bytes, tie)
 
     owned = n_stage / (d if lay.zero_stage >= 1 else 1)
-    opt = owned * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9 * MEM_EFFICIENCY) + DEEPSPEED_STEP_S
-    return StepTime(compute_s=compute, recompute_s=m * rec, tp_comm_s=tp_total, pp_bubble_s=bubble,
-                    pp_p2p_s=p2p, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, zero3_overhead_s=z3,
-                    optimizer_s=opt)
+    opt = _mem_s(ctx, owned * OPTIMIZER_BYTES_PER_PARAM) + engine_overheads(ctx, lay)[3]
+    # Synchronous steps wait for the slowest GPU: the expected maximum of n draws is sigma * sqrt(2 ln n)
+    # above the mean (a normal spread; Sinha et al. SC22 for the spread itself).
+    world = ctx.world
+    strag = 0.0
+    if world > 1 and hw.straggler_sigma > 0:
+        strag = (compute + bubble) * hw.straggler_sigma * math.sqrt(2 * math.log(world))
+    st = StepTime(compute_s=compute, recompute_s=m * rec, tp_comm_s=tp_total, pp_bubble_s=bubble,
+                  pp_p2p_s=p2p, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, zero3_overhead_s=z3,
+                  optimizer_s=opt, straggler_s=strag)
+    return st
 
 
 def _exposed(comm: float, window: float) -> float:

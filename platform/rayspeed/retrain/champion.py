@@ -3,6 +3,7 @@ version, and the loss of an exported model on the job's held-out split."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from rayspeed import paths
@@ -71,6 +72,26 @@ def evaluate_model_dir(model_dir: str, cfg: Any, token_file: Any) -> float:
             total += float(model(x, y).double())
             n += 1
     return total / max(1, n)
+
+
+def reevaluate(uri: str, name: str, versions: list[str], cfg: Any, token_file: Any, storage: str,
+               max_gflop: float) -> tuple[Optional[list[float]], str]:
+    """Every version's val/loss measured the same way: on the job's current held-out split, fp32 on the CPU
+    (evaluate_model_dir), so a champion and a challenger are compared like with like whatever precision and data
+    each was trained and validated with. (None, why) when that would cost more than max_gflop or fails."""
+    from rayspeed.model.warm_start import read_model_config
+    from rayspeed.tracking.model_fetch import resolve_init_from
+
+    cache = str(Path(storage) / ".cache" / "models") if not paths.is_uri(storage) else None
+    try:
+        dirs = [resolve_init_from(f"models:/{name}/{v}", uri, cache) for v in versions]  # cached after warm start
+        gflop = sum(eval_gflop(read_model_config(d), cfg) for d in dirs)
+        if gflop > max_gflop:
+            return None, (f"re-evaluating them on this data would take ~{gflop:.0f} GFLOP on the CPU "
+                          f"> {max_gflop:g}")
+        return [evaluate_model_dir(d, cfg, token_file) for d in dirs], "fp32 on the CPU, current held-out split"
+    except Exception as e:
+        return None, f"re-evaluation failed: {str(e)[:200]}"
 
 
 def eval_gflop(model_cfg: dict[str, Any], cfg: Any) -> float:

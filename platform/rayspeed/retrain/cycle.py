@@ -5,8 +5,9 @@
 
 What a cycle does, in order:
   1. Loads the job (with the --set overrides); a wrong job is exit 2 before anything is written.
-  2. Takes the lock <storage>/.retrain/<name>.lock (fcntl, non-blocking): a cycle that finds it held is
-     "skipped: locked" (exit 3). The kernel drops the lock when a holder dies.
+  2. Takes the lock <storage>/.retrain/<name>.lock that every host sharing the storage sees (retrain/lock.py:
+     flock on a filesystem, a conditional PUT on S3; other object stores are refused, exit 2): a cycle that finds
+     it held is "skipped: locked" (exit 3). A dead holder's lock is released (flock) or expires (S3).
   3. Builds (or reuses) the job's token file (the cache the workers then read) for its content hash.
   4. Finds the champion (alias `champion` of the registered model: tracking.register_model or
      rayspeed-<name>). Without one the cycle always trains (from scratch). With one, unchanged data -- the
@@ -21,10 +22,12 @@ What a cycle does, in order:
   6. Reads the job's summary.json (val_loss, MLflow run) and the version it registered; tags the version with
      the data hash and the warm-start source.
   7. Compares with the champion's val/loss: promotes (moves `champion`) only when
-     new < champion * (1 - margin); otherwise tags the version rejected=<reason> (exit 4). When the data
-     changed since the champion was trained, its recorded val/loss was measured on another held-out split, so
-     the champion is re-evaluated on the current split first (on the CPU, when that is cheap enough:
-     `reeval_max_gflop`); otherwise the recorded value is used and the tags say so.
+     new < champion * (1 - margin); otherwise tags the version rejected=<reason> (exit 4). Like with like: when
+     the data changed since the champion was trained, its recorded val/loss was measured on another held-out
+     split, so both the champion and the new version are re-evaluated the same way (fp32 on the CPU, on the
+     current split, when that is cheap enough: `reeval_max_gflop`); otherwise both recorded values are used and
+     the tags say so. Just before moving the alias the lock is checked and the champion re-read: if it moved
+     meanwhile (another host, a person), the version is not promoted (exit 4, reason given).
   8. Records the cycle in <storage>/.retrain/<name>.json and prunes old cycle folders (keep_cycles).
 """
 
@@ -42,8 +45,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from rayspeed.redact import redact_text
 from rayspeed.retrain import champion, history
-from rayspeed.tracking.client import mlflow_client
+from rayspeed.tracking.client import access_problem, mlflow_client
 
 log = logging.getLogger("rayspeed.retrain")
 
@@ -164,10 +168,10 @@ def run_cycle(config: str, overrides: Sequence[str] = (), *, force: bool = False
         return _cycle(config, list(overrides), force, margin, launcher, cold, keep_cycles, reeval_max_gflop,
                       job_cmd, env, t0)
     except _Stop as s:
-        return CycleResult(s.outcome, s.reason, seconds=round(time.time() - t0, 1))
+        return CycleResult(s.outcome, redact_text(s.reason), seconds=round(time.time() - t0, 1))
     except Exception as e:  # anything unexpected: a failed cycle with the reason, never a traceback to cron
         log.exception("retrain cycle failed")
-        return CycleResult("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+        return CycleResult("failed", redact_text(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"),
                            seconds=round(time.time() - t0, 1))
 
 
@@ -175,9 +179,10 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
            keep_cycles: int, reeval_max_gflop: float, job_cmd: Optional[Sequence[str]],
            env: Optional[dict[str, str]], t0: float) -> CycleResult:
     from rayspeed.config.load import load
+    from rayspeed.config.schema import AUTO
     from rayspeed.errors import ConfigError
     from rayspeed.paths import storage_path, tracking_uri
-    from rayspeed.retrain.lock import CycleLock, Locked
+    from rayspeed.retrain.lock import Locked, LockUnsupported, cycle_lock
     from rayspeed.tracking.runs import registered_model_name
 
     if not 0.0 <= margin < 1.0:
@@ -189,26 +194,32 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
     except ConfigError as e:
         raise _Stop("bad_input", e.render()) from None
     base, reg, uri, storage = cfg.name, registered_model_name(cfg), tracking_uri(cfg), storage_path(cfg)
+    refused = access_problem(uri, "tracking.uri" if cfg.tracking.uri != AUTO else "MLFLOW_TRACKING_URI")
+    if refused:
+        raise _Stop("bad_input", refused)
     sdir = history.state_dir(storage)
     state_file = sdir / f"{base}.json"
-    lock = CycleLock(sdir / f"{base}.lock")
     try:
+        lock = cycle_lock(storage, base, sdir)
         lock.acquire()
+    except LockUnsupported as e:
+        raise _Stop("bad_input", str(e)) from None
     except Locked as e:
         raise _Stop("skipped", f"locked: {e}") from None
-    except OSError as e:
-        raise _Stop("failed", f"cannot take the cycle lock in {sdir}: {e}") from None
+    except Exception as e:
+        raise _Stop("failed", f"cannot take the cycle lock for {storage} ({type(e).__name__}: {e})") from None
     result = CycleResult("failed", "", registered_model=reg)
     trained = False
     try:
         trained = _locked_cycle(cfg, config, overrides, force, margin, launcher, cold, reeval_max_gflop, job_cmd,
-                                env, base, reg, uri, storage, state_file, result)
+                                env, base, reg, uri, storage, state_file, result, lock)
     except _Stop as s:
         result.outcome, result.reason = s.outcome, s.reason
     except Exception as e:  # anything unexpected: a failed cycle, with the reason, never a traceback to cron
         log.exception("retrain cycle failed")
         result.outcome, result.reason = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
+        result.reason = redact_text(result.reason)
         result.seconds = round(time.time() - t0, 1)
         if result.outcome != "skipped" or not result.reason.startswith("locked"):
             history.record(state_file, result, t0, trained, uri)
@@ -222,7 +233,7 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
 def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, margin: float, launcher: str,
                   cold: bool, reeval_max_gflop: float, job_cmd: Optional[Sequence[str]],
                   env: Optional[dict[str, str]], base: str, reg: str, uri: str, storage: str, state_file: Path,
-                  result: CycleResult) -> bool:
+                  result: CycleResult, lock: Any) -> bool:
     """Steps 3-7 under the lock; fills `result`. True when a training job ran to a decision."""
     from rayspeed.errors import ConfigError
 
@@ -245,7 +256,8 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     if champ is not None and not force:
         state = history.read_state(state_file)
         last = state.get("last_cycle") or {}
-        if state.get("last_data_hash") and state.get("tracking_uri") == uri and state.get("registered_model") == reg:
+        if (state.get("last_data_hash") and state.get("tracking_uri") == history.uri_key(uri)
+                and state.get("registered_model") == reg):
             last_hash = state["last_data_hash"]
             where = (f"the last cycle ({last.get('job')} -> version {last.get('version')} {last.get('retrain')})"
                      if last else "the last cycle")
@@ -276,7 +288,8 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
 
     # 5. the training job
     job = result.job = _job_name(base, storage)
-    sets = list(overrides) + [f"name={job}", f"tracking.register_model={_quote(reg)}", f"tracking.uri={_quote(uri)}"]
+    # The store goes to the job in its environment, not on its command line (which `ps` shows to everyone).
+    sets = list(overrides) + [f"name={job}", f"tracking.register_model={_quote(reg)}", "tracking.uri=auto"]
     if init_spec and not cfg.train.init_from:
         sets.append(f"train.init_from={_quote(init_spec)}")
     cmd = list(job_cmd or [sys.executable, "-m", "rayspeed", "train"]) + ["--config", config]
@@ -286,7 +299,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     log.info("cycle %s: %s from %s", job, "warm start" if init_spec else "from scratch", init_spec or "random init")
     sys.stdout.flush()
     sys.stderr.flush()
-    rc = subprocess.call(cmd, env={**os.environ, **(env or {})})
+    rc = subprocess.call(cmd, env={**os.environ, "MLFLOW_TRACKING_URI": uri, **(env or {})})
     from rayspeed.storage import locate
 
     exp = locate(storage).child(job)
@@ -316,17 +329,32 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     result.val_loss = new_val
     tags = {TAG_DATA_HASH: data_hash, TAG_JOB: job, TAG_WARM_START: init_spec or "scratch"}
 
-    # 7. compare and decide
+    # 7. compare like with like, re-check the champion, decide
     champ_val, baseline = None, None
     if champ is not None:
         champ_val = champion.metric_of(champ_tags)
         baseline = f"version {champ.version}: recorded val/loss"
-        if champ_tags.get(TAG_DATA_HASH) != data_hash:
-            champ_val, baseline = _rebaseline(champ, champ_val, cfg, tf, uri, storage, reeval_max_gflop)
-    result.champion_val_loss, result.baseline = champ_val, baseline
+        if champ_tags.get(TAG_DATA_HASH) != data_hash:  # recorded on other data: both measured again, the same way
+            values, how = champion.reevaluate(uri, reg, [str(champ.version), version], cfg, tf, storage,
+                                              reeval_max_gflop)
+            if values is not None:
+                log.info("re-evaluated on the current held-out split (%s): champion %s %.6g (recorded %s), "
+                         "version %s %.6g (recorded %s)", how, champ.version, values[0], champ_val, version,
+                         values[1], new_val)
+                baseline = (f"versions {champ.version} and {version}: both re-evaluated on the current held-out split "
+                            f"({how}; recorded {champ_val} and {new_val})")
+                champ_val, new_val = values
+            else:
+                log.warning("comparing recorded val/loss values (on different data): %s", how)
+                baseline = f"version {champ.version}: recorded val/loss (on other data; {how})"
+    result.val_loss, result.champion_val_loss, result.baseline = new_val, champ_val, baseline
     promote, why = decide(new_val, champ_val, margin, has_champion=champ is not None)
     if baseline:
         tags[TAG_BASELINE] = f"{baseline} = {champ_val}"
+    if promote:
+        moved = _still_champion(uri, reg, result.champion_before, lock)
+        if moved:
+            promote, why = False, f"{why}, but {moved}"
     if promote:
         c.set_registered_model_alias(reg, CHAMPION, version)
         result.champion_after = version
@@ -345,24 +373,19 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     return True
 
 
-def _rebaseline(champ: Any, recorded: Optional[float], cfg: Any, tf: Any, uri: str, storage: str,
-                max_gflop: float) -> tuple[Optional[float], str]:
-    """The champion's val/loss on the current held-out split (its recorded one was measured on other data)."""
-    from rayspeed.model.warm_start import read_model_config
-    from rayspeed.tracking.model_fetch import resolve_init_from
+def _still_champion(uri: str, reg: str, before: Optional[str], lock: Any) -> Optional[str]:
+    """Why the alias must not move now (None: it may): the lock is no longer ours, or the champion this cycle
+    compared with is not the champion any more (MLflow has no compare-and-set for aliases: this re-read, under the
+    lock every cycle takes, is the check)."""
+    from rayspeed.retrain.lock import LockLost
 
-    label = f"version {champ.version}"
     try:
-        cache = str(Path(storage) / ".cache" / "models") if "://" not in storage else None
-        model_dir = resolve_init_from(f"models:/{champ.name}/{champ.version}", uri, cache)  # cached after warm start
-        gflop = champion.eval_gflop(read_model_config(model_dir), cfg)
-        if gflop > max_gflop:
-            return recorded, (f"{label}: recorded val/loss (on other data; re-evaluating it on this data would take "
-                              f"~{gflop:.0f} GFLOP on the CPU > {max_gflop:g})")
-        value = champion.evaluate_model_dir(model_dir, cfg, tf)
-        log.info("champion %s re-evaluated on the current held-out split: val/loss %.6g (recorded %s)",
-                 label, value, recorded)
-        return value, f"{label}: re-evaluated on the current held-out split (recorded {recorded})"
-    except Exception as e:
-        log.warning("could not re-evaluate the champion on the current data (%s); using its recorded val/loss", e)
-        return recorded, f"{label}: recorded val/loss (on other data; re-evaluation failed: {str(e)[:200]})"
+        lock.check()
+    except LockLost as e:
+        return f"the cycle lock was lost ({e}); run the cycle again"
+    now = champion.champion_version(uri, reg)
+    now_v = str(now.version) if now is not None else None
+    if now_v != before:
+        return (f"the champion moved from version {before} to {now_v} while this cycle ran (another cycle or a "
+                "person); it was compared with the old one, so it is left alone: run the cycle again")
+    return None

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rayspeed import paths
+from rayspeed.redact import redact_uri
 
 log = logging.getLogger("rayspeed.retrain")
 
@@ -21,6 +22,11 @@ def state_dir(storage: str) -> Path:
     if paths.is_uri(storage):  # remote storage: the cycle's bookkeeping stays with the repository
         return paths.home() / paths.RETRAIN_STATE
     return Path(storage) / ".retrain"
+
+
+def uri_key(uri: str) -> str:
+    """How the state file names the MLflow store: the URI without its credentials (never written in clear)."""
+    return redact_uri(uri)
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -50,7 +56,7 @@ def record(state_file: Path, result: Any, started: float, trained: bool, uri: st
     state["history"] = hist[-HISTORY_KEEP:]
     if trained and result.outcome in ("promoted", "rejected"):
         state["last_data_hash"] = result.data_hash
-        state["tracking_uri"], state["registered_model"] = uri, result.registered_model
+        state["tracking_uri"], state["registered_model"] = uri_key(uri), result.registered_model
         state["last_cycle"] = entry
     if result.champion_after is not None:
         state["champion"] = result.champion_after

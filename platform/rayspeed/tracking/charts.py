@@ -10,8 +10,8 @@
     compute_comm_ratio.png    (1 - f) / f from the same series: compute seconds per communication second
     loss_landscape.png        loss along one or two filter-normalised random directions around the weights
                               (rayspeed.monitoring.landscape)
-    memory_fragmentation.png  memory/fragmentation = 1 - allocated/reserved over steps (worst rank),
-                              with each rank's own series behind it
+    memory_fragmentation.png  memory/fragmentation = inactive split bytes / reserved bytes of the CUDA caching
+                              allocator over steps (worst rank), with each rank's own series behind it
 
 A chart whose data does not exist (no GPU, dp=1, landscape not computed or impossible for the layout)
 is still written and says why on the image. matplotlib is imported lazily and used through its
@@ -296,7 +296,8 @@ def chart_fragmentation(h: RunHistory, path: str) -> str:
         if m and m.group(3) == "gpu_mem_fragmentation":
             per_rank.append((int(m.group(1)), int(m.group(2)), k))
     if not ser and not per_rank:
-        return _unavailable(path, title, _no_gpu_reason(h, "The fragmentation index 1 - allocated/reserved"), h.name)
+        return _unavailable(path, title, _no_gpu_reason(h, "The fragmentation index (inactive split / reserved bytes)"),
+                            h.name)
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
     for i, (n, r, k) in enumerate(sorted(per_rank)):
@@ -310,15 +311,17 @@ def chart_fragmentation(h: RunHistory, path: str) -> str:
     _mark_restarts(ax, h.restarts())
     ax.set_ylim(0, 1)
     ax.set_xlabel("training step")
-    ax.set_ylabel("1 - allocated / reserved")
+    ax.set_ylabel("inactive split bytes / reserved bytes")
     ax.set_title(title, fontsize=12)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=9)
     peak = h.series("memory/peak_allocated_gib")
     extra = f" Peak allocated {max(v for _, v in peak):.2f} GiB." if peak else ""
-    _note(fig, "Share of the CUDA caching allocator's reserved memory not held by tensors; high values before "
-               f"an OOM point at fragmentation (remedy: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).{extra} "
-               f"run: {h.name}")
+    _note(fig, "Share of the CUDA caching allocator's reserved memory stranded in free pieces of split blocks still "
+               "partly in use (torch.cuda.memory_stats inactive_split_bytes / reserved_bytes): only tensors smaller "
+               "than each piece can use it. Whole cached blocks are not counted (a new tensor reuses them). High "
+               "values before an OOM point at fragmentation (remedy: "
+               f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).{extra} run: {h.name}")
     return _save(fig, path)
 
 

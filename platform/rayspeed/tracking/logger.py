@@ -3,7 +3,8 @@
 Gate once (only rank 0 constructs a live logger; other ranks get a no-op), import mlflow lazily, and
 never let the tracking server stall or kill training: everything goes through a queue drained by one
 background thread that retries with backoff, warns once while the server is away and flushes when it
-is back.
+is back. Params, tags and text artifacts are redacted on the way in (rayspeed.redact): a secret in the config
+(cluster.env), a tracking URI with credentials or a token in a report never reaches the tracking server.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import queue
 import threading
 import time
 from typing import Any
+
+from rayspeed.redact import redact_mapping, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +104,13 @@ class MlflowLogger(NullLogger):
         self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
 
     def log_params(self, params: dict[str, Any]) -> None:
-        self._put("params", {k: _param_value(v) for k, v in params.items()})
+        self._put("params", {k: _param_value(v) for k, v in redact_mapping(dict(params)).items()})
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self._put("tags", {k: str(v) for k, v in tags.items()})
+        self._put("tags", {k: str(v) for k, v in redact_mapping({k: str(v) for k, v in tags.items()}).items()})
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self._put("text", (text, artifact_file))
+        self._put("text", (redact_text(text), artifact_file))
 
     def log_artifact_file(self, path: str, artifact_path: str | None = None) -> None:
         self._put("file", (path, artifact_path))

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.paths import artifact_root, tracking_uri
-from rayspeed.tracking.client import mlflow_client
+from rayspeed.tracking.client import mlflow_client, set_terminated
 from rayspeed.tracking.hf_model import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, plan_line, run_tags
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def supersede_run(cfg: JobConfig) -> Optional[str]:
         for r in runs:
             client.set_tag(r.info.run_id, JOB_TAG, f"{cfg.name}@superseded-{stamp}")
             if r.info.status == "RUNNING":
-                client.set_terminated(r.info.run_id, status="KILLED")
+                set_terminated(client, r.info.run_id, "KILLED")
         return runs[0].info.run_id if runs else None
     except Exception as e:  # tracking must never stop training
         log.warning("could not set the previous MLflow run of %s aside: %s", cfg.name, e)
@@ -88,6 +88,6 @@ def finish_run(cfg: JobConfig, run_id: str, status: str, label: str | None = Non
     try:
         client = mlflow_client(tracking_uri(cfg))
         client.set_tag(run_id, "rayspeed.status", label or status.lower())
-        client.set_terminated(run_id, status=status)
+        set_terminated(client, run_id, status)
     except Exception as e:  # tracking must never fail the job
         log.warning("could not close MLflow run %s: %s", run_id, e)

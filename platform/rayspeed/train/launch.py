@@ -17,9 +17,10 @@ from typing import Any
 from rayspeed import compat, paths
 from rayspeed.cluster import connect_ray
 from rayspeed.config.load import load, to_dict, to_yaml
-from rayspeed.config.schema import JobConfig
+from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ConfigError
 from rayspeed.paths import auto_home_problem, is_uri, storage_path, tracking_uri
+from rayspeed.redact import redact_text, redact_uri
 from rayspeed.storage import forwarded_env, locate
 from rayspeed.train.payload import LaunchPayload, RunResult
 
@@ -44,6 +45,14 @@ def train_command(args: argparse.Namespace) -> int:
             print(to_yaml(cfg))
             print(plan.explain)
             return EXIT_OK
+        from rayspeed.tracking.client import access_problem
+
+        # A tracking server that refuses this job (401/403) is an input error, found before anything is written:
+        # the credentials will not get better by training without them. One that does not answer is not.
+        refused = access_problem(tracking_uri(cfg), "tracking.uri" if job.tracking.uri != AUTO
+                                 else "MLFLOW_TRACKING_URI")
+        if refused:
+            raise ConfigError(refused)
         from rayspeed.storage import check_reachable
 
         unreachable = check_reachable(storage_path(cfg))  # before anything is written anywhere
@@ -65,11 +74,24 @@ def train_command(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- Ray
 
 
+def worker_env(cfg: JobConfig, storage: str, embedded: bool) -> dict[str, str]:
+    """What every Ray worker's environment gets, before its process group exists: the communication profile for
+    this cluster size plus cluster.env (logged as one line, secret values masked), the object store's credentials
+    when storage is a URI (also set on the job by connect_ray; said again for a driver joined from elsewhere), and
+    the MLflow credentials (rank 0 logs from whichever node it lands on). The values themselves are unmasked."""
+    from rayspeed.health.envprofile import log_profile
+    from rayspeed.tracking.client import tracking_env
+
+    env = dict(log_profile(cfg, cfg.cluster.max_workers) or {})
+    if is_uri(storage):
+        env = {**forwarded_env(remote=not embedded), **env}
+    return {**tracking_env(), **env}
+
+
 def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from rayspeed.health.envprofile import log_profile
     from rayspeed.train.resilience import ResilienceCallback
     from rayspeed.train.worker import train_loop
 
@@ -84,11 +106,7 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
         capacity = (f"fewer than {least} workers could start for {r.capacity_wait_s:.0f} s: the job needs at least "
                     f"resilience.stability_threshold ({r.stability_threshold:g}) x {c.max_workers} workers; add "
                     "capacity, lower resilience.stability_threshold, or raise resilience.capacity_wait_s")
-    # The communication profile for this cluster size (plus cluster.env), in every worker's environment
-    # before its process group exists.
-    env = log_profile(cfg, c.max_workers)
-    if is_uri(payload.storage_path):  # also set on the job (connect_ray); said again for a driver joined from elsewhere
-        env = {**forwarded_env(remote=not embedded), **(env or {})}
+    env = worker_env(cfg, payload.storage_path, embedded)
     # Ray Train waits this long for a worker group to start before calling the attempt failed; after a node
     # loss it first retries the old size, so the default 60 s is pure recovery delay. Read by the controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(cfg.resilience.worker_start_timeout_s))
@@ -135,7 +153,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     run_id = None
     try:
         run_id, resumed = find_or_create_run(cfg)
-        log.info("MLflow run %s (%s) at %s", run_id, "continued" if resumed else "new", tracking_uri(cfg))
+        log.info("MLflow run %s (%s) at %s", run_id, "continued" if resumed else "new", redact_uri(tracking_uri(cfg)))
     except Exception as e:  # tracking must never stop training
         log.warning("MLflow unavailable (%s): training without tracking", e)
     payload = LaunchPayload(job=to_dict(job), tracking_uri=tracking_uri(cfg), storage_path=storage,
@@ -171,7 +189,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         "launcher": launcher,
     }
     if error is not None:
-        summary["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
+        summary["error"] = redact_text(f"{type(error).__name__}: {str(error)[:2000]}")
     exp.write_json(paths.SUMMARY, summary)
     if run_id:
         finish_run(cfg, run_id, "FINISHED" if error is None else "FAILED", summary["status"])

@@ -4,7 +4,7 @@ validation, checkpoints and the end. One rank-0 gate, here: every other rank hol
 never check ranks; the collectives inside (the window's loss mean, the system-metric gather) run on every rank.
 
     reporter = Reporter(cfg, plan, ctx, payload, groups, device, attempt_started)
-    with reporter.timed_step(step):         # the comm timer measures log steps only
+    with reporter.timed_step(step):         # the comm timer measures sampled log steps, left out of throughput
         loss = train_step(...)
     reporter.step_done(step, loss, state, engine)    # window, progress, first-step report
     if reporter.should_log(step): reporter.log_window(step, lr, grad_norm)
@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from rayspeed.config.load import flatten, to_dict, to_yaml
 from rayspeed.config.schema import JobConfig
+from rayspeed.health.calibration import worst_rank_peak_memory_gib
 from rayspeed.logs import log_rank
 from rayspeed.parallel.objects import gather_objects
+from rayspeed.planner.feedback import plan_metrics
 from rayspeed.train import resilience
 
 log = logging.getLogger("rayspeed.worker")
@@ -57,7 +59,8 @@ def versions() -> dict[str, str]:
 
 
 def mfu_terms(cfg: JobConfig) -> tuple[float, Optional[float]]:
-    """(model FLOPs per token = 6N + 12 L h s, peak FLOP/s of one GPU) from the planner's tables; no MFU on CPU."""
+    """(model FLOPs per token: ModelShape.flops_per_token, PaLM's 6 N non-embedding + 12 L h s, the one definition;
+    peak FLOP/s of one GPU from the planner's tables); no MFU on CPU."""
     try:
         from rayspeed.config.shape import ModelShape
         from rayspeed.planner.hardware import get as hardware
@@ -72,28 +75,47 @@ def mfu_terms(cfg: JobConfig) -> tuple[float, Optional[float]]:
 
 
 class StepWindow:
-    """Steps and wall time since the last log step; checkpoint and validation time are not step time."""
+    """Steps and their wall time since the last log step. Each step's time runs from the end of the step before
+    (or of a pause) to its own end. Checkpoint and validation time are not step time (pause_excluded), and neither
+    is a step the gradient-sync timer measured: it synchronises the device around every collective, so that step
+    is slower than the others and is left out of step time, tokens/s and MFU (add(..., measured=True))."""
 
     def __init__(self, device: torch.device):
         self.loss = torch.zeros((), device=device)
         self.steps = 0
-        self.t0 = time.perf_counter()
+        self.measured = 0
+        self.timed_s = 0.0
+        self.mark = time.perf_counter()
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, measured: bool = False) -> None:
+        now = time.perf_counter()
         self.loss += loss.detach().float()
         self.steps += 1
+        if measured:
+            self.measured += 1
+        else:
+            self.timed_s += now - self.mark
+        self.mark = now
 
-    def step_time(self) -> float:
-        return (time.perf_counter() - self.t0) / max(1, self.steps)
+    def step_time(self) -> Optional[float]:
+        """Mean wall time of the window's unmeasured steps; None when every step of it was measured."""
+        timed = self.steps - self.measured
+        return self.timed_s / timed if timed > 0 else None
 
     def restart(self) -> None:
         self.loss.zero_()
-        self.steps = 0
-        self.t0 = time.perf_counter()
+        self.steps = self.measured = 0
+        self.timed_s = 0.0
+        self.mark = time.perf_counter()
 
     def pause_excluded(self) -> None:
         """Time spent outside steps (evaluation, checkpoint) does not count towards the next step time."""
-        self.t0 = time.perf_counter()
+        self.mark = time.perf_counter()
+
+
+# The gradient-sync timer measures one step per log window; when every window is a single step
+# (tracking.log_every_steps 1), one log step in this many.
+COMM_SAMPLE_EVERY = 10
 
 
 class Reporter:
@@ -113,6 +135,7 @@ class Reporter:
                 log.warning("MLflow unavailable (%s): training continues without tracking", e)
         self.comm = CommTimer(enabled=True)
         self.window = StepWindow(device)
+        self.measuring = False
         self.sampler: Any = None
         self.charts: Any = None
         self.flops_per_token, self.peak_flops = mfu_terms(cfg)
@@ -125,6 +148,10 @@ class Reporter:
         self.model_state_bytes: Optional[dict[str, int]] = None
         self.checkpoints = 0
         self.last_loss = float("nan")
+        # (last step of the window counted from this attempt's start, steps in it, seconds per step): the planner's
+        # feedback compares its prediction with the steady-state windows (rayspeed.planner.feedback).
+        self.perf_windows: list[tuple[int, int, float]] = []
+        self.start_step = 0
 
     def _logged_until(self) -> int:
         return int(self.tracker.last_step("train/loss"))
@@ -176,7 +203,16 @@ class Reporter:
         return step % self.log_every == 0 or step == self.cfg.train.max_steps
 
     def timed_step(self, step: int) -> Any:
-        return self.comm.step(measure=self.should_log(step))
+        self.measuring = self.sample_comm(step)
+        return self.comm.step(measure=self.measuring)
+
+    def sample_comm(self, step: int) -> bool:
+        """Whether the gradient-sync timer measures this step: the log step of a window that has other steps to
+        time (the measured one is left out of the window's throughput); when the window is this step alone, only
+        every COMM_SAMPLE_EVERY-th log step (that window then reports no throughput)."""
+        if not self.should_log(step):
+            return False
+        return self.window.steps >= 1 or step % (COMM_SAMPLE_EVERY * self.log_every) == 0
 
     def first_step(self, step: int, state: dict[str, Any], engine: Any) -> None:
         """Once per attempt (a collective): model-state bytes of the real engine, and the recovery it closes."""
@@ -213,7 +249,8 @@ class Reporter:
         self.tracker.log_metrics(metrics, step=step)
 
     def step_done(self, step: int, loss: torch.Tensor, state: dict[str, Any], engine: Any) -> None:
-        self.window.add(loss)
+        self.window.add(loss, measured=self.measuring)
+        self.measuring = False
         if not self.first_step_done:
             self.first_step(step, state, engine)
         if self.progress is not None:
@@ -221,24 +258,29 @@ class Reporter:
 
     def log_window(self, step: int, lr: float, grad_norm: Optional[float]) -> dict[str, float]:
         """Metrics at a log step: the loss (the step's only host read), throughput, gradient-sync fraction, MFU on
-        GPU, and every rank's system metrics (a collective: all ranks call this). Restarts the window."""
+        GPU, and every rank's system metrics (a collective: all ranks call this). Restarts the window. Throughput
+        (step time, tokens/s, MFU) comes from the window's steps the gradient-sync timer did not measure; a window
+        without one reports none."""
         c, ctx, w = self.cfg, self.ctx, self.window
         step_time = w.step_time()
         mean_loss = self.dp_mean(w.loss / max(1, w.steps))
-        tokens_per_s = c.train.global_batch_size * c.model.seq_len / step_time
         metrics = {
             "train/loss": mean_loss,
             "train/lr": lr,
             "train/global_batch_size": c.train.global_batch_size,
-            "perf/step_time_s": step_time,
-            "perf/tokens_per_s": tokens_per_s,
             "resilience/world_size": ctx.world_size,
         }
+        if step_time:
+            tokens_per_s = c.train.global_batch_size * c.model.seq_len / step_time
+            metrics.update({"perf/step_time_s": step_time, "perf/tokens_per_s": tokens_per_s})
+            if self.peak_flops:
+                metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * ctx.world_size)
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
         metrics.update(self.comm.metrics())
-        if self.peak_flops:
-            metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * ctx.world_size)
+        if step_time:
+            self.perf_windows.append((step - self.start_step, w.steps, step_time))
+        metrics.update(plan_metrics(self.plan.best, self.perf_windows, worst_rank_peak_memory_gib(self.device)))
         if self.sampler is not None:
             from rayspeed.monitoring.system import gather_system_metrics
 
@@ -252,7 +294,8 @@ class Reporter:
         if step > self.logged_until:  # a step replayed after a restart is already in the run's history
             self.tracker.log_metrics(metrics, step=step)
         self.last_loss = mean_loss
-        log_rank(log, "step %d/%d loss %.4f lr %.2e %.3f s/step", step, c.train.max_steps, mean_loss, lr, step_time)
+        log_rank(log, "step %d/%d loss %.4f lr %.2e %s s/step", step, c.train.max_steps, mean_loss, lr,
+                 f"{step_time:.3f}" if step_time else "-")
         w.restart()
         return metrics
 

@@ -169,6 +169,7 @@ class Trainer:
     def train(self) -> RunResult:
         c, start = self.cfg, self.state["step"]
         val_loss: Optional[float] = None
+        self.reporter.start_step = start
         self.engine.train()
         for step, micro in self.batches.iterate(start, c.train.max_steps - start):
             done = step + 1

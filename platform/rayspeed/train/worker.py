@@ -40,7 +40,9 @@ def pin_model_parallel(job: JobConfig, meta: Optional[dict[str, Any]],
         return job
     old = meta.get("layout") or {}
     par = job.parallel
-    pinned = {k: int(old[k]) for k in keys if getattr(par, k) == AUTO and k in old}
+    pinned: dict[str, Any] = {k: int(old[k]) for k in keys if getattr(par, k) == AUTO and k in old}
+    if "pp" in pinned and old.get("stage_layers") and par.stage_layers is None:  # the pipeline's split too
+        pinned["stage_layers"] = [int(n) for n in old["stage_layers"]]
     return dataclasses.replace(job, parallel=dataclasses.replace(par, **pinned)) if pinned else job
 
 

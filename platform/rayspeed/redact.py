@@ -1,0 +1,138 @@
+"""Secrets out of everything rayspeed writes: the log, MLflow params, tags and text artifacts (config/resolved.yaml,
+health/preflight.json), the healthcheck and doctor output, the crontab line, the retraining history. One function
+family, used by every writer; the values themselves still reach the processes that need them (the workers'
+environment, the MLflow client).
+
+    is_secret_key("HF_TOKEN")                  True: a name with a secret word (TOKEN, KEY, SECRET, PASSWORD,
+                                               PASSWD, CREDENTIAL(S), AUTH, ...), matched as a whole word
+    redact_uri("http://u:pw@h:5000/?token=t")  "http://u:***@h:5000/?token=***"
+    redact_text(text)                          every URI in the text, NAME=value / NAME: value pairs whose NAME
+                                               looks secret, and the values of secret-named environment variables
+    redact_mapping(obj)                        nested dicts/lists: values under secret-looking keys masked,
+                                               every string through redact_text
+
+Names are split into words (on `_ . - /`, spaces and camelCase) and a word must equal a secret word, so
+`data.tokenizer`, `max_tokens` or `monkey` are not secrets while `cluster.env.HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`,
+`apiKey` and `MLFLOW_TRACKING_PASSWORD` are. Names whose last word says the value is a mode, a type or a file
+location (`RAY_AUTH_MODE`, `AWS_WEB_IDENTITY_TOKEN_FILE`) are not: their values are settings, not secrets.
+Pure Python (no imports beyond the standard library): every layer may use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping, Optional
+from urllib.parse import urlsplit, urlunsplit
+
+MASK = "***"
+
+SECRET_WORDS = frozenset({
+    "token", "key", "secret", "secrets", "password", "passwords", "passwd", "pwd", "credential", "credentials",
+    "auth", "authorization", "apikey", "accesskey", "secretkey", "passphrase", "privatekey",
+})
+# The last word of a name that holds a setting or a location, not the secret itself.
+NOT_SECRET_LAST_WORDS = frozenset({"mode", "type", "file", "path", "dir", "method", "enabled", "id"})
+# Query parameters that carry credentials besides secret-named ones (signed URLs).
+SECRET_QUERY_PARAMS = frozenset({"sig", "signature", "x-amz-signature", "x-amz-credential", "x-amz-security-token",
+                                 "x-goog-signature", "x-goog-credential", "access_token"})
+# Environment values shorter than this are not hunted for in free text (too likely to occur by chance).
+MIN_ENV_SECRET_LEN = 6
+
+_WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
+_URI = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
+_PAIR = re.compile(
+    r"(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P<nq>[\"']?)(?P<sep>[ \t]*(?:=|:(?!//))[ \t]*)"
+    r"(?:\"(?P<dq>[^\"\n]*)\"|'(?P<sq>[^'\n]*)'|(?P<bare>[^\s,;{}\[\]\"'&]+))")
+
+
+def _words(name: str) -> list[str]:
+    return [w.lower() for w in _WORD_SPLIT.split(str(name)) if w]
+
+
+def is_secret_key(name: Any) -> bool:
+    """Whether a key, variable or parameter name looks like it holds a secret (see the module doc)."""
+    words = _words(str(name))
+    if not words or words[-1] in NOT_SECRET_LAST_WORDS:
+        return False
+    return any(w in SECRET_WORDS for w in words)
+
+
+def _secret_query_param(name: str) -> bool:
+    return is_secret_key(name) or name.lower() in SECRET_QUERY_PARAMS
+
+
+def redact_uri(uri: str) -> str:
+    """The URI without credentials: the password of its userinfo (or the whole userinfo when it is a lone token)
+    and the values of secret-looking query parameters become ***."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        if userinfo and userinfo != MASK:
+            user, sep, _ = userinfo.partition(":")
+            netloc = f"{user}:{MASK}@{host}" if sep else f"{MASK}@{host}"
+    query = parts.query
+    if query:
+        def mask(m: re.Match) -> str:
+            return f"{m.group(1)}{m.group(2)}={MASK}" if _secret_query_param(m.group(2)) and m.group(3) else m.group(0)
+
+        query = re.sub(r"(^|[&;])([^=&;]+)=([^&;]*)", mask, query)
+    if netloc == parts.netloc and query == parts.query:
+        return uri
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def env_secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Values of this process's secret-named environment variables (longest first), to mask wherever they occur."""
+    env = os.environ if environ is None else environ
+    vals = {v for k, v in env.items() if v and len(v) >= MIN_ENV_SECRET_LEN and is_secret_key(k) and v != MASK}
+    return sorted(vals, key=len, reverse=True)
+
+
+def redact_text(text: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """Free text with every secret masked: URIs' credentials, NAME=value / NAME: value / "NAME": "value" pairs
+    whose NAME looks secret, and the values of secret-named environment variables. Non-strings pass through."""
+    if not isinstance(text, str) or not text:
+        return text
+    out = _pairs(_URI.sub(lambda m: redact_uri(m.group(0)), text))
+    for v in env_secret_values(environ):
+        if v in out:
+            out = out.replace(v, MASK)
+    return out
+
+
+def _pairs(text: str) -> str:
+    def pair(m: re.Match) -> str:
+        group = next(g for g in ("dq", "sq", "bare") if m.group(g) is not None)
+        value = m.group(group)
+        start = m.start()
+        vs, ve = m.span(group)
+        if is_secret_key(m.group("name")):
+            replaced = value if not value or value == MASK else MASK
+        else:  # a quoted value may hold pairs of its own: --set cluster.env='{HF_TOKEN: ...}'
+            replaced = _pairs(value) if group != "bare" else value
+        return m.group(0)[: vs - start] + replaced + m.group(0)[ve - start:]
+
+    return _PAIR.sub(pair, text)
+
+
+def redact_value(key: Any, value: Any) -> Any:
+    """One value under its key: *** when the key looks secret (and the value is set), else redact_mapping."""
+    if is_secret_key(key) and value not in (None, "", MASK) and not isinstance(value, (dict, list, tuple, bool)):
+        return MASK
+    return redact_mapping(value)
+
+
+def redact_mapping(obj: Any) -> Any:
+    """A copy of nested dicts/lists/tuples with every secret masked (see redact_value, redact_text)."""
+    if isinstance(obj, Mapping):
+        return {k: redact_value(k, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact_mapping(v) for v in obj)
+    if isinstance(obj, str):
+        return redact_text(obj)
+    return obj
