@@ -1,7 +1,7 @@
 """`make bench`: one JSON line per benchmark, each side by side within the same run.
 
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
-                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu,plan_accuracy]
+                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy]
                             [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -30,6 +30,9 @@ Lines (in this order; "bench" names each):
                 one (plan/predicted_step_time_s vs plan/measured_step_time_s, median of the windows after 10
                 warm-up steps), and the error. Not in the default --only: it is a measurement, ~3 minutes.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
+  checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
+                asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
+                steps/s while the background write runs, both runs' wall time, same_loss.
 
 Everything runs in a scratch RAYSPEED_HOME (its own mlflow.db and runs/), deleted unless --keep.
 """
@@ -528,6 +531,14 @@ def bench_gpu(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "gpu", "status": "failed", "rc": proc.returncode}]
 
 
+def bench_checkpoint(args) -> list[dict[str, Any]]:
+    _note("checkpoint: sync vs async save of a ~300M-parameter model (scripts/bench_checkpoint.py)")
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_checkpoint.py")], cwd=str(ROOT), stdout=subprocess.PIPE,
+                          text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines or [{"bench": "checkpoint", "status": "failed", "rc": proc.returncode}]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench.py", description="rayspeed benchmarks: one JSON line each")
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
@@ -539,8 +550,9 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu",
-                    help="comma-separated: cpu, resilience, planner, gpu, plan_accuracy (not in the default)")
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint",
+                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, plan_accuracy (not in the "
+                    "default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -568,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(bench_plan_accuracy(args, home))
         if "gpu" in only:
             lines += bench_gpu(args)
+        if "checkpoint" in only:
+            lines += bench_checkpoint(args)
         for line in lines:
             _emit({**line, **stamp})
     except Exception as e:  # one clear line, not a traceback

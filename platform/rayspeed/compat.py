@@ -173,6 +173,83 @@ def skip_deepspeed_shm_comm_op() -> None:
         log.debug("shm comm op not skipped: %s", e)
 
 
+def async_checkpoint_problem(engine: Any) -> str | None:
+    """Why `capture_checkpoint_writes` cannot make this engine's save asynchronous (None: it can). Every file of
+    DeepSpeed 0.19.8's `save_checkpoint` goes through `engine.checkpoint_engine.save(state_dict, path)` when that is
+    the plain TorchCheckpointEngine, except the NVMe-offload copy, which copies swap files directly."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    ce = getattr(engine, "checkpoint_engine", None)
+    if type(ce) is not TorchCheckpointEngine:
+        return f"DeepSpeed's checkpoint engine is {type(ce).__name__}, not TorchCheckpointEngine"
+    offload = getattr(engine, "zero_nvme_offload_optimizer", None)
+    if callable(offload) and offload():
+        return "ZeRO NVMe offload copies its swap files during the save"
+    return None
+
+
+def capture_checkpoint_writes(engine: Any, copy: Any) -> Any:
+    """A context manager around `engine.save_checkpoint`: every state dict DeepSpeed would write is handed to
+    `copy` (a host snapshot) instead of torch.save, and yields the list of (path, snapshot) it recorded; directories
+    and the files DeepSpeed copies directly (zero_to_fp32.py) are still made. The snapshots are written later with
+    `writer(state, path)` (the engine's own TorchCheckpointEngine.save: the same bytes as a synchronous save).
+
+    DeepSpeed 0.19.8: `DeepSpeedEngine.save_checkpoint` (engine.py) calls `self.checkpoint_engine.create`, `.save`
+    for the model, ZeRO and pipeline-layer files, `.makedirs`, then `.commit` (not decoupled); the engine is
+    swapped for the length of the call (option (b) of the checkpoint-engine abstraction: a capturing engine whose
+    commit is deferred to rayspeed's background writer)."""
+    import contextlib
+
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    original = engine.checkpoint_engine
+
+    class CapturingCheckpointEngine(CheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.name = "RayspeedCapturingCheckpointEngine"
+            self.captured: list[tuple[str, Any]] = []
+
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            self.captured.append((str(path), copy(state_dict)))
+
+        def makedirs(self, path: str, exist_ok: bool = False) -> None:
+            original.makedirs(path, exist_ok=exist_ok)
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return original.load(path, map_location=map_location)
+
+        def commit(self, info: Any) -> bool:
+            return True  # rayspeed commits: the manifest, once every rank's files are durable
+
+        def is_data_parallel_writer(self, dp_rank: int) -> bool:
+            return original.is_data_parallel_writer(dp_rank)
+
+        def preserves_storage_sharing(self) -> bool:
+            return original.preserves_storage_sharing()
+
+    @contextlib.contextmanager
+    def swapped() -> Any:
+        capture = CapturingCheckpointEngine()
+        engine.checkpoint_engine = capture
+        try:
+            yield capture.captured
+        finally:
+            engine.checkpoint_engine = original
+
+    return swapped()
+
+
+def checkpoint_writer(engine: Any) -> Any:
+    """(state, path) -> None: how this engine's TorchCheckpointEngine writes one file (torch.save with its
+    serialization setting); safe to call from a background thread (no collectives)."""
+    ce = engine.checkpoint_engine
+    return lambda state, path: ce.save(state, path)
+
+
 # ---------------------------------------------------------------- MLflow (written for mlflow 3.17)
 
 
@@ -249,6 +326,24 @@ def check() -> list[str]:
 
     if not hasattr(TorchTrainer, "_create_default_callbacks"):
         problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class falls back to TorchTrainer")
+    try:
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        missing = [m for m in ("create", "save", "makedirs", "load", "commit", "is_data_parallel_writer",
+                               "preserves_storage_sharing") if not hasattr(CheckpointEngine, m)]
+        if missing or not issubclass(TorchCheckpointEngine, CheckpointEngine):
+            problems.append(f"DeepSpeed's CheckpointEngine interface changed ({missing}): async checkpoints "
+                            "(capture_checkpoint_writes) must be re-checked")
+        import inspect
+
+        src = inspect.getsource(DeepSpeedEngine.save_checkpoint)
+        if "self.checkpoint_engine.commit" not in src or "self.checkpoint_engine.create" not in src:
+            problems.append("DeepSpeedEngine.save_checkpoint no longer creates/commits through its checkpoint engine: "
+                            "async checkpoints (capture_checkpoint_writes) must be re-checked")
+    except ImportError as e:
+        problems.append(f"deepspeed.runtime.checkpoint_engine moved ({e}): async checkpoints cannot capture writes")
     import deepspeed.ops
     from deepspeed.runtime.pipe.module import PipelineModule
 

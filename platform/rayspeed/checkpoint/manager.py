@@ -8,6 +8,12 @@ of reaching into the trainer.
     ds_config = ckpt.prepare(ds_config)                       # converts to universal when the layout changed
     client = ckpt.load(engine)                                # {"step", "data", "restarts"} or None
     if ckpt.should_save(step): stall = ckpt.save(step, engine, client_state)
+    for record in ckpt.poll(): ...                            # saves finished since (write time, bytes), each step
+    ckpt.drain()                                              # at the end: the save in flight commits
+
+Saving is synchronous or asynchronous (resilience.checkpoint_mode, decided at the first save: `mode`). An async
+save stops training only for a host snapshot of what DeepSpeed would write (compat.capture_checkpoint_writes,
+host_copy.HostCopy); async_save.run writes, makes durable and commits it on a background thread, one in flight.
 """
 
 from __future__ import annotations
@@ -15,20 +21,23 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from rayspeed import paths, storage
-from rayspeed.checkpoint import manifest, resume, rng, staging
+from rayspeed import compat, paths, storage
+from rayspeed.checkpoint import async_save, manifest, resume, rng, staging
 from rayspeed.checkpoint.consolidate import manifest_model_meta
+from rayspeed.checkpoint.host_copy import HostCopy
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import to_dict
 from rayspeed.config.schema import JobConfig
 from rayspeed.logs import log_rank
-from rayspeed.parallel.objects import broadcast_object, gather_objects, raise_first_error
+from rayspeed.parallel.objects import barrier, broadcast_object, gather_objects, raise_first_error
+from rayspeed.planner.checkpoint_memory import HOST_FRACTION, choose_mode
 
 log = logging.getLogger("rayspeed.checkpoint")
 
@@ -62,8 +71,10 @@ def config_hash(cfg: JobConfig) -> str:
 
 class CheckpointManager:
     def __init__(self, cfg: JobConfig, ctx: Any, chosen: Optional[str] = None, meta: Optional[dict[str, Any]] = None,
-                 run_id: Optional[str] = None, chaos: Any = None, identity: Optional[dict[str, Any]] = None):
+                 run_id: Optional[str] = None, chaos: Any = None, identity: Optional[dict[str, Any]] = None,
+                 snapshot_plan: Optional[dict[str, Any]] = None):
         self.cfg, self.ctx, self.run_id, self.chaos = cfg, ctx, run_id, chaos
+        self.snapshot_plan = snapshot_plan  # the plan's `checkpoint` object (planner.checkpoint_memory)
         self.identity = identity  # what the run computes, as submitted (rayspeed.train.resume_guard)
         self.chosen, self.meta = chosen, meta
         self.exp = storage.locate(ctx.experiment_dir)
@@ -74,7 +85,14 @@ class CheckpointManager:
         self._tag = resume.DS_TAG
         self._module_only = False
         self.stalls: list[float] = []
+        self.writes: list[float] = []
         self.last_bytes: Optional[int] = None
+        self.mode: Optional[str] = None  # sync | async, decided at the first save
+        self._host = HostCopy()
+        self._writer = async_save.BackgroundWriter()
+        self._finished: list[dict[str, Any]] = []  # for the reporter (poll)
+        self._unreported: Optional[str] = None  # committed in the background, not yet told to Ray Train
+        self._overlap = 0  # steps run while the save in flight was being written
 
     # ------------------------------------------------------------------ loading
     def prepare(self, ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -152,26 +170,23 @@ class CheckpointManager:
         return bool(self.every and step % self.every == 0) or step == self.cfg.train.max_steps
 
     def save(self, step: int, engine: Any, client: dict[str, Any]) -> float:
+        """Save checkpoint `step` (every rank); returns the stall: how long training was blocked."""
+        if self._choose_mode(engine) == "async":
+            return self._save_async(step, engine, client)
+        stall, nbytes = self._save_sync(step, engine, client)
+        self.writes.append(stall)
+        self._finished.append({"step": step, "stall_s": stall, "write_s": stall, "bytes": nbytes})
+        return stall
+
+    def _save_sync(self, step: int, engine: Any, client: dict[str, Any]) -> tuple[float, int]:
         """Commit protocol (rayspeed.checkpoint.manifest): shards into a fresh folder, each rank fsyncs and hashes
-        its share, then one manifest and (local storage) the rename that commits. Returns the stall."""
+        its share, then one manifest and (local storage) the rename that commits. Returns (stall, bytes)."""
         t0 = time.perf_counter()
         exp, name = self.exp, manifest.dir_name(step)
         self._drill(step, "before_shards")
-        if exp.is_local:
-            # Never into an existing folder: a torn save at another world size must not leave files behind.
-            d = manifest.saving_dir(exp.local, step)
-            if self.ctx.is_rank0:
-                shutil.rmtree(d, ignore_errors=True)
-                d.mkdir(parents=True)
-        else:  # DeepSpeed writes local files: this rank's part goes to staging, then to the store
-            d = staging.save_dir(self.stage, self.ctx.rank, step)
-            if self.ctx.is_rank0 and exp.exists(name):
-                # The same step saved again after a rollback or a resume from an older checkpoint: the old
-                # objects (a manifest, a rejected.json) must not mix with the new ones.
-                exp.delete(name)
+        d = self._fresh_folder(step)
         dist.barrier()
-        engine.save_checkpoint(str(d), tag=resume.DS_TAG, client_state={**client, "mlflow_run_id": self.run_id},
-                               save_latest=False)
+        engine.save_checkpoint(str(d), tag=resume.DS_TAG, client_state=self._client(client), save_latest=False)
         self._drill(step, "between_shards")
         rng.save(d, self.ctx.rank)
         if exp.is_local:
@@ -180,6 +195,7 @@ class CheckpointManager:
             mine = manifest.durable_entries(d, rels[self.ctx.rank::self.ctx.world_size])
         else:
             mine = staging.publish(exp, d)  # hashed on local disk, then uploaded
+        self._drill(step, "after_shards")
         files = {k: v for part in gather_objects(mine) for k, v in part.items()}  # every rank's part is done
         self._drill(step, "before_manifest")
         dist.barrier()  # the manifest commits only while every rank is alive past its shards
@@ -192,7 +208,7 @@ class CheckpointManager:
         dist.barrier()
         self._drill(step, "after_manifest")
         if self.ctx.under_ray:
-            self._report(name, exp.local / name if exp.is_local else d)
+            self._report(name)
         if self.ctx.is_rank0:
             for p in manifest.prune(str(exp), self.cfg.resilience.keep_checkpoints):
                 log.info("deleted old checkpoint %s", manifest.name_of(p))
@@ -201,19 +217,112 @@ class CheckpointManager:
         stall = time.perf_counter() - t0
         self.stalls.append(stall)
         self.last_bytes = sum(int(v["bytes"]) for v in files.values())
+        return stall, self.last_bytes
+
+    def _fresh_folder(self, step: int) -> Path:
+        """Where this rank's files of checkpoint `step` go: the hidden .saving folder (made by rank 0: every rank
+        waits at a barrier after this) or, for an object store, this rank's node-local staging folder."""
+        exp, name = self.exp, manifest.dir_name(step)
+        if exp.is_local:
+            # Never into an existing folder: a torn save at another world size must not leave files behind.
+            d = manifest.saving_dir(exp.local, step)
+            if self.ctx.is_rank0:
+                shutil.rmtree(d, ignore_errors=True)
+                d.mkdir(parents=True)
+            return d
+        d = staging.save_dir(self.stage, self.ctx.rank, step)
+        if self.ctx.is_rank0 and exp.exists(name):
+            # The same step saved again after a rollback or a resume from an older checkpoint: the old objects (a
+            # manifest, a rejected.json) must not mix with the new ones.
+            exp.delete(name)
+        return d
+
+    def _client(self, client: dict[str, Any]) -> dict[str, Any]:
+        return {**client, "mlflow_run_id": self.run_id}
+
+    # ------------------------------------------------------------------ asynchronous saving
+    def _save_async(self, step: int, engine: Any, client: dict[str, Any]) -> float:
+        """Training waits for the save in flight (if any), then only for the snapshot; async_save.run writes,
+        makes durable and commits in the background."""
+        t0 = time.perf_counter()
+        self.drain()  # at most one save in flight: this wait is stall
+        self._drill(step, "before_shards")
+        exp, name, rank0 = self.exp, manifest.dir_name(step), self.ctx.is_rank0
+        d = self._fresh_folder(step)
+        if rank0:
+            async_save.clear_markers(exp, name)  # a crashed earlier save of the same step
+        save_id = broadcast_object(uuid.uuid4().hex if rank0 else None)  # also the barrier: the folder exists
+        self._host.begin()
+        try:
+            with compat.capture_checkpoint_writes(engine, self._host.copy) as captured:
+                engine.save_checkpoint(str(d), tag=resume.DS_TAG, client_state=self._client(client),
+                                       save_latest=False)
+        finally:
+            self._host.end()
+        claimed: list[str] = []
+        if exp.is_local:  # what DeepSpeed copied in directly (zero_to_fp32.py), before any rank writes a shard
+            claimed = [str(d / r) for r in manifest.list_files(d)] if rank0 else []
+            barrier()
+        job = async_save.AsyncJob(
+            step=step, name=name, save_id=save_id, rank=self.ctx.rank, world=self.ctx.world_size, exp=exp, folder=d,
+            captured=list(captured), write=compat.checkpoint_writer(engine), rng_state=rng.state(), claimed=claimed,
+            meta=self._meta() if rank0 else None, keep=self.cfg.resilience.keep_checkpoints,
+            timeout_s=self.cfg.resilience.collective_timeout_s, drill=self._drill, poll_s=0.2 if exp.is_local else 1.0)
+        job.stall_s = stall = time.perf_counter() - t0
+        self._overlap = 0
+        self._writer.start(lambda: async_save.run(job))
+        self.stalls.append(stall)
         return stall
+
+    def _choose_mode(self, engine: Any) -> str:
+        if self.mode is None:
+            self.mode = checkpoint_mode(self.cfg.resilience.checkpoint_mode, self.ctx, engine, self.snapshot_plan)
+        return self.mode
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Once per step: the saves finished since the last call ({step, stall_s, write_s, bytes}; a sync save at
+        once, an async one when its background write committed). Counts the steps run meanwhile; raises the error
+        of a failed background write."""
+        if self._writer.running:
+            self._overlap += 1
+        elif self._writer.pending:
+            self._collect()
+        out, self._finished = self._finished, []
+        return out
+
+    def drain(self) -> None:
+        """Wait for the save in flight and tell Ray Train about it. Called at the same step on every rank (the start
+        of a save, a rollback, the end), since Ray's report is a barrier of all workers."""
+        if self._writer.pending:
+            self._collect()
+        if self._unreported is not None:
+            name, self._unreported = self._unreported, None
+            if self.ctx.under_ray:
+                self._report(name)
+
+    def _collect(self) -> None:
+        res = self._writer.wait()  # raises the background write's error
+        if res is None:
+            return
+        self.writes.append(res.write_s)
+        self.last_bytes = res.nbytes
+        self._unreported = res.name
+        self._finished.append({"step": res.step, "stall_s": res.stall_s, "write_s": res.write_s, "bytes": res.nbytes,
+                               "steps_during_write": self._overlap})
+        log_rank(log, "%s committed: training stalled %.2f s, written in the background in %.1f s while %d steps "
+                 "ran, %.2f GB", res.name, res.stall_s, res.write_s, self._overlap, res.nbytes / 1e9)
 
     def _drill(self, step: int, point: str) -> None:
         if self.chaos is not None:
             self.chaos.in_checkpoint(step, point)
 
-    def _report(self, name: str, d: Path) -> None:
+    def _report(self, name: str) -> None:
         """Tell Ray Train about the committed checkpoint (it restarts attempts from the latest it knows)."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
         if self.exp.is_local:
-            ck = Checkpoint.from_directory(str(d))
+            ck = Checkpoint.from_directory(str(self.exp.local / name))
         else:  # a pointer into the store, on the filesystem Ray Train itself uses for the run
             sc = ray.train.get_context().get_storage()
             ck = Checkpoint(path=f"{sc.experiment_fs_path.rstrip('/')}/{name}", filesystem=sc.storage_filesystem)
@@ -236,12 +345,16 @@ class CheckpointManager:
         }
 
     def median_stall(self) -> Optional[float]:
-        return sorted(self.stalls)[len(self.stalls) // 2] if self.stalls else None
+        return _median(self.stalls)
+
+    def median_write(self) -> Optional[float]:
+        return _median(self.writes)
 
     # ------------------------------------------------------------------ rollback
     def rollback(self, engine: Any) -> Optional[str]:
         """Restore the newest verified checkpoint into the engine in place (the watchdog's remedy); its name, or
         None when there is nothing to restore."""
+        self.drain()  # the save in flight commits first: it may be the newest verified one
         chosen = None
         if self.ctx.is_rank0:
             found, _ = manifest.latest_verified(self.ctx.experiment_dir, deep=self.exp.is_local)
@@ -253,3 +366,37 @@ class CheckpointManager:
         engine.load_checkpoint(local, tag=resume.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
         self._release_staged(local)
         return chosen
+
+
+def checkpoint_mode(requested: str, ctx: Any, engine: Any, plan: Optional[dict[str, Any]]) -> str:
+    """sync | async for this attempt, the same on every rank (a collective): the requested mode, unless the engine
+    cannot be captured or the snapshot (the plan's bytes) does not fit the host memory available now on the
+    fullest node; one line says which and why."""
+    if requested == "sync":
+        return "sync"
+    problem = compat.async_checkpoint_problem(engine)
+    seen = gather_objects((ctx.node_id, HOST_FRACTION * host_available_bytes(), problem))
+    problems = [p for _, _, p in seen if p]
+    plan = plan or {}
+    if problems:
+        mode, why = "sync", f"resilience.checkpoint_mode {requested} -> sync: {problems[0]}"
+    else:
+        mode, why = choose_mode(requested, float(plan.get("snapshot_bytes_per_rank", 0)),
+                                float(plan.get("snapshot_bytes_per_node", 0)), min(a for _, a, _ in seen))
+    fallback = mode == "sync" and (requested == "async" or "available" in why or bool(problems))
+    log_rank(log, "checkpoints: %s", why, level=logging.WARNING if fallback else logging.INFO)
+    return mode
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def host_available_bytes() -> float:
+    """Host memory available now on this node (MemAvailable)."""
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().available)
+    except Exception:
+        return 0.0

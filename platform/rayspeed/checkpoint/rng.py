@@ -48,9 +48,10 @@ def set_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(folder: Path, rank: int) -> Path:
+def save(folder: Path, rank: int, s: dict[str, Any] | None = None) -> Path:
+    """This rank's generators (or the state `s` taken earlier: an asynchronous save writes its snapshot's)."""
     path = Path(folder) / file_name(rank)
-    torch.save(state(), path)
+    torch.save(state() if s is None else s, path)
     return path
 
 

@@ -218,6 +218,15 @@ class ResilienceConfig:
     worker_start_timeout_s: float = 30.0
     """How long Ray Train may take to start a worker group before the attempt counts as failed (Ray's
     default, 60 s, is what a restart waits when capacity is gone)."""
+    checkpoint_mode: Literal["auto", "sync", "async"] = "auto"
+    """sync: training waits while every rank writes, fsyncs, hashes (and uploads) its shards. async: training stops
+    only to copy its state into host memory (device -> pinned host copy on GPU, an in-memory copy on CPU); the
+    shards are written, made durable and uploaded in the background while the next steps run, and the manifest
+    commits only when every rank's files are durable and verified (a crash leaves the previous checkpoint or the
+    new one). At most one save is in flight: the next waits for it (the wait counts as stall). The snapshot needs
+    host memory for this rank's checkpoint (`rayspeed plan --explain` shows it): a job whose snapshot would not fit
+    saves synchronously, saying why in one line. auto: async when the snapshot fits and a rank writes at least
+    0.5 GiB (below that a synchronous save is short, and a crash just after it never loses the newest one)."""
 
 
 @dataclass
@@ -279,7 +288,8 @@ class KillAt:
     """Rank whose process dies."""
     step: int = 1
     """Step at which it dies (once per job)."""
-    point: Optional[Literal["before_shards", "between_shards", "before_manifest", "after_manifest"]] = None
+    point: Optional[Literal["before_shards", "between_shards", "after_shards", "before_manifest",
+                            "after_manifest"]] = None
     """Only for chaos.kill_rank_in_checkpoint: where in the save it dies (null: before_manifest, i.e. after its
     shards are durable and before the manifest commits)."""
 
@@ -290,8 +300,9 @@ class ChaosConfig:
     """{rank: 1, step: 12}: that rank's process dies once, at that step."""
     kill_rank_in_checkpoint: Optional[KillAt] = None
     """{rank: 0, step: 10, point: before_manifest}: that rank dies once while writing the checkpoint of that step,
-    at `point` (before_shards | between_shards | before_manifest | after_manifest): the drill for torn
-    checkpoints."""
+    at `point` (before_shards | between_shards | after_shards | before_manifest | after_manifest): the drill for
+    torn checkpoints. With resilience.checkpoint_mode async every point after before_shards is in the background
+    writer, while training goes on."""
     hang_rank_at_step: Optional[KillAt] = None
     """{rank: 1, step: 12}: that rank stops answering once, at that step (the others' collectives must time
     out after resilience.collective_timeout_s and the job restart)."""

@@ -11,6 +11,12 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def barrier() -> None:
+    """Every rank of the default group meets here (a no-op at world size 1)."""
+    if _world() > 1:
+        dist.barrier()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s obj on every rank."""
     if _world() == 1:

@@ -10,6 +10,8 @@ from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.validate import shape_split_problems
 from rayspeed.errors import ConfigError
+from rayspeed.planner.checkpoint_memory import checkpoint_plan
+from rayspeed.planner.checkpoint_memory import explain_lines as checkpoint_explain
 from rayspeed.planner.explain import render
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
@@ -110,6 +112,9 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, prof
     plan = _plan_dict(cfg, ctx, best, rules)
     plan["notes"] = notes
     plan["near_ties"] = near_ties(ranked)
+    # Host memory of an async checkpoint's snapshot, and the checkpoint mode it allows.
+    plan["checkpoint"] = checkpoint_plan(ctx, best.layout, sum(best.memory.values()), r.checkpoint_mode)
+    text += "\n" + "\n".join(checkpoint_explain(plan["checkpoint"])) + "\n"
     return PlanResult(best=plan, alternatives=[e.to_plan() for e in alts], explain=text, rules=rules,
                       layout=best.layout, ctx=ctx)
 

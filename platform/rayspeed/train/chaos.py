@@ -15,8 +15,10 @@ from rayspeed import paths, storage
 log = logging.getLogger("rayspeed.chaos")
 
 # Where a checkpoint save can be interrupted, in order: before any shard, between this rank's DeepSpeed shards and
-# its RNG shard, after every shard is durable but before the manifest, after the manifest committed.
-CHECKPOINT_POINTS = ("before_shards", "between_shards", "before_manifest", "after_manifest")
+# its RNG shard, after this rank's shards are durable (uploaded on an object store), after every rank's shards are
+# durable but before the manifest (a rank other than 0 in an async save: before it reports its part), after the
+# manifest committed. In an async save every point after before_shards is in the background writer.
+CHECKPOINT_POINTS = ("before_shards", "between_shards", "after_shards", "before_manifest", "after_manifest")
 DEFAULT_POINT = "before_manifest"
 
 

@@ -181,6 +181,8 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         "global_batch_size": result.global_batch_size,
         "recovery_s": result.recovery_s,
         "checkpoint_stall_s": result.checkpoint_stall_s,
+        "checkpoint_write_s": result.checkpoint_write_s,
+        "checkpoint_bytes": result.checkpoint_bytes,
         "model_state_bytes": result.model_state_bytes,
         "registered_model_version": result.registered_model_version,
         "layout": result.layout,

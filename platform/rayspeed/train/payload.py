@@ -41,7 +41,8 @@ class RunResult:
     checkpoint_stall_s: Optional[float] = None
     """Median time training was blocked by a checkpoint save."""
     checkpoint_write_s: Optional[float] = None
-    """Median time a save took end to end (background part included)."""
+    """Median time a save's write took: an async save's background part (snapshot written, durable, committed),
+    a sync save's whole stall."""
     checkpoint_bytes: Optional[int] = None
     """Bytes of the newest checkpoint, every rank's files together."""
     model_state_bytes: Optional[dict[str, int]] = None

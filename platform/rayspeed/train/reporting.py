@@ -313,14 +313,29 @@ class Reporter:
         log_rank(log, "step %d val loss %.4f", step, val_loss)
         self.window.pause_excluded()
 
+    def before_checkpoint(self) -> None:
+        """Every step up to a checkpoint reaches MLflow before the checkpoint can commit (an async one commits in
+        the background): a crash just after it loses no step that a resume from it would not re-run."""
+        self.tracker.flush(5.0)
+
     def log_checkpoint(self, step: int, stall: float) -> None:
+        """A save returned: `stall` is how long training was blocked (an async save's background write is logged
+        by log_checkpoints_written when it commits)."""
         self.checkpoints += 1
         if step > self.logged_until:
-            self.tracker.log_metrics({"perf/checkpoint_stall_s": stall}, step=step)
+            self.tracker.log_metrics({"checkpoint/stall_s": stall, "perf/checkpoint_stall_s": stall}, step=step)
         n = self.cfg.tracking.charts_every_checkpoints
         if self.charts is not None and n and self.checkpoints % n == 0 and step != self.cfg.train.max_steps:
             self.charts.publish()  # renders off the training thread
         self.window.pause_excluded()
+
+    def log_checkpoints_written(self, records: list[dict[str, Any]]) -> None:
+        """Saves that committed (CheckpointManager.poll): their write time (for an async save, the background part)
+        and bytes, at the step of each save."""
+        for r in records:
+            if r["step"] > self.logged_until:
+                self.tracker.log_metrics({"checkpoint/write_s": r["write_s"], "checkpoint/bytes": r["bytes"]},
+                                         step=r["step"])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.tracker.set_tags(tags)

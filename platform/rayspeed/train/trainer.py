@@ -39,7 +39,8 @@ class Trainer:
         self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp)
         self.chaos = ChaosDrills(c.chaos, ctx.rank, ctx.experiment_dir)
         self.checkpointer = CheckpointManager(c, ctx, chosen, meta, payload.mlflow_run_id, self.chaos,
-                                              identity=run_identity(parse(payload.job)))
+                                              identity=run_identity(parse(payload.job)),
+                                              snapshot_plan=plan.best.get("checkpoint"))
         self.reporter = Reporter(c, plan, ctx, payload, self.groups, self.device, attempt_started)
         from rayspeed.health.watchdog import Watchdog
 
@@ -183,8 +184,12 @@ class Trainer:
                 val_loss = self.validator.run(self.engine)
                 self.reporter.log_validation(done, val_loss)
             if self.checkpointer.should_save(done):
+                self.reporter.before_checkpoint()
                 stall = self.checkpointer.save(done, self.engine, self.client_state(done))
                 self.reporter.log_checkpoint(done, stall)
+            self.reporter.log_checkpoints_written(self.checkpointer.poll())  # async: when the background commits
+        self.checkpointer.drain()  # the last save commits before the outputs
+        self.reporter.log_checkpoints_written(self.checkpointer.poll())
         return self.finish(val_loss)
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
@@ -240,7 +245,8 @@ class Trainer:
             status="finished", steps=c.train.max_steps, final_loss=last_loss, val_loss=val_loss,
             restarts=self.reporter.restarts, world_size=self.ctx.world_size,
             global_batch_size=c.train.global_batch_size, recovery_s=self.reporter.recovery_s,
-            checkpoint_stall_s=self.checkpointer.median_stall(), model_state_bytes=self.reporter.model_state_bytes,
+            checkpoint_stall_s=self.checkpointer.median_stall(), checkpoint_write_s=self.checkpointer.median_write(),
+            checkpoint_bytes=self.checkpointer.last_bytes, model_state_bytes=self.reporter.model_state_bytes,
             layout=Layout.from_parallel(c.parallel).record(), registered_model_version=version)
         self.reporter.close("finished")
         if self.ctx.is_rank0:
