@@ -246,8 +246,9 @@ def build_token_file(source: str = "python-stdlib", path: Optional[Union[str, os
     that ids fit its vocab (None skips that). executor: where shards are tokenized (inline | pool | ray, see
     rayspeed.data.tokenization). Safe to call from several processes at once.
     """
-    if spec is not None:
+    if spec is not None:  # the spec names the tokenizer; a tokenizer object passed alongside is that one, loaded
         source, path = spec.source, list(spec.path) or None
+        tokenizer = spec.tokenizer if isinstance(tokenizer, str) else tokenizer
     if source not in SOURCES:
         raise ConfigError(f"data.source: {source!r} is not one of {', '.join(SOURCES[:4])}")
     paths = [os.fspath(p) for p in ([path] if isinstance(path, (str, os.PathLike)) else (path or []))]

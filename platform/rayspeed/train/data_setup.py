@@ -95,7 +95,19 @@ def prepare(cfg: JobConfig, storage: str, launcher: str) -> Corpus:
     """The launcher's step: tokenize on the cluster (Ray Data) or in a local process pool, check, log."""
     executor = "pool" if launcher == "local" or paths.is_uri(storage) else "ray"
     corpus = load_corpus(cfg, storage, executor)
-    log.info("data: %s", corpus)
+    train, val = splits(corpus, cfg)
+    s, g = cfg.model.seq_len, cfg.train.global_batch_size
+    key = "data.val_split" if corpus.val is not None else "data.val_fraction"
+    if val.num_sequences(s) < g:  # validation reads whole global batches
+        raise ConfigError(f"{key}: the validation data holds {val.num_sequences(s)} sequences of {s} tokens, fewer "
+                          f"than one global batch ({g}); raise {key} (or lower train.global_batch_size)")
+    if cfg.data.format == "chat" or cfg.data.document_masking:
+        counts = train.label_counts(s, cfg.data.document_masking)
+        if counts is not None and not counts.any():
+            raise ConfigError(f"data: no label of {corpus.train.source} counts towards the loss (no assistant "
+                              "tokens after packing)")
+    log.info("data: %s; %d training and %d validation sequences of %d tokens", corpus, train.num_sequences(s),
+             val.num_sequences(s), s)
     return corpus
 
 
