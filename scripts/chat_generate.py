@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="models:/<name>/<version|latest> or a Hugging Face model directory")
     ap.add_argument("question")
-    ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / MLFLOW_DB}")
+    default_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / MLFLOW_DB}"
+    ap.add_argument("--tracking-uri", default=default_uri)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rayspeed-chat-") as tmp:

@@ -72,8 +72,8 @@ def test_a_record_without_an_assistant_turn_is_named(tok_dirs, tmp_path):
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tok_dirs, tmp_path):
     tok = load_tokenizer(tok_dirs["plain"])
-    tok.hf.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['role'] }}: {{ m['content'] }}"
-                            "\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.hf.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['role'] }}: "
+                            "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(ConfigError, match="generation"):
         ChatRenderer(tok).render(CONVO, "r")
 

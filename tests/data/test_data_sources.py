@@ -95,7 +95,7 @@ def test_text_jsonl_parquet_and_saved_dataset_give_the_same_stream(tok_json, tmp
 
 
 @pytest.mark.parametrize("lines, needle", [
-    ([{"text": "ok"}, {"text": "fine"}, {"title": "no text here"}], r"data.text_field: .*bad.jsonl:3 has no field 'text'"),
+    ([{"text": "ok"}, {"text": "fine"}, {"title": "none"}], r"data.text_field: .*bad.jsonl:3 has no field 'text'"),
     ([{"text": "ok"}, "{not json", {"text": "x"}], r"data.path: .*bad.jsonl:2 is not valid JSON"),
     ([{"text": "ok"}, {"text": 7}], r"bad.jsonl:2 has a non-text field 'text'"),
     ([], r"holds no records \(an empty dataset\)"),

@@ -164,7 +164,8 @@ def data_problems(cfg: JobConfig) -> list[str]:
     d, p = cfg.data, []
     paths = [d.path] if isinstance(d.path, str) else list(d.path or [])
     if d.source in ("files", "tokens") and not paths:
-        kinds = "text, JSONL or Parquet files, a save_to_disk folder or a .bin" if d.source == "files" else ".rstok shards"
+        kinds = ("text, JSONL or Parquet files, a save_to_disk folder or a .bin" if d.source == "files"
+                 else ".rstok token shards")
         p.append(f"data.path: required with data.source: {d.source} (paths or globs of {kinds})")
     if d.source in ("python-stdlib", "hf") and paths:
         p.append(f"data.path is set but data.source is {d.source}: set data.source: files (or tokens) to use it")

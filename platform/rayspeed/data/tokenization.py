@@ -110,7 +110,8 @@ class Progress:
         dt = max(1e-6, time.monotonic() - self.t0)
         if self.total_bytes:
             frac = self.bytes / self.total_bytes
-            rate = f"{self.bytes / dt / 1e6:.2f} MB/s" if self.bytes / dt >= 1e5 else f"{self.bytes / dt / 1e3:.1f} kB/s"
+            bps = self.bytes / dt
+            rate = f"{bps / 1e6:.2f} MB/s" if bps >= 1e5 else f"{bps / 1e3:.1f} kB/s"
         else:
             frac, rate = self.units / max(1, self.total_units), f"{self.units / dt:.2f} units/s"
         eta = f"ETA {dt * (1 - frac) / frac:.0f} s" if 0 < frac < 1 else ("done" if frac >= 1 else "ETA unknown")

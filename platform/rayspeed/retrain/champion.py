@@ -44,8 +44,8 @@ def version_of_run(uri: str, name: str, run_id: str) -> Optional[str]:
 
 
 def token_file(cfg: Any, storage: str) -> Any:
-    """The job's corpus (rayspeed.train.data_setup.Corpus: content_hash, and the source's own validation split), tokenized
-    into the same cache the workers use (a local process pool) when it is not there yet."""
+    """The job's corpus (rayspeed.train.data_setup.Corpus: content_hash, and the source's own validation split),
+    tokenized into the same cache the workers use (a local process pool) when it is not there yet."""
     from rayspeed.train.data_setup import load_corpus
 
     return load_corpus(cfg, storage, executor="pool")

@@ -15,12 +15,12 @@ from rayspeed.checkpoint import manifest, rng
 from rayspeed.checkpoint.manager import CheckpointManager
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import parse
-from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.config.schema import JobConfig
+from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.logs import log_rank
 from rayspeed.parallel.groups import ParallelGroups
 from rayspeed.parallel.objects import gather_objects
 from rayspeed.train.chaos import ChaosDrills
-from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.train.evaluation import Validator, stage_inputs
 from rayspeed.train.payload import LaunchPayload, RunResult
 from rayspeed.train.reporting import Reporter
