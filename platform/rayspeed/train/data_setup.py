@@ -130,11 +130,12 @@ def dataset_inputs(corpus: Corpus, cfg: JobConfig) -> list[dict[str, Any]]:
     out = []
     for context, split, tf in (("training", train, corpus.train), ("validation", val, corpus.val or corpus.train)):
         docs = tf.num_documents
-        if tf.doc_starts is not None and split.num_tokens != tf.num_tokens:  # a tail of the stream
+        if tf.doc_starts is not None and split.num_tokens != tf.num_tokens and split.num_tokens:
             import numpy as np
 
-            ds = tf.doc_starts
-            docs = int(np.count_nonzero((ds >= split.start) & (ds < split.stop)))
+            # Documents with tokens in the split (one cut by the train/val boundary counts in both).
+            first, last = np.searchsorted(tf.doc_starts, [split.start, split.stop - 1], side="right") - 1
+            docs = int(last - first + 1)
         out.append({"context": context, "name": f"{cfg.name}-{context}", "source_type": d.source,
                     "source": source, "split": d.split if context == "training" or not d.val_split else d.val_split,
                     "digest": tf.content_hash[:32], "num_documents": docs, "num_tokens": split.num_tokens,
