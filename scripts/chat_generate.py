@@ -18,15 +18,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def model_dirs(ref: str, tracking_uri: str, dst: str) -> tuple[str, str]:
-    """(model directory, tokenizer directory): MLflow's transformers flavor keeps the tokenizer beside the model,
-    under components/tokenizer."""
+    """(model directory, tokenizer directory) of a registered version (models:/<name>/<version|latest>) or a
+    directory. MLflow's transformers flavor keeps the tokenizer beside the model, under components/tokenizer. The
+    store is read through its own client: no process-wide MLflow setting is changed."""
     if not ref.startswith("models:/"):
         return ref, ref
     import mlflow
+    from mlflow import MlflowClient
 
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
-    local = mlflow.artifacts.download_artifacts(ref, dst_path=dst)
+    name, _, version = ref[len("models:/"):].partition("/")
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    if version in ("", "latest"):
+        version = str(max(int(v.version) for v in client.search_model_versions(f"name = '{name}'")))
+    source = client.get_model_version(name, version).source
+    if source.startswith("models:/m-"):  # an MLflow 3 logged model
+        source = client.get_logged_model(source[len("models:/"):]).artifact_location
+    local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dst)
     tok = os.path.join(local, "components", "tokenizer")
     return os.path.join(local, "model"), tok if os.path.isdir(tok) else os.path.join(local, "model")
 

@@ -60,7 +60,7 @@ def test_chat_finetune_example_end_to_end(ray_head, example, tmp_path):
                                     "--set", "train.eval_every_steps=0"], ray_head.address, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert summary["status"] == "finished" and summary["world_size"] == 2 and summary["launcher"] == "ray"
-    assert "tokenized files:" in r.stderr and "(ray)" in r.stderr.split("tokenized files:")[1].splitlines()[0]
+    assert "tokenized files:" in r.stderr and ", ray)" in r.stderr.split("tokenized files:")[1].splitlines()[0]
     losses = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
     (s0, first), (s1, last) = losses[0], losses[-1]
     print(f"\nassistant-token loss: step {s0} {first:.4f} -> step {s1} {last:.4f}; val {summary['val_loss']:.4f}")
@@ -79,5 +79,8 @@ def test_chat_finetune_example_end_to_end(ray_head, example, tmp_path):
                                                   str(tmp_path / "dl"))
     question = "What is the capital of Japan?"
     answer = chat_generate.answer(model_dir, question, 24, tok_dir)
+    import mlflow
+
+    assert mlflow.get_tracking_uri() != uri  # nothing process-wide was changed for the tests that follow
     print(f"registered version {summary['registered_model_version']}: Q: {question} A: {answer}")
     assert answer and "<|" not in answer and len(answer.split()) >= 3
