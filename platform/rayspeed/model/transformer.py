@@ -147,8 +147,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, **causal)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        # The flash kernel indexes the shared kv heads itself: no expanded copy of k and v.
+    if mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # The flash kernel indexes the shared kv heads itself: no expanded copy of k and v. (With a document mask
+        # flash does not apply; the memory-efficient kernel takes the mask but not enable_gqa: k/v are expanded.)
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **causal)
     # Elsewhere (fp32, CPU) no fused kernel broadcasts kv heads and enable_gqa would silently
     # fall back to the unfused math kernel; expanding k/v keeps a fused one.
