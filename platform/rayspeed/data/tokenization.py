@@ -161,7 +161,8 @@ def run_pool(units: list[Unit], spec: DataSpec, out_dir: str, on_done: Callable[
 
 def _ray_batch(batch: dict[str, np.ndarray], spec_json: str, out_dir: str) -> dict[str, np.ndarray]:
     """map_batches body: each row is one unit (as JSON); returns one row per unit with its shard entry as JSON."""
-    spec = DataSpec(**json.loads(spec_json))
+    fields = json.loads(spec_json)
+    spec = DataSpec(**{**fields, "path": tuple(fields["path"])})
     out = []
     for raw in batch["unit"]:
         u = json.loads(str(raw))
