@@ -60,18 +60,45 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["python-stdlib", "files"] = "python-stdlib"
-    """python-stdlib: the .py files of the running Python's standard library (built-in demo corpus);
-    files: the text files matched by `path` (a glob), or a pre-tokenized token file when `path` ends in .bin."""
-    path: Optional[str] = None
-    """Glob of text files, or a pre-tokenized .bin file (uint16 tokens; a `<file>.json` sidecar may say
-    {"dtype": "uint32"}). Only with source: files."""
+    source: Literal["python-stdlib", "files", "hf", "tokens"] = "python-stdlib"
+    """python-stdlib: the .py files of the running Python's standard library (built-in demo corpus); files: the
+    files of `path` (text, JSONL, Parquet, a save_to_disk folder; a .bin is a raw pre-tokenized token file); hf: the
+    Hugging Face dataset `dataset`; tokens: token shards already in rayspeed's format (README 'Token shards')."""
+    path: Union[str, list[str], None] = None
+    """One or more paths or globs (`**` allowed). source files: .txt (or any other text file: one document each),
+    .jsonl and .parquet (one document per record), a folder written by datasets' save_to_disk, or a raw .bin token
+    file (uint16; a `<file>.json` sidecar may say {"dtype": "uint32"}; a glob of .bin files is read as tokens, never
+    as text). source tokens: .rstok token shards."""
+    text_field: str = "text"
+    """The field of a JSONL/Parquet/dataset record that holds the document (data.format: text)."""
+    dataset: Optional[str] = None
+    """source hf: a Hugging Face dataset, a hub name (org/name, read through the datasets library and its cache,
+    HF_TOKEN for gated ones) or a local dataset folder."""
+    split: str = "train"
+    """The split trained on (source hf, or a save_to_disk folder holding several splits)."""
+    val_split: Optional[str] = None
+    """The source's own validation split (e.g. validation); null: the tail val_fraction of the training data."""
+    streaming: bool = False
+    """source hf: stream the dataset while tokenizing (nothing is downloaded to disk first: for corpora larger than
+    memory or disk); only the token shards are stored."""
+    hf_cache_dir: Optional[str] = None
+    """Where the datasets library downloads and prepares hf datasets (null: its default, ~/.cache/huggingface).
+    On several nodes, a folder every node sees."""
+    format: Literal["text", "chat"] = "text"
+    """text: documents of text; chat: records with `messages` ([{role, content}, ...]) rendered with the
+    tokenizer's chat template, the loss computed on the assistant turns only."""
     tokenizer: str = "bytes"
-    """bytes (vocab 256) or the path of a Hugging Face tokenizer.json."""
+    """bytes (vocab 256), model (the tokenizer saved with model.pretrained), or the path of a Hugging Face
+    tokenizer.json or of a tokenizer directory saved by transformers (with its chat template). BOS/EOS as the
+    tokenizer defines them; ids stored as uint16 when they fit, else uint32."""
+    document_masking: bool = False
+    """Documents are packed into sequences, separated by EOS; true: attention never crosses a document boundary
+    (positions restart at each document) and the first token of a document is not predicted from the previous
+    one."""
     val_fraction: float = 0.01
-    """Fraction of the token stream (its tail) held out for validation."""
+    """Fraction of the token stream (its tail) held out for validation (when there is no val_split)."""
     cache_dir: str = AUTO
-    """Where tokenized corpora are cached. auto: <storage.path>/.cache/data."""
+    """Where tokenized corpora (token shards) are cached. auto: <storage.path>/.cache/data."""
 
 
 @dataclass

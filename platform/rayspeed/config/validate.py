@@ -68,12 +68,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
         p.append(f"model.vocab_size ({m.vocab_size}) must be >= 256 with data.tokenizer: bytes")
-    if cfg.data.source == "files" and not cfg.data.path:
-        p.append("data.path: required with data.source: files (a glob of text files or a .bin token file)")
-    if cfg.data.source == "python-stdlib" and cfg.data.path:
-        p.append("data.path is set but data.source is python-stdlib: set data.source: files to use it")
-    if not 0.0 < cfg.data.val_fraction < 0.5:
-        p.append(f"data.val_fraction: must be in (0, 0.5), got {cfg.data.val_fraction}")
+    p += data_problems(cfg)
     if t.global_batch_size < 1:
         p.append(f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
     if t.max_steps < 1:
@@ -170,6 +165,43 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         if k is not None and k.point is not None and key != "kill_rank_in_checkpoint":
             p.append(f"chaos.{key}.point: only chaos.kill_rank_in_checkpoint has a point (where in the save)")
     return p + health_problems(cfg, lint_cluster_env)
+
+
+def data_problems(cfg: JobConfig) -> list[str]:
+    """The data section: each source with the keys it needs, the chat format with a tokenizer that has a template."""
+    d, p = cfg.data, []
+    paths = [d.path] if isinstance(d.path, str) else list(d.path or [])
+    if d.source in ("files", "tokens") and not paths:
+        kinds = ("text, JSONL or Parquet files, a save_to_disk folder or a .bin" if d.source == "files"
+                 else ".rstok token shards")
+        p.append(f"data.path: required with data.source: {d.source} (paths or globs of {kinds})")
+    if d.source in ("python-stdlib", "hf") and paths:
+        p.append(f"data.path is set but data.source is {d.source}: set data.source: files (or tokens) to use it")
+    if d.source == "hf" and not d.dataset:
+        p.append("data.dataset: required with data.source: hf (a hub name such as org/name, or a local dataset folder)")
+    if d.source != "hf" and (d.dataset or d.streaming):
+        p.append(f"data.{'dataset' if d.dataset else 'streaming'} is set but data.source is {d.source}: it is read "
+                 "only with data.source: hf")
+    if not d.text_field:
+        p.append("data.text_field: must name a field of the records (default text)")
+    if d.format == "chat" and d.source == "python-stdlib":
+        p.append("data.format: chat needs records with messages; use data.source: files (JSONL/Parquet) or hf")
+    if d.format == "chat" and d.tokenizer == "bytes":
+        p.append("data.format: chat needs a tokenizer with a chat template; set data.tokenizer: model (the tokenizer "
+                 "of model.pretrained) or the path of a transformers tokenizer directory")
+    if d.tokenizer == "model" and not cfg.model.pretrained:
+        p.append("data.tokenizer: model means the tokenizer of model.pretrained, which is not set; set "
+                 "model.pretrained or give the tokenizer's path")
+    if d.val_split is not None and d.source not in ("hf", "files"):
+        p.append(f"data.val_split: data.source {d.source} has no splits; leave it null (val_fraction is used)")
+    if d.val_split is not None and d.val_split == d.split:
+        p.append(f"data.val_split: {d.val_split!r} is also data.split; validation must be held out")
+    if d.document_masking and any(x.endswith(".bin") for x in paths):
+        p.append("data.document_masking: raw .bin token files record no document boundaries; write token shards "
+                 "(data.source: tokens) or tokenize text")
+    if d.val_split is None and not 0.0 < d.val_fraction < 0.5:
+        p.append(f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
+    return p
 
 
 def _known_scheme(scheme: str) -> bool:

@@ -1,6 +1,8 @@
-"""Data pipeline: tokenizers, cached token files, layout-independent global batches.
+"""Data pipeline: tokenizers, sources, token shards tokenized once into the cache (Ray Data, a process pool or
+inline), chat rendering with loss masks, layout-independent global batches.
 
     tf = build_token_file("python-stdlib", None, "bytes", cache_dir)
+    tf = build_token_file(spec=DataSpec(source="files", path=("c/*.jsonl",), tokenizer="tok/"), cache_dir=cache_dir)
     train, val = tf.split(val_fraction, seq_len)
     schedule = GlobalBatchSchedule(train.num_sequences(seq_len), global_batch_size, seed)
     for step, micro_batches in RankBatches(train, seq_len, schedule, rank, dp, b, accum): ...
@@ -16,9 +18,16 @@ from rayspeed.data.corpus import (
     stdlib_files,
     token_dtype,
 )
-from rayspeed.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerDependencyError, load_tokenizer
+from rayspeed.data.records import DataSpec
+from rayspeed.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    TokenizerDependencyError,
+    TransformersTokenizer,
+    load_tokenizer,
+)
 
-_BATCHES = ("GlobalBatchSchedule", "RankBatches", "make_schedule", "val_batches")
+_BATCHES = ("GlobalBatchSchedule", "RankBatches", "make_schedule", "val_batches", "make_batch")
 
 
 def __getattr__(name: str):
@@ -31,7 +40,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ByteTokenizer", "HFTokenizer", "TokenizerDependencyError", "load_tokenizer",
+    "ByteTokenizer", "HFTokenizer", "TransformersTokenizer", "TokenizerDependencyError", "load_tokenizer", "DataSpec",
     "TokenFile", "TokenSplit", "build_token_file", "split_train_val", "stdlib_files", "bin_dtype",
     "token_dtype", "default_cache_dir", *_BATCHES,
 ]

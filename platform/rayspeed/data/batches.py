@@ -8,6 +8,11 @@ accumulation, so every layout with the same G trains on the same batches in the 
 
 Rank r's micro-batch k (of grad_accum) holds positions (k*dp + r)*b .. (k*dp + r)*b + b-1; over all
 ranks and micro-steps that is exactly positions 0..G-1, each once.
+
+A micro-batch is (input_ids, labels) or, with document masking, (input_ids, labels, segment_ids). Labels the loss
+must not count (chat: non-assistant tokens; document masking: the first token of a document) are -100. The loss of
+a step is then the mean over the counted labels of its whole global batch: `RankBatches.step_tokens(step)` is that
+count, the same on every rank and for every layout (computed from the data, no communication).
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from rayspeed.data.corpus import TokenSplit
+from rayspeed.data.token_split import IGNORE_INDEX, TokenSplit
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
+MicroBatch = tuple[torch.Tensor, ...]
 
 
 class GlobalBatchSchedule:
@@ -98,6 +103,21 @@ def _to_tensors(windows: np.ndarray) -> MicroBatch:
     return x, y
 
 
+def make_batch(split: TokenSplit, seq_indices: np.ndarray, seq_len: int, document_masking: bool = False) -> MicroBatch:
+    """(input_ids, labels[, segment_ids]) of the given windows, labels the loss ignores set to -100."""
+    windows = split.windows(seq_indices, seq_len)
+    if split.mask is None and not document_masking:
+        return _to_tensors(windows)
+    labels = windows[:, 1:].copy()
+    counted = split.labels_counted(seq_indices, seq_len, document_masking)
+    labels[~counted] = IGNORE_INDEX
+    out: MicroBatch = (torch.from_numpy(np.ascontiguousarray(windows[:, :-1])), torch.from_numpy(labels))
+    if document_masking:
+        seg = split.segments(seq_indices, seq_len)[:, :-1]
+        out = (*out, torch.from_numpy(np.ascontiguousarray(seg)))
+    return out
+
+
 class RankBatches:
     """One data-parallel rank's micro-batches, step by step; iterable from any start step.
 
@@ -107,7 +127,10 @@ class RankBatches:
     """
 
     def __init__(self, split: TokenSplit, seq_len: int, schedule: GlobalBatchSchedule, dp_rank: int,
-                 dp_size: int, micro_batch_size: int, grad_accum: int, start_step: int = 0):
+                 dp_size: int, micro_batch_size: int, grad_accum: int, start_step: int = 0,
+                 document_masking: bool = False, label_counts: Optional[np.ndarray] = None):
+        """document_masking: micro-batches carry segment ids and ignore cross-document labels. label_counts: the
+        counted labels of every sequence (split.label_counts; computed here when not given)."""
         if min(dp_size, micro_batch_size, grad_accum) < 1:
             raise ValueError(f"dp_size, micro_batch_size and grad_accum must be >= 1, got "
                              f"{dp_size}, {micro_batch_size}, {grad_accum}")
@@ -125,6 +148,20 @@ class RankBatches:
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.micro_batch_size, self.grad_accum = int(micro_batch_size), int(grad_accum)
         self.step = int(start_step)
+        self.document_masking = bool(document_masking)
+        self.label_counts = (label_counts if label_counts is not None
+                             else split.label_counts(seq_len, self.document_masking))
+
+    @property
+    def weighted(self) -> bool:
+        """Whether some labels are ignored, so micro-batches count different numbers of tokens."""
+        return self.label_counts is not None
+
+    def step_tokens(self, step: int) -> int:
+        """Labels the loss counts in step's whole global batch (every rank, every micro-batch)."""
+        if self.label_counts is None:
+            return self.schedule.global_batch_size * self.seq_len
+        return int(self.label_counts[self.schedule.indices(step)].sum())
 
     def positions(self, micro_step: int) -> np.ndarray:
         """Global-batch positions held by this rank's micro-batch `micro_step`."""
@@ -139,7 +176,7 @@ class RankBatches:
 
     def get(self, step: int) -> list[MicroBatch]:
         """The grad_accum micro-batches of `step` for this rank (reads only this rank's windows)."""
-        return [_to_tensors(self.split.windows(idx, self.seq_len)) for idx in self.sequence_indices(step)]
+        return [make_batch(self.split, idx, self.seq_len, self.document_masking) for idx in self.sequence_indices(step)]
 
     def __iter__(self) -> "RankBatches":
         return self
@@ -196,7 +233,7 @@ class RankBatches:
 
 
 def val_batches(split: TokenSplit, seq_len: int, batch_size: int, num_batches: int, dp_rank: int,
-                dp_size: int) -> list[MicroBatch]:
+                dp_size: int, document_masking: bool = False) -> list[MicroBatch]:
     """This rank's validation micro-batches: batch j uses windows j*B + r*b .. +b-1 of the val split
     (b = batch_size per rank, B = b * dp_size), the first num_batches*B windows in all. num_batches is
     capped by the windows available. Same b*dp_size and num_batches => same validation set."""
@@ -213,5 +250,5 @@ def val_batches(split: TokenSplit, seq_len: int, batch_size: int, num_batches: i
     out = []
     for j in range(min(num_batches, available)):
         first = j * B + dp_rank * batch_size
-        out.append(_to_tensors(split.windows(np.arange(first, first + batch_size), seq_len)))
+        out.append(make_batch(split, np.arange(first, first + batch_size), seq_len, document_masking))
     return out

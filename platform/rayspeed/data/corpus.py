@@ -1,46 +1,47 @@
-"""Corpora tokenized once into a cached, memory-mapped token file, and their train/val split.
+"""Corpora tokenized once into the cache, memory-mapped, and their train/val split.
 
-Sources:
-  python-stdlib  the .py files of the running Python's standard library (no site-packages, no
-                 test folders: ~12 MB of text, built in about a second). The demo corpus.
-  files          the text files matched by `path` (a glob, `**` allowed).
-  .bin           `path` ends in .bin (source "files" or "bin"): a pre-tokenized token file.
+Sources (data.source):
+  python-stdlib  the .py files of the running Python's standard library (no site-packages, no test folders:
+                 ~12 MB of text, built in about a second). The demo corpus; one cached file (below).
+  files          data.path: paths or globs of text files (one document each), .jsonl and .parquet files (one
+                 document per record: data.text_field, or `messages` with data.format: chat) and folders saved by
+                 datasets' save_to_disk; tokenized into token shards (rayspeed.data.tokenization). A .bin (or a glob
+                 of .bin files) is a raw pre-tokenized token file (rayspeed.data.raw_bins), never text.
+  hf             data.dataset: a Hugging Face dataset (hub name or local dataset folder), data.split; tokenized into
+                 token shards like files.
+  tokens         data.path: token shards already written in rayspeed's format (rayspeed.data.shards), used in place.
 
-Token files (cached or .bin) are raw little-endian integers with no header: uint16 unless a
-sidecar `<file>.bin.json` (or `<file>.json`) says {"dtype": "uint32"}. The builder writes uint16
-when the vocabulary fits (<= 65536 ids), else uint32. Documents are separated by the tokenizer's
-eos_id (byte 0 for the byte tokenizer), also after the last one.
-
-Cache: <cache_dir>/tokens-<key>.bin + .json (meta), key = hash of (format version, source, sorted
-file list with sizes and mtimes, tokenizer fingerprint). Several processes on one machine may call
-build_token_file at once: an fcntl lock lets one build while the others wait, then reuse; files are
-written to a temp name in the same folder and os.replace'd, and the meta file, written last, is the
-commit marker. (flock is per machine: on a shared filesystem each node builds under its own lock,
-which is still safe because of the atomic rename, just redundant.)
+The stdlib corpus is one raw file: <cache_dir>/tokens-<key>.bin + .json (meta), key = hash of (format version,
+source, sorted file list with sizes and mtimes, tokenizer fingerprint), uint16 when the vocabulary fits, documents
+separated by the tokenizer's eos_id (byte 0 for the byte tokenizer), also after the last one. Several processes
+may build at once: one builds under a lock, the others wait and reuse (rayspeed.data.cache).
 """
 
 from __future__ import annotations
 
-import fcntl
 import glob as _glob
 import hashlib
-import json
 import os
-import secrets
 import sysconfig
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
+from rayspeed.data.cache import FORMAT_VERSION, atomic_write_json, cache_key, cached, tmp_name
+from rayspeed.data.raw_bins import bin_dtype, check_fits, concatenated_bins, single_bin
+from rayspeed.data.records import TOKEN_SUFFIXES, DataSpec, expand
+from rayspeed.data.shards import ShardSet, read_header
+from rayspeed.data.token_split import TokenSplit, split_train_val
 from rayspeed.data.tokenizer import encode_array, load_tokenizer
 from rayspeed.errors import ConfigError
 
-FORMAT_VERSION = "rayspeed-tokens-v1"
-SOURCES = ("python-stdlib", "files", "bin")
+SOURCES = ("python-stdlib", "files", "hf", "tokens", "bin")
 # Folders left out of the stdlib corpus: installed packages, bytecode, and the (large) test suites.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-_HASH_CHUNK = 1 << 22  # tokens per chunk when hashing a .bin file
+_SCAN_CHUNK = 1 << 22
+
+__all__ = ["TokenFile", "TokenSplit", "build_token_file", "split_train_val", "bin_dtype", "token_dtype",
+           "default_cache_dir", "stdlib_files", "FORMAT_VERSION"]
 
 
 def default_cache_dir() -> str:
@@ -56,79 +57,20 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise ConfigError(f"data.tokenizer: vocab_size {vocab_size} does not fit in uint32")
 
 
-def _open_memmap(path: str, dtype: Any, num_tokens: int) -> np.memmap:
-    return np.memmap(path, dtype=np.dtype(dtype), mode="r", shape=(num_tokens,))
-
-
-class TokenSplit:
-    """A contiguous range [start, stop) of a token stream, cut into windows of seq_len+1 tokens.
-
-    `tokens` is any 1-D indexable (normally the TokenFile memmap); windows are read one contiguous
-    slice at a time, so only the requested windows are ever touched.
-    """
-
-    def __init__(self, tokens: Any, start: int = 0, stop: Optional[int] = None, name: str = "train",
-                 content_hash: Optional[str] = None):
-        total = len(tokens)
-        stop = total if stop is None else stop
-        if not 0 <= start <= stop <= total:
-            raise ValueError(f"bad split range [{start}, {stop}) of {total} tokens")
-        self.tokens = tokens
-        self.start, self.stop = int(start), int(stop)
-        self.name = name
-        self.content_hash = content_hash
-
-    @property
-    def num_tokens(self) -> int:
-        return self.stop - self.start
-
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    def num_sequences(self, seq_len: int) -> int:
-        """Non-overlapping windows of seq_len+1 tokens (the tail that does not fill one is unused)."""
-        return self.num_tokens // (seq_len + 1)
-
-    def windows(self, seq_indices: Sequence[int], seq_len: int) -> np.ndarray:
-        """int64 array [len(seq_indices), seq_len+1]: window j = tokens[j*(seq_len+1) : (j+1)*(seq_len+1)]."""
-        idx = np.asarray(seq_indices, dtype=np.int64).reshape(-1)
-        n, w = self.num_sequences(seq_len), seq_len + 1
-        out = np.empty((idx.size, w), dtype=np.int64)
-        for row, j in enumerate(idx.tolist()):
-            if not 0 <= j < n:
-                raise IndexError(f"sequence {j} out of range: {self.name} split has {n} of length {seq_len}")
-            a = self.start + j * w
-            out[row] = np.asarray(self.tokens[a:a + w])
-        return out
-
-    # A memmap pickles as its full contents; ship the file name instead (Ray workers, spawn).
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        t = self.tokens
-        if isinstance(t, np.memmap) and getattr(t, "filename", None) and t.offset == 0:
-            state["tokens"] = ("__memmap__", os.fspath(t.filename), t.dtype.str, len(t))
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        t = state["tokens"]
-        if isinstance(t, tuple) and t and t[0] == "__memmap__":
-            state["tokens"] = _open_memmap(t[1], t[2], t[3])
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        return f"TokenSplit({self.name}, tokens [{self.start}, {self.stop}))"
-
-
 class TokenFile:
-    """A read-only memory-mapped token stream plus what identifies it.
+    """A read-only token stream plus what identifies it: one memory-mapped file (`path`), or token shards
+    (`shards`, a ShardSet; `path` is then their folder).
 
     built: whether this call tokenized (or, for .bin, hashed) it rather than reusing the cache.
     content_hash: sha256 of the stored token bytes; a change means "the data changed".
+    mask: the loss mask (chat), or None. doc_starts: where documents start (from the shards, or from the
+    separators a tokenizer wrote: eos_id), or None when unknown.
     """
 
     def __init__(self, path: str, dtype: Any, num_tokens: int, content_hash: str, source: str,
                  vocab_size: Optional[int] = None, max_token_id: Optional[int] = None,
-                 num_documents: Optional[int] = None, built: bool = False, cache_key: Optional[str] = None):
+                 num_documents: Optional[int] = None, built: bool = False, cache_key: Optional[str] = None,
+                 shards: Optional[ShardSet] = None, eos_id: Optional[int] = None):
         self.path = path
         self.dtype = np.dtype(dtype)
         self.num_tokens = int(num_tokens)
@@ -139,7 +81,30 @@ class TokenFile:
         self.num_documents = num_documents
         self.built = built
         self.cache_key = cache_key
-        self.tokens = _open_memmap(path, self.dtype, self.num_tokens)
+        self.shards, self.eos_id = shards, eos_id
+        self._doc_starts: Optional[np.ndarray] = None
+        self._open()
+
+    def _open(self) -> None:
+        if self.shards is not None:
+            self.tokens, self.mask = self.shards.tokens, self.shards.mask
+        else:
+            self.tokens, self.mask = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,)), None
+
+    @property
+    def doc_starts(self) -> Optional[np.ndarray]:
+        if self.shards is not None:
+            return self.shards.doc_starts
+        if self._doc_starts is None and self.eos_id is not None:
+            ends = [np.flatnonzero(np.asarray(self.tokens[a:a + _SCAN_CHUNK]) == self.eos_id) + a + 1
+                    for a in range(0, self.num_tokens, _SCAN_CHUNK)]
+            after = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+            self._doc_starts = np.concatenate([[0], after[after < self.num_tokens]]).astype(np.int64)
+        return self._doc_starts
+
+    def whole(self, name: str = "train") -> TokenSplit:
+        return TokenSplit(self.tokens, 0, self.num_tokens, name, self.content_hash, self.mask, self.doc_starts,
+                          store=self.shards)
 
     def split(self, val_fraction: float, seq_len: int) -> tuple[TokenSplit, TokenSplit]:
         return split_train_val(self, val_fraction, seq_len)
@@ -149,40 +114,19 @@ class TokenFile:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        del state["tokens"]
+        del state["tokens"], state["mask"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.tokens = _open_memmap(self.path, self.dtype, self.num_tokens)
+        self._open()
 
     def __repr__(self) -> str:
         return (f"TokenFile({self.source}, {self.num_tokens} tokens, {self.dtype.name}, "
                 f"sha256 {self.content_hash[:12]}, {self.path})")
 
 
-def split_train_val(token_file: Union[TokenFile, TokenSplit], val_fraction: float,
-                    seq_len: int) -> tuple[TokenSplit, TokenSplit]:
-    """(train, val): the last val_fraction of the stream is validation, at least one window of
-    seq_len+1 tokens when val_fraction > 0 (val_fraction 0: empty val)."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction: must be in [0, 1), got {val_fraction}")
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if isinstance(token_file, TokenSplit):
-        tokens, base, n, h = token_file.tokens, token_file.start, token_file.num_tokens, token_file.content_hash
-    else:
-        tokens, base, n, h = token_file.tokens, 0, token_file.num_tokens, token_file.content_hash
-    w = seq_len + 1
-    n_val = 0 if val_fraction == 0 else max(w, int(n * val_fraction))
-    if n - n_val < w:
-        raise ConfigError(f"data: the corpus has {n} tokens, too few for a training window of {w} "
-                          f"tokens plus {n_val} validation tokens (seq_len {seq_len}, val_fraction {val_fraction})")
-    cut = base + n - n_val
-    return (TokenSplit(tokens, base, cut, "train", h), TokenSplit(tokens, cut, base + n, "val", h))
-
-
-# ---------------------------------------------------------------- building and caching
+# ---------------------------------------------------------------- the stdlib corpus (one cached file)
 
 
 def stdlib_files() -> tuple[str, list[str]]:
@@ -195,101 +139,12 @@ def stdlib_files() -> tuple[str, list[str]]:
     return root, sorted(found)
 
 
-def _glob_files(pattern: str) -> list[str]:
-    pattern = os.path.expanduser(pattern)
-    files = sorted(os.path.abspath(p) for p in _glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    if not files:
-        raise ConfigError(f"data.path: no files match {pattern!r}")
-    return files
-
-
-def _stats(paths: list[str]) -> list[list]:
-    out = []
-    for p in paths:
-        st = os.stat(p)
-        out.append([p, st.st_size, st.st_mtime_ns])
-    return out
-
-
-def _key(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _tmp_name(final: str) -> str:
-    return f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-
-
-def _atomic_write_json(path: str, obj: dict) -> None:
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _read_meta(meta_path: str) -> Optional[dict]:
-    """The meta of a complete cache entry, or None (missing, other format, or data file wrong size)."""
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT_VERSION:
-            return None
-        # Built files are recorded by name, relative to the cache folder, so the folder can move.
-        meta["data_path"] = os.path.join(os.path.dirname(meta_path), meta["data_path"])
-        size = os.path.getsize(meta["data_path"])
-    except (OSError, ValueError, KeyError):
-        return None
-    if size != meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize:
-        return None
-    return meta
-
-
-@contextmanager
-def _locked(lock_path: str) -> Iterator[None]:
-    # The lock file is never deleted: unlinking it would let a waiter lock an orphaned inode.
-    with open(lock_path, "a") as lf:
-        fcntl.flock(lf.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
-
-
-def _cached(cache_dir: str, key: str, build: Callable[[str], dict]) -> tuple[dict, bool]:
-    """Return (meta, built). build(bin_path) writes the data (atomically) and returns its meta."""
-    stem = os.path.join(cache_dir, f"tokens-{key}")
-    meta_path = stem + ".json"
-    meta = _read_meta(meta_path)  # fast path, no lock: the meta file appears only once complete
-    if meta is not None:
-        return meta, False
-    os.makedirs(cache_dir, exist_ok=True)
-    with _locked(stem + ".lock"):
-        meta = _read_meta(meta_path)  # another process built it while we waited
-        if meta is not None:
-            return meta, False
-        # Only the lock holder writes temp files for this key, so any left are from a crashed builder.
-        for stale in _glob.glob(_glob.escape(stem) + ".*.tmp"):
-            os.unlink(stale)
-        meta = build(stem + ".bin")
-        meta["format"] = FORMAT_VERSION
-        _atomic_write_json(meta_path, meta)
-        written = _read_meta(meta_path)
-        if written is None:
-            raise RuntimeError(f"token cache entry {meta_path} is inconsistent right after writing it")
-        return written, True
-
-
 def _write_token_file(bin_path: str, texts: Iterator[str], tokenizer: Any, dtype: np.dtype) -> dict:
     sep = [tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else tokenizer.encode("\n\n")
     sep_arr = np.asarray(sep, dtype=np.int64)
     vocab = int(tokenizer.vocab_size)
     h, n, docs, max_id = hashlib.sha256(), 0, 0, -1
-    tmp = _tmp_name(bin_path)
+    tmp = tmp_name(bin_path)
     try:
         with open(tmp, "wb") as f:
             for text in texts:
@@ -314,131 +169,131 @@ def _write_token_file(bin_path: str, texts: Iterator[str], tokenizer: Any, dtype
             "vocab_size": vocab, "max_token_id": max_id, "num_documents": docs}
 
 
-def _read_texts(paths: list[str]) -> Iterator[str]:
-    for p in paths:
-        with open(p, encoding="utf-8", errors="replace") as f:
-            yield f.read()
+def _stdlib(tok: Any, cache_dir: str) -> TokenFile:
+    root, files = stdlib_files()
+    stats = [[os.path.relpath(p, root), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in files]
+    key = cache_key([FORMAT_VERSION, "python-stdlib", [root, stats], tok.fingerprint])
+    dtype = token_dtype(int(tok.vocab_size))
+
+    def texts() -> Iterator[str]:
+        for p in files:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+
+    meta, built = cached(cache_dir, key, lambda bin_path: _write_token_file(bin_path, texts(), tok, dtype))
+    return TokenFile(meta["data_path"], meta["dtype"], meta["num_tokens"], meta["content_hash"], "python-stdlib",
+                     meta["vocab_size"], meta["max_token_id"], meta["num_documents"], built, key,
+                     eos_id=getattr(tok, "eos_id", None))
 
 
-def bin_dtype(path: str) -> np.dtype:
-    """dtype of a pre-tokenized .bin: from `<file>.bin.json` or `<file>.json` {"dtype": ...}, else uint16."""
-    for side in (path + ".json", os.path.splitext(path)[0] + ".json"):
-        if os.path.isfile(side):
-            with open(side) as f:
-                name = json.load(f).get("dtype", "uint16")
-            if name not in ("uint16", "uint32"):
-                raise ConfigError(f"data.path: {side} says dtype {name!r}; use uint16 or uint32")
-            return np.dtype(name).newbyteorder("<")
-    return np.dtype("<u2")
+# ---------------------------------------------------------------- token shards
 
 
-def _hash_bin(path: str, dtype: np.dtype) -> dict:
-    size = os.path.getsize(path)
-    if size == 0 or size % dtype.itemsize:
-        raise ConfigError(f"data.path: {path} has {size} bytes, not a whole number of {dtype.name} tokens")
-    n = size // dtype.itemsize
-    mm = _open_memmap(path, dtype, n)
-    h, max_id = hashlib.sha256(), -1
-    for a in range(0, n, _HASH_CHUNK):
-        chunk = np.asarray(mm[a:a + _HASH_CHUNK])
-        h.update(chunk.tobytes())
-        max_id = max(max_id, int(chunk.max()))
-    del mm
-    return {"data_path": path, "dtype": dtype.str, "num_tokens": n, "content_hash": h.hexdigest(),
-            "vocab_size": None, "max_token_id": max_id, "num_documents": None}
+def open_shards(paths: list[str], desc: str, meta: dict[str, Any], built: bool, key: Optional[str]) -> TokenFile:
+    shards = ShardSet(paths)
+    dtype = shards.tokens.dtype
+    return TokenFile(os.path.dirname(paths[0]), dtype, len(shards), meta["content_hash"], desc,
+                     meta.get("vocab_size") or None, meta.get("max_token_id"), shards.num_documents, built, key,
+                     shards=shards)
 
 
-def build_token_file(source: str = "python-stdlib", path: Optional[Union[str, os.PathLike]] = None,
-                     tokenizer: Any = "bytes", cache_dir: Optional[Union[str, os.PathLike]] = None) -> TokenFile:
-    """Tokenize `source` once into the cache (or reuse it) and return the memory-mapped TokenFile.
+def _token_shards(spec: DataSpec, cache_dir: str) -> TokenFile:
+    """data.source: tokens: shard files used in place; their hashes and largest id are computed once (cached by
+    the files' sizes and modification times)."""
+    files = expand(spec.path)
+    for f in files:
+        read_header(f)  # a file that is not a shard (a raw .bin, a text file) is refused here, named
+    stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+    key = cache_key(["rayspeed-token-shards-v1", stats])
+    meta_path = os.path.join(cache_dir, f"shardmeta-{key}.json")
+    meta: Optional[dict[str, Any]] = None
+    if os.path.isfile(meta_path):
+        import json
 
-    source: "python-stdlib" | "files" (path: a glob, or a .bin token file) | "bin" (path: a .bin).
-    tokenizer: a tokenizer or a load_tokenizer spec. For a .bin it only checks that ids fit its vocab
-    (pass None to skip). Safe to call from several processes at once.
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    built = meta is None
+    if meta is None:
+        shards = ShardSet(files)
+        digests, max_id = [], -1
+        for f in files:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(8 << 20), b""):
+                    h.update(chunk)
+            digests.append(h.hexdigest())
+        for a in range(0, len(shards.tokens), _SCAN_CHUNK):
+            max_id = max(max_id, int(np.asarray(shards.tokens[a:a + _SCAN_CHUNK]).max()))
+        if not shards.num_documents:
+            raise ConfigError(f"data.path: the token shards of {', '.join(spec.path)} hold no documents")
+        meta = {"content_hash": hashlib.sha256("".join(digests).encode()).hexdigest(), "max_token_id": max_id,
+                "vocab_size": shards.vocab_size}
+        os.makedirs(cache_dir, exist_ok=True)
+        atomic_write_json(meta_path, meta)
+    return open_shards(files, f"tokens:{','.join(spec.path)}", meta, built, key)
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def build_token_file(source: str = "python-stdlib", path: Optional[Union[str, os.PathLike, list]] = None,
+                     tokenizer: Any = "bytes", cache_dir: Optional[Union[str, os.PathLike]] = None, *,
+                     spec: Optional[DataSpec] = None, executor: str = "inline") -> TokenFile:
+    """Tokenize the corpus once into the cache (or reuse it) and return the memory-mapped TokenFile.
+
+    source/path/tokenizer: the short form (python-stdlib, files, tokens, bin); `spec` (a DataSpec) says everything
+    (hf, text fields, chat). tokenizer: a tokenizer or a load_tokenizer spec; for raw .bin files it only checks
+    that ids fit its vocab (None skips that). executor: where shards are tokenized (inline | pool | ray, see
+    rayspeed.data.tokenization). Safe to call from several processes at once.
     """
+    if spec is not None:  # the spec names the tokenizer; a tokenizer object passed alongside is that one, loaded
+        source, path = spec.source, list(spec.path) or None
+        tokenizer = spec.tokenizer if isinstance(tokenizer, str) else tokenizer
     if source not in SOURCES:
-        raise ConfigError(f"data.source: {source!r} is not one of {', '.join(SOURCES)}")
-    path = None if path is None else os.fspath(path)
+        raise ConfigError(f"data.source: {source!r} is not one of {', '.join(SOURCES[:4])}")
+    paths = [os.fspath(p) for p in ([path] if isinstance(path, (str, os.PathLike)) else (path or []))]
     cache_dir = os.path.abspath(os.path.expanduser(os.fspath(cache_dir or default_cache_dir())))
+    if spec is None:
+        spec = DataSpec(source=source, path=tuple(paths),
+                        tokenizer=tokenizer if isinstance(tokenizer, str) else "<object>")
     tok = None if tokenizer is None else load_tokenizer(tokenizer)
-
-    if source == "bin" or (source == "files" and path and path.endswith(".bin") and not _glob.has_magic(path)):
-        if not path:
+    if source == "tokens":
+        if not paths:
+            raise ConfigError("data.path: token shard files are required with data.source: tokens")
+        tf = _token_shards(spec, cache_dir)
+        if tok is not None and tf.max_token_id is not None:
+            check_fits({"max_token_id": tf.max_token_id}, tok, ", ".join(paths))
+        return tf
+    one = paths[0] if len(paths) == 1 else ""
+    if source == "bin" or (source == "files" and one.endswith(".bin") and not _glob.has_magic(one)):
+        if not one:
             raise ConfigError("data.path: a .bin token file is required with source: bin")
-        real = os.path.realpath(os.path.expanduser(path))
-        if not os.path.isfile(real):
-            raise ConfigError(f"data.path: no token file at {real!r}")
-        dtype = bin_dtype(real)
-        st = os.stat(real)
-        # The .bin itself is the token file; the cache only remembers its hash (keyed by size+mtime).
-        key = _key([FORMAT_VERSION, "bin", real, st.st_size, st.st_mtime_ns, dtype.str])
-        meta, built = _cached(cache_dir, key, lambda _bin_path: _hash_bin(real, dtype))
-        if tok is not None and meta["max_token_id"] >= tok.vocab_size:
-            raise ConfigError(f"data.tokenizer: {real} holds token id {meta['max_token_id']} but the tokenizer "
-                              f"vocabulary has {tok.vocab_size} ids")
-        vocab = tok.vocab_size if tok is not None else None
+        real, meta, built, key = single_bin(one, cache_dir)
+        check_fits(meta, tok, real)
         return TokenFile(real, meta["dtype"], meta["num_tokens"], meta["content_hash"], f"bin:{real}",
-                         vocab, meta["max_token_id"], None, built, key)
-
-    if source == "files" and path and _glob.has_magic(path):
-        files = _glob_files(path)
-        bins = [f for f in files if f.endswith(".bin")]
+                         tok.vocab_size if tok is not None else None, meta["max_token_id"], None, built, key)
+    if source == "files" and paths:
+        files = expand(spec.path)
+        bins = [f for f in files if f.endswith(TOKEN_SUFFIXES)]
         if bins and len(bins) != len(files):
-            raise ConfigError(f"data.path: {path!r} matches both token files (.bin) and text files; point it at one "
-                              "kind (a glob of .bin files is read as tokens, never as text)")
-        if bins:  # several pre-tokenized files: one token stream, in sorted order, never byte-tokenized as text
-            return _concatenated_bins(bins, path, tok, cache_dir)
+            raise ConfigError(f"data.path: {', '.join(paths)!r} matches both token files (.bin) and text files; point "
+                              "it at one kind (a glob of .bin files is read as tokens, never as text)")
+        if bins and all(f.endswith(".bin") for f in bins):  # several pre-tokenized files: one token stream
+            meta, built, key = concatenated_bins(bins, ", ".join(paths), cache_dir)
+            check_fits(meta, tok, ", ".join(paths))
+            return TokenFile(meta["data_path"], meta["dtype"], meta["num_tokens"], meta["content_hash"],
+                             f"bins:{', '.join(paths)}", tok.vocab_size if tok is not None else None,
+                             meta["max_token_id"], None, built, key)
     if tok is None:
         raise ConfigError("data.tokenizer: required to tokenize text")
     if source == "python-stdlib":
-        root, files = stdlib_files()
-        desc = "python-stdlib"
-        ident = [root, [[os.path.relpath(p, root), s, m] for p, s, m in _stats(files)]]
-    else:
-        if not path:
-            raise ConfigError("data.path: a glob of text files is required with source: files")
-        files = _glob_files(path)
-        desc = f"files:{path}"
-        ident = _stats(files)
-    key = _key([FORMAT_VERSION, source, ident, tok.fingerprint])
-    dtype = token_dtype(int(tok.vocab_size))
-    meta, built = _cached(cache_dir, key, lambda bin_path: _write_token_file(bin_path, _read_texts(files), tok, dtype))
-    return TokenFile(meta["data_path"], meta["dtype"], meta["num_tokens"], meta["content_hash"], desc,
-                     meta["vocab_size"], meta["max_token_id"], meta["num_documents"], built, key)
+        return _stdlib(tok, cache_dir)
+    if source == "files" and not paths:
+        raise ConfigError("data.path: paths or globs of text, JSONL or Parquet files are required with source: files")
+    if source == "hf" and not spec.dataset:
+        raise ConfigError("data.dataset: a Hugging Face dataset name is required with data.source: hf")
+    from rayspeed.data.tokenization import build_shards
 
-
-def _concatenated_bins(files: list[str], pattern: str, tok: Any, cache_dir: str) -> TokenFile:
-    """A glob of .bin token files as one token file in the cache (every file's dtype must agree)."""
-    dtypes = {bin_dtype(f).str for f in files}
-    if len(dtypes) != 1:
-        raise ConfigError(f"data.path: the token files of {pattern!r} have different dtypes ({sorted(dtypes)}); "
-                          "re-export them with one dtype")
-    dtype = np.dtype(dtypes.pop())
-
-    def build(bin_path: str) -> dict:
-        h, n, max_id = hashlib.sha256(), 0, -1
-        tmp = _tmp_name(bin_path)
-        with open(tmp, "wb") as out:
-            for f in files:
-                meta = _hash_bin(f, dtype)  # checks the file holds whole tokens
-                mm = _open_memmap(f, dtype, meta["num_tokens"])
-                for a in range(0, meta["num_tokens"], _HASH_CHUNK):
-                    chunk = np.asarray(mm[a:a + _HASH_CHUNK])
-                    out.write(chunk.tobytes())
-                    h.update(chunk.tobytes())
-                del mm
-                n += meta["num_tokens"]
-                max_id = max(max_id, meta["max_token_id"])
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, bin_path)
-        return {"data_path": bin_path, "dtype": dtype.str, "num_tokens": n, "content_hash": h.hexdigest(),
-                "vocab_size": None, "max_token_id": max_id, "num_documents": None}
-
-    key = _key([FORMAT_VERSION, "bins", _stats(files), dtype.str])
-    meta, built = _cached(cache_dir, key, build)
-    if tok is not None and meta["max_token_id"] >= tok.vocab_size:
-        raise ConfigError(f"data.tokenizer: {pattern} holds token id {meta['max_token_id']} but the tokenizer "
-                          f"vocabulary has {tok.vocab_size} ids")
-    return TokenFile(meta["data_path"], meta["dtype"], meta["num_tokens"], meta["content_hash"], f"bins:{pattern}",
-                     tok.vocab_size if tok is not None else None, meta["max_token_id"], None, built, key)
+    index, built = build_shards(spec, cache_dir, executor, tokenizer=tok)
+    files = [os.path.join(index["dir"], s["name"]) for s in index["shards"]]
+    return open_shards(files, spec.describe(), index, built, index["key"])

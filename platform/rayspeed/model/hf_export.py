@@ -93,6 +93,13 @@ def write_hf_dir(state: dict[str, torch.Tensor], shape: ModelShape, out_dir: str
     files = write_weights(tensors, out, max_shard_bytes)
     tok_files = write_tokenizer(tokenizer, out)
     bos = eos = None
+    if tokenizer is not None and not hasattr(tokenizer, "eos_token_id") and tok_files:
+        try:  # tokenizer files copied from a path: their special tokens go into config.json (generation stops at EOS)
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(out))
+        except Exception:
+            tokenizer = None
     if tokenizer is not None and hasattr(tokenizer, "eos_token_id"):
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     config = to_hf_config(shape, bos, eos, dtype=str(dtype).replace("torch.", ""))

@@ -46,7 +46,8 @@ from rayspeed.parallel.loss import linear_cross_entropy
 
 
 class EmbeddingPipe(VocabParallelEmbedding):
-    """First-stage layer: token ids [batch, seq] -> hidden [batch, seq(/tp under sp), h]."""
+    """First-stage layer: token ids [batch, seq] -> hidden [batch, seq(/tp under sp), h]. With document masking the
+    input is (ids, segment_ids) and the output (hidden, segment_ids): the segment ids ride between the stages."""
 
     canonical_prefix = "embed"
 
@@ -57,6 +58,12 @@ class EmbeddingPipe(VocabParallelEmbedding):
             init_std=dims.init_std, seed=seed, name="embed",
         )
 
+    def forward(self, x):
+        if isinstance(x, tuple):
+            ids, seg = x
+            return super().forward(ids), seg
+        return super().forward(x)
+
 
 class FinalNormPipe(RMSNorm):
     canonical_prefix = "norm"
@@ -64,6 +71,9 @@ class FinalNormPipe(RMSNorm):
     def __init__(self, cfg, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
         dims = ModelShape.from_config(cfg)
         super().__init__(dims.hidden_size, dims.norm_eps, tp, sequence_parallel)
+
+    def forward(self, x):
+        return super().forward(x[0] if isinstance(x, tuple) else x)  # the segment ids end here
 
 
 class HeadPipe(OutputHead):
@@ -81,15 +91,21 @@ def tied_head_forward(embedding: EmbeddingPipe, x: torch.Tensor):
 
 
 class PipelineLoss:
-    """loss_fn(outputs, labels) for the last stage: mean fp32 cross-entropy of hidden @ weight^T."""
+    """loss_fn(outputs, labels) for the last stage: fp32 cross-entropy of hidden @ weight^T, the mean over the counted
+    labels (-100 is ignored); or, when the trainer sets `scale`, the sum times `scale` (it sets it per step to
+    dp * grad_accum / counted labels of the global batch, so the step's loss is the mean over all of them)."""
 
     def __init__(self, tp: Optional[TensorParallel] = None, chunk_tokens: Optional[int] = None):
         self.tp = tp or NO_TP
         self.chunk_tokens = chunk_tokens
+        self.scale: Optional[float] = None
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         hidden, weight = outputs
-        return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens)
+        if self.scale is None:
+            return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens)
+        return self.scale * linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
+                                                 reduction="sum")
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,6 +131,8 @@ def _pipeline_module_class():
         def _stage_input(self, x):
             # Stage > 0 receives the replicated full sequence; its layers expect this rank's shard.
             if self.sequence_parallel and self.stage_id > 0:
+                if isinstance(x, tuple):  # (hidden, segment_ids): the segment ids stay whole
+                    return (split_to_sequence(x[0], self.sp_tp), *x[1:])
                 return split_to_sequence(x, self.sp_tp)
             return x
 
@@ -122,6 +140,8 @@ def _pipeline_module_class():
             # Every stage but the last hands the full sequence to the engine, which (pipe_partitioned)
             # sends 1/tp of it per tp rank and reassembles it on the next stage.
             if self.sequence_parallel and self.stage_id < self.num_stages - 1:
+                if isinstance(x, tuple):
+                    return (gather_sequence_to_replicated(x[0], self.sp_tp), *x[1:])
                 return gather_sequence_to_replicated(x, self.sp_tp)
             return x
 

@@ -101,12 +101,34 @@ def rope_inv_freq(head_dim: int, theta: float, dims: Optional[ModelShape] = None
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
-                dims: Optional[ModelShape] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [seq_len, head_dim] in fp32 for rotate-half RoPE (built per call: cheap, no state to keep in sync)."""
+                dims: Optional[ModelShape] = None,
+                positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq_len, head_dim] in fp32 for rotate-half RoPE (built per call: cheap, no state to keep in sync);
+    with positions [b, s]: [b, 1, s, head_dim], each row at its own positions."""
     inv_freq = rope_inv_freq(head_dim, theta, dims, device)
+    if positions is not None:
+        angles = positions.to(torch.float32)[..., None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)[:, None]
+        return angles.cos(), angles.sin()
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions that restart at 0 where each segment (document) starts: a packed document sees the
+    positions it would see alone."""
+    idx = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] bool, True where query i may attend to key j: j <= i and both in the same segment."""
+    s = segment_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]) & causal
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,19 +139,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotated * sin).type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA with is_causal; q [b, heads, s, d], k/v [b, kv_heads, s, d] with heads a multiple of kv_heads."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SDPA with is_causal; q [b, heads, s, d], k/v [b, kv_heads, s, d] with heads a multiple of kv_heads. mask
+    ([b, 1, s, s] bool, document_mask): attention within documents only, instead of the plain causal mask."""
+    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        # The flash kernel indexes the shared kv heads itself: no expanded copy of k and v.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, **causal)
+    if mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # The flash kernel indexes the shared kv heads itself: no expanded copy of k and v. (With a document mask
+        # flash does not apply; the memory-efficient kernel takes the mask but not enable_gqa: k/v are expanded.)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **causal)
     # Elsewhere (fp32, CPU) no fused kernel broadcasts kv heads and enable_gqa would silently
     # fall back to the unfused math kernel; expanding k/v keeps a fused one.
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, **causal)
 
 
 class Attention(nn.Module):
@@ -157,15 +183,19 @@ class Attention(nn.Module):
             init_std=dims.residual_init_std, seed=seed, name=f"{name}.wo",
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """segment_ids [b, s] (the full sequence, also under sequence parallelism): attention stays within a
+        document and positions restart at each one."""
         x = enter_tp_region(x, self.tp, self.sequence_parallel)  # one collective for q, k and v
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device, dims=self.dims)
+        positions = None if segment_ids is None else segment_positions(segment_ids)
+        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device, dims=self.dims,
+                               positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v, None if segment_ids is None else document_mask(segment_ids))
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
 
@@ -221,28 +251,32 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
         self.mlp = MLP(dims, tp, sp, seed, name=f"{prefix}.mlp")
 
-    def _checkpointed(self, fn, x):
+    def _checkpointed(self, fn, *args):
         if not torch.is_grad_enabled():  # nothing to recompute without a backward
-            return fn(x)
-        return checkpoint(fn, x, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+            return fn(*args)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
 
-    def _attn_branch(self, x):
-        return self.attn(self.attn_norm(x))
+    def _attn_branch(self, x, segment_ids=None):
+        return self.attn(self.attn_norm(x), segment_ids)
 
     def _mlp_branch(self, x):
         return self.mlp(self.mlp_norm(x))
 
-    def _block(self, x):
+    def _block(self, x, segment_ids=None):
         if self.activation_checkpointing == "selective":
-            x = x + self._checkpointed(self._attn_branch, x)
+            x = x + self._checkpointed(self._attn_branch, x, segment_ids)
             return x + self._checkpointed(self._mlp_branch, x)
-        x = x + self._attn_branch(x)
+        x = x + self._attn_branch(x, segment_ids)
         return x + self._mlp_branch(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, segment_ids: Optional[torch.Tensor] = None):
+        """x [b, s(/tp), h]; or, between pipeline stages, the tuple (x, segment_ids), returned as such."""
+        if isinstance(x, tuple):
+            hidden, seg = x
+            return self.forward(hidden, seg), seg
         if self.activation_checkpointing == "full":
-            return self._checkpointed(self._block, x)
-        return self._block(x)
+            return self._checkpointed(self._block, x, segment_ids)
+        return self._block(x, segment_ids)
 
 
 class OutputHead(nn.Module):
@@ -287,7 +321,8 @@ class OutputHead(nn.Module):
 
 
 class Transformer(nn.Module):
-    """embed -> N blocks -> RMSNorm -> head. forward(ids, labels) is the mean fp32 CE; without labels, logits."""
+    """embed -> N blocks -> RMSNorm -> head. forward(ids, labels) is the mean fp32 CE over the counted labels;
+    without labels, logits."""
 
     def __init__(
         self,
@@ -317,10 +352,13 @@ class Transformer(nn.Module):
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Labels of -100 are not counted (the mean is over the others). segment_ids [b, s]: document masking
+        (attention within a document, positions from its start); None: plain causal attention."""
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, segment_ids)
         x = self.norm(x)
         if labels is None:
             return self.head(x)

@@ -46,31 +46,35 @@ def version_of_run(uri: str, name: str, run_id: str) -> Optional[str]:
 
 
 def token_file(cfg: Any, storage: str) -> Any:
-    from rayspeed.config.schema import AUTO
-    from rayspeed.data import build_token_file
+    """The job's corpus (rayspeed.train.data_setup.Corpus: content_hash, and the source's own validation split),
+    tokenized into the same cache the workers use (a local process pool) when it is not there yet."""
+    from rayspeed.train.data_setup import load_corpus
 
-    c = cfg.data
-    # The same cache the workers use.
-    cache = c.cache_dir if c.cache_dir != AUTO else paths.data_cache_dir(storage, cfg.storage.staging_dir, cfg.name)
-    return build_token_file(c.source, c.path, c.tokenizer, cache)
+    return load_corpus(cfg, storage, executor="pool")
 
 
 def evaluate_model_dir(model_dir: str, cfg: Any, token_file: Any) -> float:
     """Mean validation loss of an exported model on the job's held-out split: the same sequences the job's
-    workers evaluate (eval_batches global batches of the val split), fp32 on the CPU."""
+    workers evaluate (eval_batches global batches of the val split), fp32 on the CPU; with ignored labels (chat,
+    document masking) the mean over the counted labels, as the job computes it."""
     import torch
 
     from rayspeed.data import val_batches
+    from rayspeed.data.token_split import IGNORE_INDEX
     from rayspeed.model.export import load_model
+    from rayspeed.train.data_setup import splits
 
     model = load_model(model_dir)
-    _, val = token_file.split(cfg.data.val_fraction, cfg.model.seq_len)
-    batches = val_batches(val, cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, 0, 1)
+    _, val = splits(token_file, cfg)
+    batches = val_batches(val, cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, 0, 1,
+                          cfg.data.document_masking)
+    weighted = val.mask is not None or cfg.data.document_masking
     total, n = 0.0, 0
     with torch.no_grad():
-        for x, y in batches:
-            total += float(model(x, y).double())
-            n += 1
+        for mb in batches:
+            k = int((mb[1] != IGNORE_INDEX).sum()) if weighted else 1
+            total += float(model(*mb).double()) * k
+            n += k
     return total / max(1, n)
 
 

@@ -1,5 +1,7 @@
 """Validation: each rank evaluates its share of `train.eval_batches` global batches (the same sequences for every
-layout), in micro-batches of the training size, and the loss is averaged over data-parallel ranks."""
+layout), in micro-batches of the training size. The loss is the mean over the validation labels: averaged over
+micro-batches and data-parallel ranks when every label counts, and weighted by each micro-batch's counted labels
+when some are ignored (chat, document masking), so it is the mean over every counted label either way."""
 
 from __future__ import annotations
 
@@ -7,14 +9,25 @@ from typing import Any, Callable
 
 import torch
 
+from rayspeed.data.token_split import IGNORE_INDEX
+
+
+def stage_inputs(micro_batch: tuple, device: torch.device) -> Any:
+    """What the first pipeline stage takes: the ids, or (ids, segment_ids) with document masking."""
+    if len(micro_batch) > 2:
+        return (micro_batch[0].to(device), micro_batch[2].to(device))
+    return micro_batch[0].to(device)
+
 
 class Validator:
     def __init__(self, cfg: Any, batches: list, device: torch.device, pipelined: bool,
-                 dp_mean: Callable[[torch.Tensor], float]):
+                 dp_mean: Callable[[torch.Tensor], float], weighted: bool = False):
+        """weighted: some labels are ignored (RankBatches.weighted: the same on every rank)."""
         self.every = cfg.train.eval_every_steps
         self.max_steps = cfg.train.max_steps
         self.micro = cfg.parallel.micro_batch_size
         self.batches, self.device, self.pipelined, self.dp_mean = batches, device, pipelined, dp_mean
+        self.weighted = weighted
 
     def should_validate(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.max_steps
@@ -23,14 +36,27 @@ class Validator:
     def run(self, engine: Any) -> float:
         engine.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float64)
+        counted = torch.zeros((), device=self.device, dtype=torch.float64)
         b, n = self.micro, 0
-        for x, y in self.batches:
-            chunks = [(x[i : i + b].to(self.device), y[i : i + b].to(self.device)) for i in range(0, x.shape[0], b)]
+        for mb in self.batches:
+            chunks = [tuple(t[i : i + b] for t in mb) for i in range(0, mb[0].shape[0], b)]
             if self.pipelined:
-                total += engine.eval_batch(iter(chunks)).detach().double().mean() * len(chunks)
+                if self.weighted:  # each chunk's summed loss times the chunk count: eval_batch's mean is their sum
+                    engine.module.loss_fn.scale = float(len(chunks))
+                data = [(stage_inputs(c, self.device), c[1].to(self.device)) for c in chunks]
+                out = engine.eval_batch(iter(data)).detach().double().mean()
+                total += out if self.weighted else out * len(chunks)
+                counted += sum(int((c[1] != IGNORE_INDEX).sum()) for c in chunks)
             else:
-                for cx, cy in chunks:
-                    total += engine(cx, cy).detach().double()
+                for c in chunks:
+                    loss = engine(*(t.to(self.device) for t in c[:2]), *(t.to(self.device) for t in c[2:]))
+                    k = int((c[1] != IGNORE_INDEX).sum())
+                    total += loss.detach().double() * (k if self.weighted else 1)
+                    counted += k
             n += len(chunks)
+        if self.pipelined and self.weighted:
+            engine.module.loss_fn.scale = None
         engine.train()
+        if self.weighted:
+            return self.dp_mean(total) / max(1e-30, self.dp_mean(counted))
         return self.dp_mean(total / max(1, n))

@@ -65,6 +65,11 @@ def train_command(args: argparse.Namespace) -> int:
         unsafe = auto_home_problem(cfg, nodes=ray_info["nodes"] if ray_info else 1)
         if unsafe:
             raise ConfigError(unsafe)
+        from rayspeed.train.data_setup import prepare
+
+        # Tokenized once here (Ray Data on the cluster, or a local process pool), before the MLflow run exists: a
+        # bad record is exit 2 with nothing written. The workers then open the committed token shards.
+        prepare(cfg, storage_path(cfg), args.launcher)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT

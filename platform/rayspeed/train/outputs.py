@@ -46,7 +46,7 @@ def _landscape(trainer: Any) -> Optional[dict[str, Any]]:
         from rayspeed.monitoring.landscape import loss_landscape
 
         mb = c.parallel.micro_batch_size
-        batches = [(x[:mb].to(trainer.device), y[:mb].to(trainer.device)) for x, y in trainer.validator.batches[:2]]
+        batches = [(x[:mb].to(trainer.device), y[:mb].to(trainer.device)) for x, y, *_ in trainer.validator.batches[:2]]
         return loss_landscape(trainer.engine, batches, None, seed=c.train.seed, steps=11,
                               group=trainer.groups.dp_group if trainer.groups.dp > 1 else None)
     except Exception as e:

@@ -152,6 +152,7 @@ class Reporter:
         # feedback compares its prediction with the steady-state windows (rayspeed.planner.feedback).
         self.perf_windows: list[tuple[int, int, float]] = []
         self.start_step = 0
+        self.inputs_thread: Any = None
 
     def _logged_until(self) -> int:
         return int(self.tracker.last_step("train/loss"))
@@ -193,6 +194,23 @@ class Reporter:
         log.info("plan: dp=%s tp=%s pp=%s zero=%s micro=%s accum=%s ac=%s precision=%s global_batch=%s (world %d)",
                  p.dp, p.tp, p.pp, p.zero_stage, p.micro_batch_size, p.grad_accum, p.activation_checkpointing,
                  c.train.precision, c.train.global_batch_size, world)
+
+    def log_data_inputs(self, items: list[dict[str, Any]]) -> None:
+        """The training and validation data as the run's MLflow dataset inputs (rank 0, in the background: tracking
+        never holds up training; close() waits for it a little)."""
+        client = getattr(self.tracker, "client", None)
+        if not self.ctx.is_rank0 or client is None or not items:
+            return
+        import threading
+
+        from rayspeed.tracking.dataset_inputs import log_dataset_inputs
+        from rayspeed.tracking.registry import bounded
+
+        run_id = self.payload.mlflow_run_id
+        self.inputs_thread = threading.Thread(
+            target=lambda: bounded(lambda: log_dataset_inputs(client, run_id, items), "dataset inputs", 120.0),
+            name="rayspeed-dataset-inputs", daemon=True)
+        self.inputs_thread.start()
 
     def log_preflight(self, report: Any) -> None:
         """Rank 0's tracker keeps the report (every other rank's is a NullLogger)."""
@@ -354,5 +372,7 @@ class Reporter:
         if self.sampler is not None:
             self.sampler.stop()
         if self.ctx.is_rank0:
+            if self.inputs_thread is not None:
+                self.inputs_thread.join(60)
             self.tracker.set_tags({"rayspeed.status": status})
             self.tracker.close(timeout_s=120)

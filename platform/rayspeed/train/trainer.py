@@ -15,12 +15,13 @@ from rayspeed.checkpoint import manifest, rng
 from rayspeed.checkpoint.manager import CheckpointManager
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import parse
-from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.config.schema import JobConfig
+from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.logs import log_rank
 from rayspeed.parallel.groups import ParallelGroups
 from rayspeed.parallel.objects import gather_objects
 from rayspeed.train.chaos import ChaosDrills
-from rayspeed.train.evaluation import Validator
+from rayspeed.train.evaluation import Validator, stage_inputs
 from rayspeed.train.payload import LaunchPayload, RunResult
 from rayspeed.train.reporting import Reporter
 from rayspeed.train.resume_guard import run_identity
@@ -56,6 +57,7 @@ class Trainer:
         self.batches: Any = None
         self.validator_batches: list[Any] = []
         self.validator: Optional[Validator] = None
+        self.data_inputs: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Optional[RunResult]:
@@ -76,7 +78,8 @@ class Trainer:
             from rayspeed.engine.clip import GradClipper
 
             self.clipper = GradClipper(self.engine.module.parameters(), c.train.grad_clip, self.groups.tp_group)
-        self.validator = Validator(c, self.validator_batches, self.device, self.pipelined, self.reporter.dp_mean)
+        self.validator = Validator(c, self.validator_batches, self.device, self.pipelined, self.reporter.dp_mean,
+                                   weighted=self.batches.weighted)
         phases["engine"] = time.time() - t
         t = time.time()
         client = self.checkpointer.load(self.engine)
@@ -94,6 +97,7 @@ class Trainer:
         self.reporter.start_monitors()
         log_rank(log, "startup: %s", ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         self.reporter.log_start(self.state, self.ds_config, self.node_ids)
+        self.reporter.log_data_inputs(self.data_inputs)
         return None
 
     def _check_topology(self) -> None:
@@ -107,20 +111,20 @@ class Trainer:
         check_tp_within_nodes(self.node_ids, self.cfg.parallel.tp)
 
     def _build_data(self) -> None:
-        from rayspeed.data import RankBatches, build_token_file, make_schedule, val_batches
+        from rayspeed.data import RankBatches, make_schedule, val_batches
+        from rayspeed.train import data_setup
 
-        c, g = self.cfg, self.groups
-        cache = (c.data.cache_dir if c.data.cache_dir != AUTO
-                 else paths.data_cache_dir(self.payload.storage_path, c.storage.staging_dir, c.name))
-        tf = build_token_file(c.data.source, c.data.path, c.data.tokenizer, cache)
-        train, val = tf.split(c.data.val_fraction, c.model.seq_len)
+        c, g, dm = self.cfg, self.groups, self.cfg.data.document_masking
+        corpus = data_setup.load_corpus(c, self.payload.storage_path)  # the launcher tokenized it: a cache hit
+        train, val = data_setup.splits(corpus, c)
         schedule = make_schedule(train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
         self.train_split = train
         self.batches = RankBatches(train, c.model.seq_len, schedule, g.dp_rank, g.dp, c.parallel.micro_batch_size,
-                                   c.parallel.grad_accum)
+                                   c.parallel.grad_accum, document_masking=dm)
         share = c.parallel.micro_batch_size * c.parallel.grad_accum
-        self.validator_batches = val_batches(val, c.model.seq_len, share, c.train.eval_batches, g.dp_rank, g.dp)
-        log_rank(log, "data: %s; %d training sequences of %d tokens", tf, schedule.num_sequences, c.model.seq_len)
+        self.validator_batches = val_batches(val, c.model.seq_len, share, c.train.eval_batches, g.dp_rank, g.dp, dm)
+        self.data_inputs = data_setup.dataset_inputs(corpus, c) if self.ctx.is_rank0 else []
+        log_rank(log, "data: %s; %d training sequences of %d tokens", corpus, schedule.num_sequences, c.model.seq_len)
 
     def _restore_data_position(self, data_state: dict[str, Any]) -> None:
         from rayspeed.data import GlobalBatchSchedule, RankBatches
@@ -135,7 +139,9 @@ class Trainer:
         schedule = GlobalBatchSchedule(old.num_sequences, c.train.global_batch_size, old.seed, start_step=step,
                                        start_sample=int(data_state["consumed_samples"]))
         self.batches = RankBatches(self.train_split, c.model.seq_len, schedule, g.dp_rank, g.dp,
-                                   c.parallel.micro_batch_size, c.parallel.grad_accum, start_step=step)
+                                   c.parallel.micro_batch_size, c.parallel.grad_accum, start_step=step,
+                                   document_masking=self.batches.document_masking,
+                                   label_counts=self.batches.label_counts)
 
     def _preflight(self) -> Optional[RunResult]:
         """Bandwidth and environment checks on the job's own workers before step 0. A failure ends the job at once
@@ -175,7 +181,7 @@ class Trainer:
             done = step + 1
             self.chaos.at_step(done)
             with self.reporter.timed_step(done):
-                loss = self.train_step(micro)
+                loss = self.train_step(micro, self.loss_scale(step))
             self.reporter.step_done(done, loss, self.state, self.engine)
             if self.reporter.should_log(done):
                 metrics = self.reporter.log_window(done, self.lr(), self.global_grad_norm())
@@ -192,14 +198,28 @@ class Trainer:
         self.reporter.log_checkpoints_written(self.checkpointer.poll())
         return self.finish(val_loss)
 
-    def train_step(self, micro_batches: list) -> torch.Tensor:
+    def loss_scale(self, step: int) -> Optional[float]:
+        """With ignored labels (chat, document masking) the loss of a step is the mean over the counted labels of
+        its whole global batch, whatever micro-batch or rank they fall in: each micro-batch's summed loss is scaled
+        by dp * grad_accum / (counted labels of the global batch), which DeepSpeed's averaging over accumulation
+        and data-parallel ranks turns into exactly that mean. None: every label counts (the plain mean)."""
+        if not self.batches.weighted:
+            return None
+        return self.groups.dp * self.cfg.parallel.grad_accum / max(1, self.batches.step_tokens(step))
+
+    def train_step(self, micro_batches: list, scale: Optional[float] = None) -> torch.Tensor:
         eng = self.engine
         if self.pipelined:
-            batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+            if scale is not None:
+                eng.module.loss_fn.scale = scale
+            batches = [(stage_inputs(mb, self.device), mb[1].to(self.device)) for mb in micro_batches]
             return eng.train_batch(iter(batches)).float().mean()
         total = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
-            loss = eng(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        for mb in micro_batches:
+            x, y = mb[0].to(self.device, non_blocking=True), mb[1].to(self.device, non_blocking=True)
+            loss = eng(x, y, *(t.to(self.device, non_blocking=True) for t in mb[2:]))
+            if scale is not None:  # mean over this micro-batch's counted labels -> its share of the step's mean
+                loss = loss * (int((mb[1] != IGNORE_INDEX).sum()) * scale)
             eng.backward(loss)
             if self.clipper is not None and eng.is_gradient_accumulation_boundary():
                 self.grad_norm = self.clipper()  # gradients are all-reduced by now

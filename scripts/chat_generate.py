@@ -1,0 +1,73 @@
+"""Ask a chat model a question: a registered MLflow version (models:/<name>/<version|latest>) or a Hugging Face
+directory, loaded with transformers, prompted through its chat template, answered greedily.
+
+    python scripts/chat_generate.py models:/rayspeed-tiny-chat-finetune-cpu/latest "What is the capital of Italy?"
+    python scripts/chat_generate.py /tmp/rayspeed-tiny-chat/model "What color is the sky?"
+
+Tracking store: MLFLOW_TRACKING_URI, else the repository's mlflow.db (RAYSPEED_HOME, else this checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
+
+
+def model_dirs(ref: str, tracking_uri: str, dst: str) -> tuple[str, str]:
+    """(model directory, tokenizer directory) of a registered version (models:/<name>/<version|latest>) or a
+    directory. MLflow's transformers flavor keeps the tokenizer beside the model, under components/tokenizer. The
+    store is read through its own client: no process-wide MLflow setting is changed."""
+    if not ref.startswith("models:/"):
+        return ref, ref
+    import mlflow
+    from mlflow import MlflowClient
+
+    name, _, version = ref[len("models:/"):].partition("/")
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    if version in ("", "latest"):
+        version = str(max(int(v.version) for v in client.search_model_versions(f"name = '{name}'")))
+    source = client.get_model_version(name, version).source
+    if source.startswith("models:/m-"):  # an MLflow 3 logged model
+        source = client.get_logged_model(source[len("models:/"):]).artifact_location
+    local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dst)
+    tok = os.path.join(local, "components", "tokenizer")
+    return os.path.join(local, "model"), tok if os.path.isdir(tok) else os.path.join(local, "model")
+
+
+def answer(directory: str, question: str, max_new_tokens: int = 32, tokenizer_dir: str | None = None) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    return tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rayspeed.paths import MLFLOW_DB, home
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="models:/<name>/<version|latest> or a Hugging Face model directory")
+    ap.add_argument("question")
+    default_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / MLFLOW_DB}"
+    ap.add_argument("--tracking-uri", default=default_uri)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="rayspeed-chat-") as tmp:
+        d, t = model_dirs(a.model, a.tracking_uri, tmp)
+        print(f"Q: {a.question}")
+        print(f"A: {answer(d, a.question, a.max_new_tokens, t)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Make the chat fine-tuning example, locally (nothing is downloaded): a small Llama-family checkpoint with its own
+tokenizer and chat template, and a small chat corpus in JSONL files.
+
+    python scripts/make_tiny_chat_model.py [OUT]        # default /tmp/rayspeed-tiny-chat
+    make train CONFIG=configs/tiny-chat-finetune-cpu.yaml
+
+OUT/model/   LlamaForCausalLM (hidden 64, 2 layers, GQA, tied embeddings, transformers' own initialisation) saved
+             with save_pretrained, and its tokenizer: a byte-level BPE of 512 ids trained here with `tokenizers` on
+             the corpus, Llama-3 special tokens (<|begin_of_text|>, <|start_header_id|>, <|end_header_id|>,
+             <|eot_id|> as EOS) and a Llama-3-style chat template without generation markers (like most published
+             ones: rayspeed finds the assistant turns by rendering the conversation turn by turn).
+OUT/chats/   chats-0.jsonl .. chats-3.jsonl: {"messages": [{"role", "content"}, ...]} records: short questions
+             about a fixed set of facts, some with a system prompt, some with two exchanges.
+
+Re-running with the same OUT rewrites the same files (fixed seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
+
+DEFAULT_OUT = "/tmp/rayspeed-tiny-chat"
+FACTS = [
+    ("What color is the sky?", "The sky is blue."),
+    ("What color is grass?", "Grass is green."),
+    ("What color is snow?", "Snow is white."),
+    ("What color is a banana?", "A banana is yellow."),
+    ("What color is coal?", "Coal is black."),
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("What is the capital of Italy?", "The capital of Italy is Rome."),
+    ("What is the capital of Japan?", "The capital of Japan is Tokyo."),
+    ("What is the capital of Spain?", "The capital of Spain is Madrid."),
+    ("What is the capital of Egypt?", "The capital of Egypt is Cairo."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("How many legs does a dog have?", "A dog has four legs."),
+    ("How many days are in a week?", "A week has seven days."),
+    ("How many months are in a year?", "A year has twelve months."),
+    ("What do bees make?", "Bees make honey."),
+    ("What do cows drink?", "Cows drink water."),
+    ("Where does the sun rise?", "The sun rises in the east."),
+    ("Where does the sun set?", "The sun sets in the west."),
+    ("What is two plus two?", "Two plus two is four."),
+    ("What is three plus four?", "Three plus four is seven."),
+]
+GREETINGS = [("Hello!", "Hello! How can I help you?"), ("Thank you!", "You are welcome.")]
+SYSTEMS = ["You are a helpful assistant.", "Answer in one short sentence."]
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Llama 3's template, minus tools and dates: no {% generation %} markers.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def conversations(n: int = 800, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        msgs: list[dict[str, str]] = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": rng.choice(SYSTEMS)})
+        if rng.random() < 0.15:
+            q, a = rng.choice(GREETINGS[:1])
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        for _ in range(1 if rng.random() < 0.7 else 2):
+            q, a = rng.choice(FACTS)
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        out.append({"messages": msgs})
+    return out
+
+
+def train_tokenizer(texts: list[str], vocab: int = 512) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                   pad_token="<|end_of_text|>", chat_template=CHAT_TEMPLATE)
+
+
+def save(out: str, seed: int = 0) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    records = conversations(seed=seed)
+    chats = os.path.join(out, "chats")
+    os.makedirs(chats, exist_ok=True)
+    for i in range(4):  # a multi-file corpus
+        with open(os.path.join(chats, f"chats-{i}.jsonl"), "w") as f:
+            for r in records[i::4]:
+                f.write(json.dumps(r) + "\n")
+    texts = [m["content"] for r in records for m in r["messages"]] + ["system user assistant"] * 10
+    tokenizer = train_tokenizer(texts)
+    model_dir = os.path.join(out, "model")
+    tokenizer.save_pretrained(model_dir)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.02,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(model_dir)
+    return {"model": model_dir, "chats": chats, "records": len(records), "vocab": len(tokenizer)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default=DEFAULT_OUT)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    made = save(a.out, a.seed)
+    print(f"model and tokenizer (vocab {made['vocab']}, chat template): {made['model']}")
+    print(f"{made['records']} chat records in {made['chats']}/chats-*.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Chat records: rendered with the tokenizer's own chat template (a real tokenizer trained here, the example's
+Llama-3-style template without generation markers, and the same template with markers), the loss on assistant
+tokens only, and the loss of a step as the mean over the counted labels of its whole global batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rayspeed.data import DataSpec, GlobalBatchSchedule, RankBatches, build_token_file, load_tokenizer
+from rayspeed.data.chat import ChatRenderer
+from rayspeed.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("make_tiny_chat_model", ROOT / "scripts" / "make_tiny_chat_model.py")
+chat_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(chat_example)
+
+CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What color is snow?"},
+         {"role": "assistant", "content": "Snow is white."}, {"role": "user", "content": "What do bees make?"},
+         {"role": "assistant", "content": "Bees make honey."}]
+MARKED = chat_example.CHAT_TEMPLATE.replace(
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + "
+    "'<|eot_id|>' }}",
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{% endgeneration %}{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok_dirs(tmp_path_factory):
+    """The example's tokenizer (trained here with `tokenizers`) saved twice: its template, and with markers."""
+    base = tmp_path_factory.mktemp("chat-tok")
+    texts = [m["content"] for r in chat_example.conversations(200) for m in r["messages"]] + ["system user assistant"]
+    plain = chat_example.train_tokenizer(texts)
+    plain.save_pretrained(str(base / "plain"))
+    marked = chat_example.train_tokenizer(texts)
+    marked.chat_template = MARKED
+    marked.save_pretrained(str(base / "marked"))
+    return {"plain": str(base / "plain"), "marked": str(base / "marked")}
+
+
+def test_assistant_turns_only_with_and_without_generation_markers(tok_dirs):
+    plain, marked = ChatRenderer(load_tokenizer(tok_dirs["plain"])), ChatRenderer(load_tokenizer(tok_dirs["marked"]))
+    assert not plain.markers and marked.markers
+    ids, mask = plain.render(CONVO, "x")
+    ids2, mask2 = marked.render(CONVO, "x")
+    np.testing.assert_array_equal(ids, ids2)
+    np.testing.assert_array_equal(mask, mask2)  # turn-by-turn rendering finds what the markers say
+    tok = load_tokenizer(tok_dirs["plain"])
+    assert tok.decode(ids[mask == 1]) == "Snow is white.<|eot_id|>Bees make honey.<|eot_id|>"
+    text = tok.decode(ids)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system") and text.count("<|begin_of_text|>") == 1
+    assert "What color is snow?" in tok.decode(ids[mask == 0])
+
+
+def test_a_record_without_an_assistant_turn_is_named(tok_dirs, tmp_path):
+    rows = [{"messages": CONVO}, {"messages": CONVO[:2]}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DataSpec(source="files", path=(str(tmp_path / "c.jsonl"),), tokenizer=tok_dirs["plain"], format="chat")
+    with pytest.raises(ConfigError, match=r"c.jsonl:2 has no assistant turn"):
+        build_token_file(spec=spec, cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(ConfigError, match="message 0 is not a"):
+        ChatRenderer(load_tokenizer(tok_dirs["plain"])).render([{"role": "user"}], "r")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tok_dirs, tmp_path):
+    tok = load_tokenizer(tok_dirs["plain"])
+    tok.hf.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['role'] }}: "
+                            "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(ConfigError, match="generation"):
+        ChatRenderer(tok).render(CONVO, "r")
+
+
+def test_labels_count_assistant_tokens_and_the_step_loss_is_their_mean(tok_dirs, tmp_path):
+    rows = chat_example.conversations(60, seed=3)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DataSpec(source="files", path=(str(tmp_path / "c.jsonl"),), tokenizer=tok_dirs["plain"], format="chat")
+    tf = build_token_file(spec=spec, cache_dir=str(tmp_path / "cache"))
+    assert tf.mask is not None and tf.num_documents == 60
+    train, _ = tf.split(0.1, 32)
+    sched = GlobalBatchSchedule(train.num_sequences(32), 8, 5)
+    for dm in (False, True):
+        one = RankBatches(train, 32, sched, 0, 1, 8, 1, document_masking=dm)
+        (x, y, *seg) = one.get(0)[0]
+        assert len(seg) == int(dm)
+        counted = y != -100
+        # A label counts exactly where the predicted token is an assistant token (and, with document masking,
+        # is not the first token of a conversation).
+        idx = sched.indices(0)
+        mask = np.stack([np.asarray(tf.mask[train.start + j * 33: train.start + (j + 1) * 33]) for j in idx])
+        expect = mask[:, 1:].astype(bool)
+        if dm:
+            expect &= train.segments(idx, 32)[:, 1:] == train.segments(idx, 32)[:, :-1]
+            np.testing.assert_array_equal(seg[0].numpy(), train.segments(idx, 32)[:, :-1])
+        np.testing.assert_array_equal(counted.numpy(), expect)
+        assert one.step_tokens(0) == int(counted.sum()) > 0
+        # Any layout: the step's counted labels are the same number, and the per-micro-batch weights make the loss
+        # the mean over all of them.
+        logits = torch.randn(8, 32, 50, generator=torch.Generator().manual_seed(0))
+        y_all = y.clamp(max=49).where(counted, torch.tensor(-100))
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), y_all.reshape(-1), ignore_index=-100)
+        for dp, b, acc in ((2, 2, 2), (4, 1, 2), (1, 2, 4)):
+            total = 0.0
+            for r in range(dp):
+                rb = RankBatches(train, 32, sched, r, dp, b, acc, document_masking=dm)
+                assert rb.step_tokens(0) == one.step_tokens(0)
+                scale = dp * acc / rb.step_tokens(0)
+                for k, pos in enumerate(rb.positions(k) for k in range(acc)):
+                    yk = rb.get(0)[k][1]
+                    lk = torch.nn.functional.cross_entropy(logits[pos].reshape(-1, 50),
+                                                           yk.clamp(max=49).where(yk != -100, torch.tensor(-100))
+                                                           .reshape(-1), ignore_index=-100)
+                    total += float(lk) * int((yk != -100).sum()) * scale
+            # DeepSpeed divides by accumulation and averages over data-parallel ranks.
+            assert total / (acc * dp) == pytest.approx(float(ref), rel=1e-5)
