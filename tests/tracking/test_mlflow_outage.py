@@ -55,6 +55,7 @@ def _wait_up(uri, timeout=120):
     pytest.fail("mlflow server did not start")
 
 
+@pytest.mark.slow  # a heavier end-to-end drill: `make test-slow`
 def test_training_survives_a_20s_tracking_outage(tmp_path):
     port = free_port()
     uri = f"http://127.0.0.1:{port}"

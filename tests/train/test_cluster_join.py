@@ -79,6 +79,7 @@ def _train(env: dict[str, str], *extra: str, timeout: float = 600) -> subprocess
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a heavier end-to-end drill: `make test-slow`
 def test_a_token_file_does_not_turn_on_auth_for_a_cluster_without_it(tmp_path):
     """The driver's HOME holds a token (from an earlier `make train`); the cluster runs without authentication.
     Before, the launcher guessed RAY_AUTH_MODE=token from the file and the job died with ActorDiedError. With two

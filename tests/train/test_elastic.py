@@ -33,6 +33,7 @@ def _wait_for(pred, timeout, what):
     pytest.fail(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow  # a heavier end-to-end drill: `make test-slow`
 def test_node_loss_shrinks_and_regrows(tmp_path):
     from ray.cluster_utils import Cluster
 

@@ -3,6 +3,8 @@ Real runs of jobs/train.py in-process (--launcher local), a real MLflow store.""
 
 import json
 
+import pytest
+
 from _cluster import run_job
 from rayspeed.config.load import parse
 from rayspeed.train.resume_guard import differences, run_identity
@@ -18,6 +20,7 @@ def test_identity_names_what_changed_and_ignores_how_it_runs():
     assert differences(run_identity(a), run_identity(b)) == ["train.max_steps: 4 -> 6"]
 
 
+@pytest.mark.slow  # a heavier end-to-end drill: `make test-slow`
 def test_resubmission_with_other_settings_is_refused_unless_said(tmp_path):
     from rayspeed.tracking.client import mlflow_client
 

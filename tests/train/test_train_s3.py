@@ -40,6 +40,7 @@ def test_local_launcher_on_s3(s3, tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a heavier end-to-end drill: `make test-slow`
 def test_kill_drill_resumes_from_s3(s3, ray_head, tmp_path):
     """Rank 1 dies at step 12 of 20; the job resumes from checkpoint_step10 downloaded from the bucket and logs
     the losses of an uninterrupted run."""
