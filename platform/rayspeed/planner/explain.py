@@ -175,7 +175,8 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L.append(f"  strategy by size ({size}, {s['gpus']} {'GPUs' if ctx.hw.is_gpu else 'workers'}): {s['recommends']}; "
              f"{'fits' if s['fits'] else 'does NOT fit'}; chosen follows it: {s['chosen_follows_rule']}; {s['note']}")
     lr = rules["lr"]
-    used = "used for train.lr: auto" if lr.get("applied") else "not used: train.lr is set in the job"
+    used = ("used for train.lr: auto" if lr.get("applied")
+            else "not used: train.lr is a number (its default or the job's); train.lr: auto applies the rule")
     L.append(f"  learning rate: {lr['rule']} = {lr['lr']:.3g} ({used})"
              + (f"; {lr['floored']}" if "floored" in lr else ""))
     if lr.get("applied") and "warning" in lr:
