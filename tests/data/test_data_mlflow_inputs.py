@@ -62,3 +62,14 @@ def test_an_own_validation_split_is_its_own_input(tmp_path):
     assert [(i["context"], i["split"], i["digest"], i["num_tokens"], i["num_documents"]) for i in items] == [
         ("training", "train", "a" * 32, 100, 4), ("validation", "validation", "b" * 32, 30, 1)]
     assert items[0]["source"] == "org/x" and items[0]["source_type"] == "hf"
+
+
+def test_a_source_with_credentials_reaches_mlflow_masked():
+    from rayspeed.tracking.dataset_inputs import to_mlflow
+
+    item = {"context": "training", "name": "corpus", "source_type": "files", "digest": "0123abcd" * 4,
+            "source": "s3://AKIAEXAMPLE:wJalrXUtnFEMIsecret@bucket/corpus/*.jsonl", "num_documents": 3,
+            "num_tokens": 40}
+    ds = to_mlflow(item).dataset
+    assert "wJalrXUtnFEMIsecret" not in ds.source and "bucket/corpus/*.jsonl" in ds.source
+    assert ds.digest == "0123abcd" * 4 and ds.name == "corpus"

@@ -18,6 +18,9 @@ def test_identity_names_what_changed_and_ignores_how_it_runs():
     a = parse({"train": {"max_steps": 4}})
     b = parse({"train": {"max_steps": 6}, "parallel": {"zero_stage": 1}, "cluster": {"num_workers": 1}})
     assert differences(run_identity(a), run_identity(b)) == ["train.max_steps: 4 -> 6"]
+    # Where the same data is cached is not what the run computes (a shared HF cache for several nodes).
+    c = parse({"train": {"max_steps": 4}, "data": {"cache_dir": "/shared/tok", "hf_cache_dir": "/shared/hf"}})
+    assert differences(run_identity(a), run_identity(c)) == []
 
 
 @pytest.mark.slow  # a heavier end-to-end drill: `make test-slow`

@@ -19,6 +19,10 @@ CONTEXT_TAG = "mlflow.data.context"
 def to_mlflow(item: dict[str, Any]) -> Any:
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
+    from rayspeed.redact import redact_mapping
+
+    item = redact_mapping(item)  # a source URI or path may carry credentials, like everything else sent to MLflow
+
     source = {"source": item["source"], "split": item.get("split"), "format": item.get("format"),
               "tokenizer": item.get("tokenizer")}
     profile = {"num_documents": item.get("num_documents"), "num_tokens": item.get("num_tokens")}
