@@ -55,6 +55,13 @@ def default_iters(device: Any = "cpu") -> tuple[int, int]:
     return (20, 5) if _device(device).type == "cuda" else (5, 1)
 
 
+def _sweep_settings(device: Any, iters: int | None, warmup: int | None) -> tuple[torch.device, int, int]:
+    """A sweep's device and its (iters, warmup), the device's defaults where not given."""
+    dev = _device(device)
+    it, wu = default_iters(dev)
+    return dev, iters or it, wu if warmup is None else warmup
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,10 +113,7 @@ def _finish(op: str, rows: list[dict], times: list[float], oks: list[bool], devi
 def allreduce_sweep(group=None, sizes: list[int] | None = None, device: Any = "cpu", iters: int | None = None,
                     warmup: int | None = None) -> list[dict]:
     """In-place sum all-reduce of float32 buffers of each size (bytes)."""
-    dev = _device(device)
-    it, wu = default_iters(dev)
-    iters = iters or it
-    warmup = wu if warmup is None else warmup
+    dev, iters, warmup = _sweep_settings(device, iters, warmup)
     n = dist.get_world_size(group)
     rows, times, oks = [], [], []
     for size in sizes or default_sizes(dev):
@@ -135,10 +139,7 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 def allgather_sweep(group=None, sizes: list[int] | None = None, device: Any = "cpu", iters: int | None = None,
                     warmup: int | None = None) -> list[dict]:
     """All-gather into one buffer; `bytes` is the gathered (output) size, as in nccl-tests."""
-    dev = _device(device)
-    it, wu = default_iters(dev)
-    iters = iters or it
-    warmup = wu if warmup is None else warmup
+    dev, iters, warmup = _sweep_settings(device, iters, warmup)
     n = dist.get_world_size(group)
     me = dist.get_rank(group)
     rows, times, oks = [], [], []
@@ -164,10 +165,7 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 def reducescatter_sweep(group=None, sizes: list[int] | None = None, device: Any = "cpu", iters: int | None = None,
                         warmup: int | None = None) -> list[dict]:
     """Sum reduce-scatter from one buffer; `bytes` is the input size, as in nccl-tests."""
-    dev = _device(device)
-    it, wu = default_iters(dev)
-    iters = iters or it
-    warmup = wu if warmup is None else warmup
+    dev, iters, warmup = _sweep_settings(device, iters, warmup)
     n = dist.get_world_size(group)
     rows, times, oks = [], [], []
     for size in sizes or default_sizes(dev):
