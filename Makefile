@@ -36,7 +36,7 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q --durations=15 -m "not slow" --ignore=tests/train/test_multinode.py tests
 
-# Heavier end-to-end drills (checkpoint kill points under Ray Train); CI runs them after `make test`.
+# Heavier end-to-end drills (kill points and kill drills, elastic node loss, tracking outage); CI runs them after `make test`.
 test-slow: setup
 	$(BIN)/python -m pytest -q --durations=15 -m slow --ignore=tests/train/test_multinode.py tests
 
