@@ -14,7 +14,7 @@ SERVICES := $(CURDIR)/.services
 export RAYSPEED_HOME := $(CURDIR)
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup lint train test test-slow test-multinode up down submit plan mlflow-ui bench retrain schedule unschedule clean
+.PHONY: setup examples lint train test test-slow test-multinode up down submit plan mlflow-ui bench retrain schedule unschedule clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,16 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-train: setup
+# The shipped examples' prepared inputs (made here, nothing is downloaded), in runs/examples/. A job file that reads
+# from runs/examples/ gets them made first by `make train` and `make submit`.
+EXAMPLE_INPUTS := runs/examples/tiny-chat/.made
+examples: $(EXAMPLE_INPUTS)
+runs/examples/tiny-chat/.made: scripts/make_tiny_chat_model.py $(STAMP)
+	$(BIN)/python scripts/make_tiny_chat_model.py runs/examples/tiny-chat
+	@touch $@
+NEEDS_EXAMPLES = $(if $(shell grep -qs 'runs/examples/' $(CONFIG) && echo yes),examples)
+
+train: setup $(NEEDS_EXAMPLES)
 	$(BIN)/python jobs/train.py --config $(CONFIG) $(ARGS)
 
 # The habits of a kept codebase: lint and import order, the layering contract, types of the pure-Python core.
@@ -71,7 +80,7 @@ down:
 
 # The working-dir copy has no .git: the commit travels to the run's mlflow.source.git.commit tag as an env var.
 GIT_COMMIT = $(shell git rev-parse HEAD 2>/dev/null)
-submit: setup
+submit: setup $(NEEDS_EXAMPLES)
 	RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:8265 $(BIN)/ray job submit --working-dir . \
 	  --runtime-env-json '{"env_vars": {"MLFLOW_TRACKING_URI": "http://127.0.0.1:$(MLFLOW_PORT)", "RAYSPEED_HOME": "$(CURDIR)", "RAYSPEED_GIT_COMMIT": "$(GIT_COMMIT)"}, "excludes": [".venv", "runs", "mlartifacts", ".services", "mlflow.db", ".git"]}' \
 	  -- python jobs/train.py --config $(CONFIG) $(ARGS)

@@ -2,7 +2,7 @@
 directory, loaded with transformers, prompted through its chat template, answered greedily.
 
     python scripts/chat_generate.py models:/rayspeed-tiny-chat-finetune-cpu/latest "What is the capital of Italy?"
-    python scripts/chat_generate.py /tmp/rayspeed-tiny-chat/model "What color is the sky?"
+    python scripts/chat_generate.py runs/examples/tiny-chat/model "What color is the sky?"
 
 Tracking store: MLFLOW_TRACKING_URI, else the repository's mlflow.db (RAYSPEED_HOME, else this checkout).
 """

@@ -1,8 +1,9 @@
 """Make the chat fine-tuning example, locally (nothing is downloaded): a small Llama-family checkpoint with its own
 tokenizer and chat template, and a small chat corpus in JSONL files.
 
-    python scripts/make_tiny_chat_model.py [OUT]        # default /tmp/rayspeed-tiny-chat
-    make train CONFIG=configs/tiny-chat-finetune-cpu.yaml
+    make examples                                       # runs this with the default OUT
+    python scripts/make_tiny_chat_model.py [OUT]        # default runs/examples/tiny-chat in the repository
+    make train CONFIG=configs/tiny-chat-finetune-cpu.yaml    # makes the example first when it is missing
 
 OUT/model/   LlamaForCausalLM (hidden 64, 2 layers, GQA, tied embeddings, transformers' own initialisation) saved
              with save_pretrained, and its tokenizer: a byte-level BPE of 512 ids trained here with `tokenizers` on
@@ -26,7 +27,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
 
-DEFAULT_OUT = "/tmp/rayspeed-tiny-chat"
+# Inside the repository (runs/ is ignored by git), where configs/tiny-chat-finetune-cpu.yaml looks for it.
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "examples", "tiny-chat")
 FACTS = [
     ("What color is the sky?", "The sky is blue."),
     ("What color is grass?", "Grass is green."),

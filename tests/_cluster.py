@@ -30,10 +30,10 @@ def _node_ip() -> str:
 
 
 class RayHead:
-    def __init__(self, num_cpus: int = 8):
+    def __init__(self, log_dir: Path, num_cpus: int = 8):
         self.port = free_port()
         self.address = f"{_node_ip()}:{self.port}"
-        self.log = open(f"/tmp/rayspeed-test-ray-{self.port}.log", "w")
+        self.log = open(Path(log_dir) / f"ray-head-{self.port}.log", "w")
         ray_bin = VENV_BIN / "ray"
         self.proc = subprocess.Popen(
             [str(ray_bin), "start", "--head", "--block", "--port", str(self.port), "--num-cpus", str(num_cpus),

@@ -13,17 +13,17 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 @pytest.fixture(scope="session")
-def ray_head():
+def ray_head(tmp_path_factory):
     """A real local Ray cluster shared by every integration test of the session."""
     from _cluster import RayHead
 
-    head = RayHead(num_cpus=8)
+    head = RayHead(tmp_path_factory.mktemp("ray-head"), num_cpus=8)
     yield head
     head.stop()
 
 
 @pytest.fixture(scope="session")
-def s3():
+def s3(tmp_path_factory):
     """A real S3 API (moto's server) for the session, its endpoint and dummy credentials in os.environ while it
     runs. Skips (with the reason) only when moto is not installed or its server cannot start."""
     try:
@@ -34,7 +34,7 @@ def s3():
     from _moto import MotoS3
 
     try:
-        server = MotoS3(f"/tmp/rayspeed-test-moto-{os.getpid()}.log")
+        server = MotoS3(str(tmp_path_factory.mktemp("moto") / "moto.log"))
     except RuntimeError as e:
         pytest.skip(f"moto_server could not start: {e}")
     saved = {k: os.environ.get(k) for k in server.env}
@@ -92,3 +92,18 @@ def _mlflow_process_store_restored():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def examples_home(tmp_path_factory):
+    """A launch home holding the shipped examples' prepared inputs (what `make examples` makes in the repository),
+    made once per session: with RAYSPEED_HOME set to it, the shipped job files' ./runs/examples/ paths resolve
+    there. Returns (home, {"model": ..., "chats": ..., "records": ...})."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_chat_model", ROOT / "scripts" / "make_tiny_chat_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    home = tmp_path_factory.mktemp("examples-home")
+    made = mod.save(str(home / "runs" / "examples" / "tiny-chat"))
+    return home, made

@@ -84,7 +84,8 @@ def test_activation_checkpointing_claims_only_what_is_applied():
     assert "torch.utils.checkpoint" in res.rules["checkpointing"]["template"]
 
 
-def test_shipped_configs_run_or_say_they_are_planning_examples():
+def test_shipped_configs_run_or_say_they_are_planning_examples(examples_home, monkeypatch):
+    monkeypatch.setenv("RAYSPEED_HOME", str(examples_home[0]))
     for p in sorted((ROOT / "configs").glob("*.yaml")):
         head = p.read_text().splitlines()[0]
         cfg = load(str(p))

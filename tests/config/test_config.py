@@ -37,9 +37,32 @@ def test_interface_example_loads():
     assert cfg.chaos.kill_rank_at_step is None
 
 
-def test_every_config_in_repo_loads():
+def test_every_config_in_repo_loads(examples_home, monkeypatch):
+    # The shipped examples' inputs as `make examples` makes them, in a launch home of the test's own.
+    monkeypatch.setenv("RAYSPEED_HOME", str(examples_home[0]))
     for p in sorted((ROOT / "configs").glob("*.yaml")):
         load(str(p))
+
+
+def test_a_shipped_config_whose_inputs_are_not_made_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYSPEED_HOME", str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        load(str(ROOT / "configs" / "tiny-chat-finetune-cpu.yaml"))
+    msg = str(e.value)
+    assert f"model.pretrained: {tmp_path}/runs/examples/tiny-chat/model: no such directory" in msg
+    assert "`make examples`" in msg
+
+
+def test_relative_inputs_are_anchored_at_the_launch_home(examples_home, monkeypatch, tmp_path):
+    home, made = examples_home
+    monkeypatch.setenv("RAYSPEED_HOME", str(home))
+    monkeypatch.chdir(tmp_path)  # the driver under `ray job submit --working-dir` runs from a temporary copy
+    cfg = load(str(ROOT / "configs" / "tiny-chat-finetune-cpu.yaml"))
+    assert cfg.model.pretrained == made["model"]
+    assert cfg.data.path == f"{made['chats']}/*.jsonl"
+    monkeypatch.delenv("RAYSPEED_HOME")
+    cfg = parse({"data": {"source": "files", "path": ["./a/*.txt", "/abs/b.txt", "c.txt"]}})
+    assert cfg.data.path == [f"{tmp_path}/a/*.txt", "/abs/b.txt", "c.txt"]
 
 
 def test_unknown_key_names_the_dotted_key_and_suggests():

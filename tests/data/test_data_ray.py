@@ -13,18 +13,14 @@ import pytest
 from _cluster import ROOT, metric_history, run_job
 
 pytestmark = pytest.mark.ray
-_spec = importlib.util.spec_from_file_location("make_tiny_chat_model", ROOT / "scripts" / "make_tiny_chat_model.py")
-chat_example = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(chat_example)
 _gen = importlib.util.spec_from_file_location("chat_generate", ROOT / "scripts" / "chat_generate.py")
 chat_generate = importlib.util.module_from_spec(_gen)
 _gen.loader.exec_module(chat_generate)
 
 
 @pytest.fixture(scope="module")
-def example(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-chat")
-    return chat_example.save(str(out))
+def example(examples_home):
+    return examples_home[1]
 
 
 def test_ray_data_and_the_process_pool_write_byte_identical_shards(ray_head, example, tmp_path, monkeypatch):

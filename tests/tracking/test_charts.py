@@ -5,6 +5,7 @@ unavailable/missing cases, and the background publisher that logs them as charts
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 
 import pytest
@@ -118,8 +119,12 @@ def test_missing_and_unavailable_cases(home):
     assert "not computed yet" in d["loss_landscape.png"]
 
 
-def test_publisher_logs_charts_and_keeps_the_landscape(home):
+def test_publisher_logs_charts_and_keeps_the_landscape(home, monkeypatch):
     from mlflow.tracking import MlflowClient
+
+    scratch = home / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
 
     uri, rid, lg = _run("pub-job", gpu=False)
     pub = ChartPublisher(lg, uri, rid)
@@ -129,8 +134,13 @@ def test_publisher_logs_charts_and_keeps_the_landscape(home):
     assert {f"charts/{f}" for f in CHART_FILES} <= names and "charts/loss_landscape.json" in names
     # a later refresh without a landscape reuses the logged one
     assert pub.publish(wait_s=60)
-    assert _desc(dict((p.split("/")[-1], p) for p in pub.last_paths)["loss_landscape.png"]).startswith("data:")
+    assert "loss_landscape.png" in pub.last_paths
+    assert lg.flush(60)
+    got = MlflowClient(uri).download_artifacts(rid, "charts/loss_landscape.png", str(home / "dl"))
+    assert _desc(got).startswith("data:")
     lg.close()
+    # the folder that carried the charts to MLflow is gone
+    assert not list(scratch.glob("rayspeed-*"))
 
 
 def test_publisher_never_raises_when_the_server_is_gone(monkeypatch):

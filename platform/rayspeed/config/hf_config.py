@@ -18,6 +18,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Optional
 
+from rayspeed.config.examples import prepare_hint
 from rayspeed.config.shape import QKV_BIAS_ARCHITECTURES, ROPE_TYPES, ModelShape, rope_fields
 from rayspeed.config.validate import SUPPORTED_ARCHITECTURES
 
@@ -48,7 +49,7 @@ def resolve_file(ref: str, filename: str = CONFIG_FILE) -> Path:
         d = Path(os.path.expanduser(ref))
         if not d.is_dir():
             raise PretrainedError(f"model.pretrained: {ref}: no such directory (a local model directory or a "
-                                  "Hugging Face hub id such as meta-llama/Llama-3.2-1B)")
+                                  f"Hugging Face hub id such as meta-llama/Llama-3.2-1B){prepare_hint(ref)}")
         f = d / filename
         if not f.is_file():
             raise PretrainedError(f"model.pretrained: {f} is missing (save the model with save_pretrained, which "

@@ -230,6 +230,7 @@ def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
     data = _deep_copy(data)
     for o in overrides or []:
         _apply_override(data, o, problems)
+    _anchor_relative_paths(data)
     cfg = _build(JobConfig, data, "", problems)
     if not problems and cfg.model.pretrained:
         from rayspeed.config.hf_config import pretrained_problems
@@ -241,6 +242,33 @@ def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+# Inputs a job file may name with ./ or ../: anchored once, here, so the driver, every worker and the records
+# (config/resolved.yaml) see one absolute path, whatever directory each process runs in.
+_RELATIVE_INPUTS = (("model", "pretrained"), ("data", "path"), ("data", "tokenizer"), ("train", "init_from"))
+
+
+def relative_base() -> str:
+    """What ./ and ../ in a job file are relative to: the launch home ($RAYSPEED_HOME, which `make` and `make
+    submit` set to the repository; `ray job submit --working-dir` runs the driver from a temporary copy), else the
+    current directory."""
+    return os.environ.get("RAYSPEED_HOME") or os.getcwd()
+
+
+def _anchor(value: Any) -> Any:
+    if isinstance(value, str) and value.startswith(("./", "../")):
+        return os.path.normpath(os.path.join(relative_base(), value))
+    if isinstance(value, list):
+        return [_anchor(v) for v in value]
+    return value
+
+
+def _anchor_relative_paths(data: dict) -> None:
+    for section, key in _RELATIVE_INPUTS:
+        sec = data.get(section)
+        if isinstance(sec, dict) and key in sec:
+            sec[key] = _anchor(sec[key])
 
 
 def load(path: str, overrides: list[str] | None = None, lint_cluster_env: bool = True) -> JobConfig:

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
+from rayspeed.config.examples import prepare_hint
 from rayspeed.errors import ConfigError
 
 UNIT_BYTES = 64 << 20  # input bytes per work unit (a unit is tokenized by one process into one shard)
@@ -88,7 +89,7 @@ def expand(patterns: tuple[str, ...], key: str = "data.path") -> list[str]:
                 raise ConfigError(f"{key}: {p} is a directory but not one saved by datasets' save_to_disk; use a "
                                   f"glob such as {os.path.join(pattern, '*.jsonl')!r}")
         if not found:
-            raise ConfigError(f"{key}: no files match {pattern!r}")
+            raise ConfigError(f"{key}: no files match {pattern!r}{prepare_hint(pattern)}")
         out += [f for f in found if f not in out]
     return out
 

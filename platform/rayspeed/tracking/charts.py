@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import tempfile
 import textwrap
 import threading
@@ -406,10 +407,19 @@ class ChartPublisher:
         try:
             if self.tracker is not None:
                 self.tracker.flush(self.flush_timeout_s)
+            # The folder only carries the files to MLflow (the logger deletes it once sent): a long-lived node
+            # running many jobs must not keep one per refresh.
             out = tempfile.mkdtemp(prefix="rayspeed-charts-")
-            self.last_paths = render_charts(self.uri, self.run_id, out, landscape=landscape)
+            try:
+                paths = render_charts(self.uri, self.run_id, out, landscape=landscape)
+                self.last_paths = [os.path.basename(p) for p in paths]
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
             if self.tracker is not None:
-                self.tracker.log_artifact_dir(out, "charts")
+                self.tracker.log_artifact_dir(out, "charts", remove=True)
+            else:
+                shutil.rmtree(out, ignore_errors=True)
         except Exception as e:
             self._warn(e)
 

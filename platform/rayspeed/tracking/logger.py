@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from typing import Any
@@ -48,8 +49,9 @@ class NullLogger:
     def log_artifact_file(self, path: str, artifact_path: str | None = None) -> None:
         pass
 
-    def log_artifact_dir(self, path: str, artifact_path: str | None = None) -> None:
-        pass
+    def log_artifact_dir(self, path: str, artifact_path: str | None = None, remove: bool = False) -> None:
+        if remove:
+            shutil.rmtree(path, ignore_errors=True)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         return True
@@ -115,8 +117,9 @@ class MlflowLogger(NullLogger):
     def log_artifact_file(self, path: str, artifact_path: str | None = None) -> None:
         self._put("file", (path, artifact_path))
 
-    def log_artifact_dir(self, path: str, artifact_path: str | None = None) -> None:
-        self._put("dir", (path, artifact_path))
+    def log_artifact_dir(self, path: str, artifact_path: str | None = None, remove: bool = False) -> None:
+        """Upload a folder; with remove, the folder is the logger's: deleted once sent (or given up at close)."""
+        self._put("dir", (path, artifact_path, remove))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until everything queued so far reached the server (or the timeout passed)."""
@@ -157,7 +160,7 @@ class MlflowLogger(NullLogger):
             path, artifact_path = payload
             self.client.log_artifact(self.run_id, path, artifact_path)
         elif kind == "dir":
-            path, artifact_path = payload
+            path, artifact_path, _ = payload
             self.client.log_artifacts(self.run_id, path, artifact_path)
 
     def _drain(self) -> None:
@@ -201,6 +204,8 @@ class MlflowLogger(NullLogger):
                         break
                     time.sleep(delay)
                     delay = min(delay * 2, self._retry_max_s)
+            if kind == "dir" and payload[2]:
+                shutil.rmtree(payload[0], ignore_errors=True)
             with self._lock:
                 self._pending -= taken
                 if self._pending == 0:

@@ -56,9 +56,9 @@ def previous_landscape(client: Any, run_id: str) -> Optional[dict]:
         names = {a.path for a in client.list_artifacts(run_id, "charts")}
         if f"charts/{LANDSCAPE_JSON}" not in names:
             return None
-        d = tempfile.mkdtemp(prefix="rayspeed-landscape-")
-        p = client.download_artifacts(run_id, f"charts/{LANDSCAPE_JSON}", d)
-        with open(p) as fh:
-            return json.load(fh)
+        with tempfile.TemporaryDirectory(prefix="rayspeed-landscape-") as d:
+            p = client.download_artifacts(run_id, f"charts/{LANDSCAPE_JSON}", d)
+            with open(p) as fh:
+                return json.load(fh)
     except Exception:
         return None
