@@ -26,12 +26,16 @@ setup: $(STAMP)
 
 # The shipped examples' prepared inputs (made here, nothing is downloaded), in runs/examples/. A job file that reads
 # from runs/examples/ gets them made first by `make train` and `make submit`.
-EXAMPLE_INPUTS := runs/examples/tiny-chat/.made
+EXAMPLE_INPUTS := runs/examples/tiny-chat/.made runs/examples/tiny-llama/.made
 examples: $(EXAMPLE_INPUTS)
+runs/examples/tiny-llama/.made: scripts/make_tiny_hf_model.py $(STAMP)
+	$(BIN)/python scripts/make_tiny_hf_model.py runs/examples/tiny-llama --tokenizer
+	@touch $@
 runs/examples/tiny-chat/.made: scripts/make_tiny_chat_model.py $(STAMP)
 	$(BIN)/python scripts/make_tiny_chat_model.py runs/examples/tiny-chat
 	@touch $@
-NEEDS_EXAMPLES = $(if $(shell grep -qs 'runs/examples/' $(CONFIG) && echo yes),examples)
+# Read by make itself, never through a shell: CONFIG is the user's text (see the scheduling targets below).
+NEEDS_EXAMPLES = $(if $(findstring runs/examples/,$(file <$(value CONFIG))),examples)
 
 train: setup $(NEEDS_EXAMPLES)
 	$(BIN)/python jobs/train.py --config $(CONFIG) $(ARGS)
@@ -99,7 +103,7 @@ bench: setup
 retrain schedule unschedule: export RAYSPEED_MAKE_CONFIG = $(value CONFIG)
 retrain schedule: export RAYSPEED_MAKE_ARGS = $(value ARGS)
 retrain: setup
-	$(BIN)/rayspeed retrain --config "$$RAYSPEED_MAKE_CONFIG" --args "$$RAYSPEED_MAKE_ARGS"
+	$(BIN)/rayspeed retrain --config "$$RAYSPEED_MAKE_CONFIG" --args="$$RAYSPEED_MAKE_ARGS"
 
 # One crontab line (marker "# rayspeed-retrain <repo>:<config>") running `make retrain`, logs to runs/retrain.log.
 # Idempotent: re-running replaces the line for this repo + config. DRY_RUN=1 prints it only.
@@ -110,7 +114,7 @@ schedule: export RAYSPEED_MAKE_CRON = $(value CRON)
 schedule: export RAYSPEED_MAKE_LOG = $(value RETRAIN_LOG)
 schedule: setup
 	@$(BIN)/rayspeed schedule install --cron "$$RAYSPEED_MAKE_CRON" --config "$$RAYSPEED_MAKE_CONFIG" \
-	  --repo "$(CURDIR)" --log "$$RAYSPEED_MAKE_LOG" --args "$$RAYSPEED_MAKE_ARGS" \
+	  --repo "$(CURDIR)" --log "$$RAYSPEED_MAKE_LOG" --args="$$RAYSPEED_MAKE_ARGS" \
 	  $(if $(filter 1 yes true,$(value DRY_RUN)),--dry-run)
 
 # Removes this repository's rayspeed-retrain lines (only CONFIG's when CONFIG is given on the command line).

@@ -106,4 +106,8 @@ def examples_home(tmp_path_factory):
     spec.loader.exec_module(mod)
     home = tmp_path_factory.mktemp("examples-home")
     made = mod.save(str(home / "runs" / "examples" / "tiny-chat"))
+    from _hf_models import tiny
+
+    made["tiny-llama"] = str(home / "runs" / "examples" / "tiny-llama")
+    tiny.save(made["tiny-llama"], tokenizer=True)  # what `make examples` runs: the script's defaults
     return home, made

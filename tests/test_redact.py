@@ -47,3 +47,59 @@ def test_nested_config():
                    "tracking": {"uri": f"http://a:{MASK}@h:5000"},
                    "data": {"tokenizer": "bytes", "path": [f"s3://b/x?sig={MASK}"]}}
     assert cfg["cluster"]["env"]["HF_TOKEN"] == "hf_abc"  # a copy: the original keeps its values
+
+
+@pytest.mark.parametrize("name", ["PGPASSWORD", "DB_PASS", "REDIS_PASS", "GITHUB_PAT", "MYSQL_ROOT_PASSWORD",
+                                  "githubtoken"])
+def test_secret_names_the_env_profile_used_to_miss(name):
+    assert is_secret_key(name)
+
+
+@pytest.mark.parametrize("name", ["PWD", "OLDPWD", "pass_rate", "path", "patience"])
+def test_directories_and_look_alikes_are_not_secrets(name):
+    assert not is_secret_key(name)
+
+
+def test_paths_are_never_masked():
+    # PWD's value is the launch directory: every path under it used to print as ***.
+    env = {"PWD": "/home/me/rayspeed", "OLDPWD": "/home/me", "GOOGLE_APPLICATION_CREDENTIALS": "/home/me/sa.json"}
+    text = "MLflow run at sqlite:////home/me/rayspeed/mlflow.db, model exported to /home/me/rayspeed/runs/x/model"
+    assert redact_text(text, environ=env) == text
+    assert redact_text("credentials: /home/me/sa.json", environ={}) == "credentials: /home/me/sa.json"
+    assert redact_mapping({"env": {"GOOGLE_APPLICATION_CREDENTIALS": "/etc/sa.json", "HF_TOKEN": "hf_x"}}) == {
+        "env": {"GOOGLE_APPLICATION_CREDENTIALS": "/etc/sa.json", "HF_TOKEN": MASK}}
+
+
+def test_http_credentials_lose_the_token():
+    for line in ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.abc.def",
+                 '{"Authorization": "Basic dXNlcjpodW50ZXIyMjI="}',
+                 "curl -H 'authorization: token ghp_0123456789abcdef' https://h"):
+        out = redact_text(line, environ={})
+        assert MASK in out
+        assert not any(t in out for t in ("eyJhbGci", "dXNlcjpo", "ghp_0123")), out
+
+
+def test_prose_keys_and_settings_stay_readable():
+    for plain in ("cache key: 3f2a9c1b0d4e5f6a7b8c", "sort key=loss", "token=5", "password_min_len=12",
+                  "tokens: 32551", "api_key=short"):
+        assert redact_text(plain, environ={}) == plain, plain
+    assert redact_text("api_key=sk-live-0123456789", environ={}) == f"api_key={MASK}"
+    assert redact_text("key=AKIAIOSFODNN7EXAMPLEKEY", environ={}) == f"key={MASK}"
+    assert redact_text("DB_PASS=hunter2hunter2 REDIS_PASS='x y'", environ={}) == f"DB_PASS={MASK} REDIS_PASS='{MASK}'"
+
+
+def test_object_store_uris_lose_the_whole_key_pair():
+    assert redact_uri("s3://AKIAKEY:SECRETVALUE@minio:9000/b") == f"s3://{MASK}@minio:9000/b"
+    assert redact_uri("ftp://u:PW@host/x") == f"ftp://u:{MASK}@host/x"
+
+
+def test_config_errors_are_masked():
+    from rayspeed.config import parse
+    from rayspeed.errors import ConfigError
+
+    for overrides, secret in ((["storage.path=ftp://u:PW0rdPW0rd@host/x"], "PW0rdPW0rd"),
+                              (["model.pretrained=https://u:PW0rdPW0rd@example.org/m"], "PW0rdPW0rd"),
+                              (["cluster.env={HF_TOKEN: [hf_0123456789abcdef]}"], "hf_0123456789abcdef")):
+        with pytest.raises(ConfigError) as e:
+            parse({}, overrides)
+        assert secret not in e.value.render() and secret not in str(e.value), e.value.render()

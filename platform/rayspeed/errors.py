@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rayspeed.redact import redact_text
+
 
 class ConfigError(Exception):
     """The job (file, overrides or cluster) is wrong. Carries every problem found, each naming its key."""
@@ -11,11 +13,12 @@ class ConfigError(Exception):
         super().__init__(self.render())
 
     def render(self) -> str:
+        """The message, secrets masked: it goes to stderr, which `ray job submit` keeps in the job's log."""
         if len(self.problems) == 1:
-            return f"config error: {self.problems[0]}"
+            return redact_text(f"config error: {self.problems[0]}")
         lines = [f"config error: {len(self.problems)} problems"]
         lines += [f"  - {p}" for p in self.problems]
-        return "\n".join(lines)
+        return redact_text("\n".join(lines))
 
 
 EXIT_OK = 0

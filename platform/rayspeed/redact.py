@@ -11,10 +11,23 @@ environment, the MLflow client).
     redact_mapping(obj)                        nested dicts/lists: values under secret-looking keys masked,
                                                every string through redact_text
 
-Names are split into words (on `_ . - /`, spaces and camelCase) and a word must equal a secret word, so
-`data.tokenizer`, `max_tokens` or `monkey` are not secrets while `cluster.env.HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`,
-`apiKey` and `MLFLOW_TRACKING_PASSWORD` are. Names whose last word says the value is a mode, a type or a file
-location (`RAY_AUTH_MODE`, `AWS_WEB_IDENTITY_TOKEN_FILE`) are not: their values are settings, not secrets.
+Names are split into words (on `_ . - /`, spaces and camelCase); a name is secret when one of its words is a secret
+word or ends with one of the unambiguous ones (`PGPASSWORD`, `githubtoken`), or when its last word is `pass` or
+`pat` (`DB_PASS`, `GITHUB_PAT`). So `data.tokenizer`, `max_tokens` or `monkey` are not secrets while
+`cluster.env.HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`, `apiKey` and `MLFLOW_TRACKING_PASSWORD` are. Names whose last word
+says the value is a mode, a type or a file location (`RAY_AUTH_MODE`, `AWS_WEB_IDENTITY_TOKEN_FILE`) are not: their
+values are settings. The shell's working-directory variables (`PWD`, `OLDPWD`) are not secrets.
+
+Masking never hides a path or a setting. The rule for free text, where a word like `key` is often just prose:
+- a `NAME=value` / `NAME: value` pair is masked when NAME is secret and the value looks like a credential: 8 or
+  more characters, no spaces, not a path (`/`, `~/`, `./`, `../`), not a number; a quoted value under a secret
+  NAME is masked whatever it looks like (except a path);
+- a lone `key`, `token` or `auth` after another word (`cache key: 3f2a...`, `sort key=loss`) is prose, not a NAME;
+- an HTTP credential (`Authorization: Bearer <token>`, `Basic <base64>`) loses the credential;
+- the values of secret-named environment variables (6 characters or more, not paths) are masked wherever they occur.
+In mappings (configs, params, environments) every non-empty value under a secret key is masked, except paths;
+URIs anywhere lose the password of their userinfo (object stores: the whole userinfo, an access key pair) and the
+values of secret query parameters.
 Pure Python (no imports beyond the standard library): every layer may use it.
 """
 
@@ -31,8 +44,19 @@ SECRET_WORDS = frozenset({
     "token", "key", "secret", "secrets", "password", "passwords", "passwd", "pwd", "credential", "credentials",
     "auth", "authorization", "apikey", "accesskey", "secretkey", "passphrase", "privatekey",
 })
+# Secret words that end longer words too: PGPASSWORD, MYSQL_ROOTPASSWORD, GITHUBTOKEN.
+SECRET_SUFFIXES = ("password", "passwd", "token", "secret", "apikey")
+# Secret only as the last word of a name: DB_PASS, REDIS_PASS, GITHUB_PAT (not pass_rate).
+SECRET_LAST_WORDS = frozenset({"pass", "pat"})
+# Words that, alone after another word in prose, name a thing rather than a credential: "cache key", "sort key".
+PROSE_WORDS = frozenset({"key", "token", "auth"})
 # The last word of a name that holds a setting or a location, not the secret itself.
 NOT_SECRET_LAST_WORDS = frozenset({"mode", "type", "file", "path", "dir", "method", "enabled", "id"})
+# Whole names that are never secrets although a word of theirs is a secret word: the shell's directories.
+NOT_SECRET_NAMES = frozenset({"pwd", "oldpwd"})
+# URI schemes whose userinfo is an access key pair: both halves are masked.
+KEY_PAIR_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs", "abfs", "abfss", "az", "wasb", "wasbs", "oss"})
+MIN_CREDENTIAL_LEN = 8
 # Query parameters that carry credentials besides secret-named ones (signed URLs).
 SECRET_QUERY_PARAMS = frozenset({"sig", "signature", "x-amz-signature", "x-amz-credential", "x-amz-security-token",
                                  "x-goog-signature", "x-goog-credential", "access_token"})
@@ -53,9 +77,27 @@ def _words(name: str) -> list[str]:
 def is_secret_key(name: Any) -> bool:
     """Whether a key, variable or parameter name looks like it holds a secret (see the module doc)."""
     words = _words(str(name))
-    if not words or words[-1] in NOT_SECRET_LAST_WORDS:
+    if not words or words[-1] in NOT_SECRET_LAST_WORDS or str(name).strip().lower() in NOT_SECRET_NAMES:
         return False
-    return any(w in SECRET_WORDS for w in words)
+    if words[-1] in SECRET_LAST_WORDS:
+        return True
+    return any(w in SECRET_WORDS or w.endswith(SECRET_SUFFIXES) for w in words)
+
+
+def is_path(value: str) -> bool:
+    """A filesystem location (never masked: masking must not hide where things are)."""
+    return value.startswith(("/", "~/", "./", "../")) or bool(re.match(r"^[A-Za-z]:[\\/]", value))
+
+
+def looks_like_credential(value: str) -> bool:
+    """8 or more characters, no spaces, not a path, not a number (see the module doc)."""
+    if len(value) < MIN_CREDENTIAL_LEN or any(c.isspace() for c in value) or value == MASK or is_path(value):
+        return False
+    try:
+        float(value)
+        return False
+    except ValueError:
+        return True
 
 
 def _secret_query_param(name: str) -> bool:
@@ -74,7 +116,10 @@ def redact_uri(uri: str) -> str:
         userinfo, host = netloc.rsplit("@", 1)
         if userinfo and userinfo != MASK:
             user, sep, _ = userinfo.partition(":")
-            netloc = f"{user}:{MASK}@{host}" if sep else f"{MASK}@{host}"
+            if parts.scheme.lower() in KEY_PAIR_SCHEMES:
+                netloc = f"{MASK}@{host}"
+            else:
+                netloc = f"{user}:{MASK}@{host}" if sep else f"{MASK}@{host}"
     query = parts.query
     if query:
         def mask(m: re.Match) -> str:
@@ -89,7 +134,8 @@ def redact_uri(uri: str) -> str:
 def env_secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """Values of this process's secret-named environment variables (longest first), to mask wherever they occur."""
     env = os.environ if environ is None else environ
-    vals = {v for k, v in env.items() if v and len(v) >= MIN_ENV_SECRET_LEN and is_secret_key(k) and v != MASK}
+    vals = {v for k, v in env.items()
+            if v and len(v) >= MIN_ENV_SECRET_LEN and is_secret_key(k) and v != MASK and not is_path(v)}
     return sorted(vals, key=len, reverse=True)
 
 
@@ -98,11 +144,21 @@ def redact_text(text: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
     whose NAME looks secret, and the values of secret-named environment variables. Non-strings pass through."""
     if not isinstance(text, str) or not text:
         return text
-    out = _pairs(_URI.sub(lambda m: redact_uri(m.group(0)), text))
+    out = _pairs(_http_credentials(_URI.sub(lambda m: redact_uri(m.group(0)), text)))
     for v in env_secret_values(environ):
         if v in out:
             out = out.replace(v, MASK)
     return out
+
+
+# "Authorization: Bearer x", "Proxy-Authorization: Basic x", and a bare "Bearer x" anywhere.
+_AUTH_HEADER = re.compile(r"(?i)(\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?(?:[A-Za-z-]+\s+)?)([^\s\"',;]+)")
+_BEARER = re.compile(r"\b((?:Bearer|Basic)\s+)([A-Za-z0-9\-._~+/]{8,}=*)")
+
+
+def _http_credentials(text: str) -> str:
+    text = _AUTH_HEADER.sub(lambda m: m.group(1) + (MASK if m.group(2) != MASK else m.group(2)), text)
+    return _BEARER.sub(lambda m: m.group(1) + MASK, text)
 
 
 def _pairs(text: str) -> str:
@@ -111,10 +167,15 @@ def _pairs(text: str) -> str:
         value = m.group(group)
         start = m.start()
         vs, ve = m.span(group)
-        if is_secret_key(m.group("name")):
-            replaced = value if not value or value == MASK else MASK
-        else:  # a quoted value may hold pairs of its own: --set cluster.env='{HF_TOKEN: ...}'
-            replaced = _pairs(value) if group != "bare" else value
+        name = m.group("name")
+        prose = name.lower() in PROSE_WORDS and re.search(r"\w[ \t]+$", text[:start]) is not None
+        if is_secret_key(name) and not prose and value and value != MASK and not is_path(value) and (
+                group != "bare" or looks_like_credential(value)):
+            replaced = MASK
+        elif group != "bare":  # a quoted value may hold pairs of its own: --set cluster.env='{HF_TOKEN: ...}'
+            replaced = _pairs(value)
+        else:
+            replaced = value
         return m.group(0)[: vs - start] + replaced + m.group(0)[ve - start:]
 
     return _PAIR.sub(pair, text)
@@ -122,7 +183,10 @@ def _pairs(text: str) -> str:
 
 def redact_value(key: Any, value: Any) -> Any:
     """One value under its key: *** when the key looks secret (and the value is set), else redact_mapping."""
-    if is_secret_key(key) and value not in (None, "", MASK) and not isinstance(value, (dict, list, tuple, bool)):
+    if is_secret_key(key) and isinstance(value, (list, tuple)):
+        return type(value)(redact_value(key, v) for v in value)
+    if (is_secret_key(key) and value not in (None, "", MASK) and not isinstance(value, (dict, list, tuple, bool))
+            and not (isinstance(value, str) and (is_path(value) or _URI.fullmatch(value)))):
         return MASK
     return redact_mapping(value)
 

@@ -151,6 +151,11 @@ def test_make_passes_schedule_values_without_a_shell(fake_crontab, tmp_path):
     assert p.returncode != 0 and "unrecognized arguments: $(touch" in p.stderr
     assert not [m.name for m in marks.values() if m.exists()]
     assert not fake_crontab.table.exists()
+    # A single flag is a value of --args, not an option of its own (argparse: "expected one argument").
+    p = run("schedule", "CRON=0 3 * * *", "ARGS=--force", "DRY_RUN=1")
+    assert p.returncode == 0 and "retrain CONFIG=configs/tiny-cpu.yaml ARGS=--force" in p.stdout, p.stderr
+    p = run("retrain", "ARGS=--force", "CONFIG=configs/no-such-job.yaml")
+    assert p.returncode != 0 and "expected one argument" not in p.stderr and "no-such-job.yaml" in p.stderr, p.stderr
     # Quoted words still group as in a shell.
     p = run("schedule", "CRON=0 3 * * *", "ARGS=--set a='x y' --force", "DRY_RUN=1")
     assert p.returncode == 0 and "ARGS='--set a='\"'\"'x y'\"'\"' --force'" in p.stdout

@@ -18,7 +18,7 @@ import yaml
 from rayspeed.config.schema import JobConfig
 from rayspeed.config.validate import check
 from rayspeed.errors import ConfigError
-from rayspeed.redact import redact_mapping
+from rayspeed.redact import redact_mapping, redact_value
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -158,14 +158,15 @@ def _build(cls: type, data: dict, prefix: str, problems: list[str]) -> Any:
                 continue
             if not isinstance(v, dict):
                 keys = ", ".join(f.name for f in dataclasses.fields(tp))
-                problems.append(f"{key}: expected a mapping with keys {keys}, got {v!r}")
+                problems.append(f"{key}: expected a mapping with keys {keys}, got {redact_value(k, v)!r}")
                 continue
             kwargs[k] = _build(tp, v, key + ".", problems)
             continue
         try:
             kwargs[k] = _coerce(tp, v, key, problems)
         except _Bad:
-            problems.append(f"{key}: expected {_type_name(tp)}, got {v!r} ({type(v).__name__})")
+            # The value is quoted back masked: under a secret key (or holding one) it is a credential.
+            problems.append(f"{key}: expected {_type_name(tp)}, got {redact_value(k, v)!r} ({type(v).__name__})")
     return cls(**kwargs)
 
 
@@ -220,8 +221,10 @@ def _strip_optional(tp: Any) -> Any:
 
 
 def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
-          lint_cluster_env: bool = True) -> JobConfig:
-    """A mapping (from YAML) plus --set overrides -> checked JobConfig. Raises ConfigError with all problems."""
+          lint_cluster_env: bool = True, written: bool = False) -> JobConfig:
+    """A mapping (from YAML) plus --set overrides -> checked JobConfig. Raises ConfigError with all problems.
+    `written`: the mapping is what a person wrote (a job file, load()), not a complete job another process
+    serialized; only then does a key given at its default value mean something (model.init: pretrained)."""
     problems: list[str] = []
     if data is None:
         data = {}
@@ -232,6 +235,10 @@ def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
         _apply_override(data, o, problems)
     _anchor_relative_paths(data)
     cfg = _build(JobConfig, data, "", problems)
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if written and not problems and model.get("init") == "pretrained" and not cfg.model.pretrained:
+        problems.append("model.init: pretrained needs model.pretrained (a Hugging Face model directory or hub id); "
+                        "set it, or set model.init: random to train the shape given here from scratch")
     if not problems and cfg.model.pretrained:
         from rayspeed.config.hf_config import pretrained_problems
 
@@ -291,7 +298,10 @@ def load(path: str, overrides: list[str] | None = None, lint_cluster_env: bool =
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
-    return parse(data, overrides, source=path, lint_cluster_env=lint_cluster_env)
+    if data is None:  # an empty or comment-only file is a mistake, not a request for the default job
+        raise ConfigError(f"--config {path}: the job file is empty (or only comments); give at least a name and the "
+                          "sections to change, e.g. configs/tiny-cpu.yaml")
+    return parse(data, overrides, source=path, lint_cluster_env=lint_cluster_env, written=True)
 
 
 def _deep_copy(d: Any) -> Any:

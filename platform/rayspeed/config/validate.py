@@ -6,6 +6,7 @@ starts instead of failing a worker later.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -15,8 +16,11 @@ from rayspeed.config.shape import ROPE_TYPES, ModelShape
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
-# A full match: "abc\n" is not a name ($ would accept a trailing newline).
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# File names are at most 255 bytes on every common filesystem; the job's folders add suffixes (.superseded-...).
+MAX_NAME_BYTES = 200
+_RESERVED_NAME_RE = re.compile(r"\.superseded-")
+# MLflow's rule for registered model names (they appear in models:/<name>/<version> URIs).
+_REGISTERED_RE = re.compile(r"[^/:]+")
 
 
 def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) -> list[str]:
@@ -43,8 +47,11 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     p: list[str] = []
     m, t, par, c, r = cfg.model, cfg.train, cfg.parallel, cfg.cluster, cfg.resilience
     kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    if not _NAME_RE.fullmatch(cfg.name):
-        p.append(f"name: {cfg.name!r} must be letters, digits, '.', '_' or '-' (it names folders and runs)")
+    p += name_problems(cfg.name)
+    p += number_problems(cfg)
+    if cfg.tracking.register_model != AUTO and not _REGISTERED_RE.fullmatch(cfg.tracking.register_model):
+        p.append(f"tracking.register_model: {cfg.tracking.register_model!r} may not contain '/' or ':' or be empty "
+                 "(MLflow's rule for registered model names: they appear in models:/<name>/<version>)")
     for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "seq_len"):
         if getattr(m, key) < 1:
             p.append(f"model.{key}: must be >= 1, got {getattr(m, key)}")
@@ -167,6 +174,66 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     return p + health_problems(cfg, lint_cluster_env)
 
 
+def name_problems(name: str) -> list[str]:
+    """The job name names folders, MLflow runs and registered models: checked here, not when the folder is made."""
+    why = "it names the job's folders, its MLflow run and its registered model"
+    if not name:
+        return [f"name: must not be empty ({why})"]
+    if not (name[0].isascii() and name[0].isalnum()):
+        return [f"name: {name!r} must start with an ASCII letter or digit (not {name[0]!r}: {why})"]
+    bad = sorted({ch for ch in name if not (ch.isascii() and (ch.isalnum() or ch in "._-"))})
+    if bad:
+        return [f"name: {name!r} may hold only ASCII letters, digits, '.', '_' and '-' (found "
+                f"{', '.join(repr(b) for b in bad)}; {why})"]
+    if len(name.encode()) > MAX_NAME_BYTES:
+        return [f"name: {len(name.encode())} bytes; at most {MAX_NAME_BYTES} ({why}, and with its suffixes it must "
+                "stay a valid file name)"]
+    if _RESERVED_NAME_RE.search(name):
+        return [f"name: {name!r} looks like a job set aside by --fresh (<name>.superseded-<time>); choose another"]
+    return []
+
+
+# Keys whose value must be a finite number in a range; (key, lowest, inclusive, highest, inclusive, why).
+_NUMBER_RULES = (
+    ("train.weight_decay", 0.0, True, None, True, "AdamW weight decay"),
+    ("train.adam_beta1", 0.0, True, 1.0, False, "AdamW beta1, in [0, 1)"),
+    ("train.adam_beta2", 0.0, True, 1.0, False, "AdamW beta2, in [0, 1)"),
+    ("train.grad_clip", 0.0, True, None, True, "0 disables clipping"),
+    ("train.eval_every_steps", 0, True, None, True, "0: only at the end"),
+    ("train.seed", 0, True, 2**32 - 1, True, "numpy and torch seeds are unsigned 32-bit"),
+    ("model.init_std", 0.0, False, None, True, "the standard deviation of random weights"),
+    ("model.rope_theta", 0.0, False, None, True, "RoPE's base"),
+    ("model.norm_eps", 0.0, False, None, True, "RMSNorm's epsilon; 0 divides by zero on a zero row"),
+    ("tracking.charts_every_checkpoints", 0, True, None, True, "0: only at the end"),
+    ("resilience.elastic_monitor_interval_s", 0.0, False, None, True, "how often Ray checks for capacity"),
+)
+
+
+def number_problems(cfg: JobConfig) -> list[str]:
+    """Numbers: finite, and in their range (a negative grad_clip used to switch clipping off silently)."""
+    p = []
+    for key in ("train.lr", "train.min_lr"):
+        v = _get(cfg, key)
+        if isinstance(v, float) and not math.isfinite(v):
+            p.append(f"{key}: must be a finite number (or auto), got {v}")
+    for key, lo, lo_in, hi, hi_in, why in _NUMBER_RULES:
+        v = _get(cfg, key)
+        if isinstance(v, float) and not math.isfinite(v):
+            p.append(f"{key}: must be a finite number, got {v} ({why})")
+            continue
+        if (lo is not None and (v < lo or (v == lo and not lo_in))) or (
+                hi is not None and (v > hi or (v == hi and not hi_in))):
+            lo_s = "" if lo is None else f"{'>=' if lo_in else '>'} {lo:g}"
+            hi_s = "" if hi is None else f"{'<=' if hi_in else '<'} {hi:g}"
+            p.append(f"{key}: must be {' and '.join(x for x in (lo_s, hi_s) if x)}, got {v} ({why})")
+    return p
+
+
+def _get(cfg: JobConfig, dotted: str) -> object:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
 def data_problems(cfg: JobConfig) -> list[str]:
     """The data section: each source with the keys it needs, the chat format with a tokenizer that has a template."""
     d, p = cfg.data, []
@@ -228,7 +295,10 @@ def capacity_problems(cfg: JobConfig, cluster_resources: dict[str, float]) -> li
     for res, amount in per_worker.items():
         have = float(cluster_resources.get(res, 0.0))
         need = amount * c.min_workers
-        if need > have + 1e-9:
+        if res == "GPU" and have == 0:
+            problems.append("cluster.use_gpu: true, but the Ray cluster has no GPU in all; set cluster.use_gpu: false "
+                            "to train on CPU, or add GPU nodes to the cluster")
+        elif need > have + 1e-9:
             problems.append(
                 f"cluster.num_workers ({c.num_workers}): {c.min_workers} workers x {amount:g} {res} = {need:g} {res}, "
                 f"but the Ray cluster has {have:g} {res} in all; lower cluster.num_workers or "

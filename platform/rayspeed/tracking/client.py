@@ -75,7 +75,32 @@ def http_status(e: BaseException) -> Optional[int]:
     return codes.get(getattr(e, "error_code", ""), code)
 
 
-def access_problem(uri: str, key: str = "tracking.uri", timeout_s: float = 30.0) -> Optional[str]:
+# How long the launcher waits for a tracking server before it trains without one (MLflow's own retries of an
+# unreachable server last about 4 minutes).
+PROBE_TIMEOUT_S = 5.0
+
+
+def unreachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
+    """None when the tracking store at `uri` answers (any HTTP answer: a 401 is an answer); else why it does not,
+    in one line, after one try of at most timeout_s. Stores that are not servers always answer."""
+    if not uri.lower().startswith(("http://", "https://")):
+        return None
+    try:
+        with _one_try(timeout_s):
+            mlflow_client(uri).search_experiments(max_results=1)
+        return None
+    except Exception as e:
+        text = str(e)
+        if "failed with exception" not in text and getattr(e, "error_code", "") != "INTERNAL_ERROR":
+            return None  # an HTTP error status: the server is there
+        for cause in ("Connection refused", "timed out", "Name or service not known", "No route to host",
+                      "Temporary failure in name resolution", "Connection reset"):
+            if cause.lower() in text.lower():
+                return cause.lower()
+        return redact_text(text.splitlines()[0][:200]) if text else type(e).__name__
+
+
+def access_problem(uri: str, key: str = "tracking.uri", timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
     """One line when the MLflow server at `uri` refuses this process (401: no or wrong credentials; 403: no
     permission), else None (also when it does not answer: tracking never stops training). Only http(s) URIs are
     probed; a local store has no authentication."""

@@ -54,6 +54,46 @@ def resolve_alias(spec: str, tracking_uri: Optional[str]) -> str:
     return f"models:/{name}/{mv.version}"
 
 
+def init_from_problem(spec: str, tracking_uri: Optional[str]) -> Optional[str]:
+    """The launcher's check of train.init_from, before anything is written: a local folder that is not there or
+    is no rayspeed export, or a models:/ name, alias or version the registry answers it does not have, is one line
+    naming the key; a registry that does not answer is not (bad luck: the workers try again). Downloads nothing."""
+    spec = str(spec).strip()
+    if "://" not in spec and not spec.startswith(("models:/", "runs:/")):
+        try:
+            resolve_init_from(spec, tracking_uri)
+        except WarmStartError as e:
+            return str(e)
+        return None
+    parsed = parse_models_uri(spec)
+    if parsed is None:
+        return None
+    name, alias, version = parsed
+    from rayspeed.tracking.client import _one_try, unreachable
+
+    if unreachable(str(tracking_uri or "")):
+        return None
+    where = tracking_uri or "the default MLflow store"
+    what = f"no version of {name!r} carries the alias {alias!r}" if alias else f"{name!r} has no version {version}"
+    problem = (f"train.init_from: {spec}: {what} in {where}; check the registered model's name and its aliases or "
+               "versions in the MLflow UI (Models), or point at an exported model folder")
+    db = str(tracking_uri or "")
+    if db.startswith("sqlite:///") and not os.path.exists(db[len("sqlite:///"):]):
+        return problem  # no store yet, so no registered model (and opening one would create it)
+    try:
+        with _one_try(10.0):
+            client = mlflow_client(tracking_uri)
+            if alias:
+                client.get_model_version_by_alias(name, alias)
+            else:
+                client.get_model_version(name, str(version))
+    except Exception as e:
+        if getattr(e, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        return problem
+    return None
+
+
 def resolve_init_from(spec: str, tracking_uri: Optional[str] = None, cache_dir: Optional[str] = None) -> str:
     """The local directory of the model `spec` names (see the module doc); downloads it if needed.
 

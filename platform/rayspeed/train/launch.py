@@ -17,7 +17,7 @@ from typing import Any
 from rayspeed import compat, paths
 from rayspeed.cluster import connect_ray
 from rayspeed.config.load import load, to_dict, to_yaml
-from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.config.schema import JobConfig
 from rayspeed.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ConfigError
 from rayspeed.paths import auto_home_problem, is_uri, storage_path, tracking_uri
 from rayspeed.redact import redact_text, redact_uri
@@ -41,23 +41,20 @@ def train_command(args: argparse.Namespace) -> int:
         lr = plan.rules.get("lr", {})
         if lr.get("applied") and "warning" in lr:
             log.warning("%s", lr["warning"])
+        if job.train.warmup_steps > job.train.max_steps:
+            log.warning("train.warmup_steps (%d) is longer than train.max_steps (%d): the learning rate never reaches "
+                        "train.lr", job.train.warmup_steps, job.train.max_steps)
+        from rayspeed.train.launch_checks import launch_problems
+
+        # The tracking server's answer, storage, train.init_from and the data inputs: the dry run checks exactly
+        # what the launch checks, before anything is written, and reports every problem at once.
+        problems = launch_problems(job, cfg, args.launcher)
+        if problems:
+            raise ConfigError(problems)
         if args.dry_run:
             print(to_yaml(cfg))
             print(plan.explain)
             return EXIT_OK
-        from rayspeed.tracking.client import access_problem
-
-        # A tracking server that refuses this job (401/403) is an input error, found before anything is written:
-        # the credentials will not get better by training without them. One that does not answer is not.
-        refused = access_problem(tracking_uri(cfg), "tracking.uri" if job.tracking.uri != AUTO
-                                 else "MLFLOW_TRACKING_URI")
-        if refused:
-            raise ConfigError(refused)
-        from rayspeed.storage import check_reachable
-
-        unreachable = check_reachable(storage_path(cfg))  # before anything is written anywhere
-        if unreachable:
-            raise ConfigError(unreachable)
         from rayspeed.train import resume_guard
 
         resume_guard.check(job, str(locate(storage_path(cfg)).child(cfg.name)), args.resume)
@@ -156,11 +153,21 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     # A new submission: an earlier incident (say, a job that ran out of restarts) is not recovered by this start.
     resilience.close_incidents(str(exp), "a new submission")
     run_id = None
-    try:
-        run_id, resumed = find_or_create_run(cfg)
-        log.info("MLflow run %s (%s) at %s", run_id, "continued" if resumed else "new", redact_uri(tracking_uri(cfg)))
-    except Exception as e:  # tracking must never stop training
-        log.warning("MLflow unavailable (%s): training without tracking", e)
+    from rayspeed.tracking.client import PROBE_TIMEOUT_S, unreachable
+
+    # Tracking never stops training, nor delays it: a server that does not answer within a few seconds is not
+    # waited for (MLflow's own retries would hold the launch for minutes).
+    down = unreachable(tracking_uri(cfg))
+    if down:
+        log.warning("MLflow: the tracking server at %s does not answer (%s, after one try of at most %.0f s): "
+                    "training without tracking", redact_uri(tracking_uri(cfg)), down, PROBE_TIMEOUT_S)
+    else:
+        try:
+            run_id, resumed = find_or_create_run(cfg)
+            log.info("MLflow run %s (%s) at %s", run_id, "continued" if resumed else "new",
+                     redact_uri(tracking_uri(cfg)))
+        except Exception as e:  # tracking must never stop training
+            log.warning("MLflow unavailable (%s): training without tracking", redact_text(str(e).splitlines()[0]))
     payload = LaunchPayload(job=to_dict(job), tracking_uri=tracking_uri(cfg), storage_path=storage,
                             experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id, resume=resume)
     error: Exception | None = None

@@ -1,0 +1,131 @@
+"""What a launch checks before anything is written, in one list that the launch and `--dry-run` share: a dry run
+that says 0 means the launch will not stop at one of these. Every check only reads (a tracking server, a bucket,
+the registry, the data paths); all problems are reported at once.
+
+    problems = launch_problems(job, cfg)     # [] or one line per problem, each naming its key and the fix
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from rayspeed.config.examples import prepare_hint
+from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.errors import ConfigError
+from rayspeed.paths import storage_path, tracking_uri
+
+log = logging.getLogger("rayspeed")
+
+# Store URIs MLflow's client opens (a plain path is a file store).
+TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
+                    "uc")
+
+
+def tracking_uri_problem(job: JobConfig) -> str | None:
+    uri = job.tracking.uri
+    if uri == AUTO or "://" not in uri:
+        return None
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme not in TRACKING_SCHEMES:
+        return (f"tracking.uri: {uri!r}: MLflow has no store for {scheme}://; use http(s)://host:port (a tracking "
+                "server), sqlite:///abs/path/mlflow.db, or auto")
+    return None
+
+
+def tracking_access_problem(job: JobConfig, cfg: JobConfig) -> str | None:
+    from rayspeed.tracking.client import access_problem
+
+    # A server that refuses this job (401/403) is an input error; one that does not answer is bad luck.
+    return access_problem(tracking_uri(cfg), "tracking.uri" if job.tracking.uri != AUTO else "MLFLOW_TRACKING_URI")
+
+
+def storage_problem(cfg: JobConfig) -> str | None:
+    from rayspeed.storage import check_reachable
+
+    return check_reachable(storage_path(cfg))
+
+
+def init_from_problem(cfg: JobConfig) -> str | None:
+    if not cfg.train.init_from:
+        return None
+    from rayspeed.tracking.model_fetch import init_from_problem as problem
+
+    return problem(str(cfg.train.init_from), tracking_uri(cfg))
+
+
+def data_problems(cfg: JobConfig) -> list[str]:
+    """The data inputs exist: every data.path glob matches, the tokenizer is there, data.cache_dir is usable."""
+    from rayspeed.data.records import DataSpec, expand
+    from rayspeed.storage import local_write_problem
+
+    d, out = cfg.data, []
+    if d.source in ("files", "tokens"):
+        for pattern in DataSpec.paths(d.path):
+            try:
+                expand((pattern,))
+            except ConfigError as e:
+                out += e.problems
+    t = d.tokenizer
+    if t not in ("bytes", "byte", "model") and not os.path.exists(os.path.expanduser(t)):
+        out.append(f"data.tokenizer: {t!r} is neither 'bytes', 'model' nor an existing tokenizer.json or tokenizer "
+                   f"directory{prepare_hint(t)}")
+    if d.cache_dir != AUTO:
+        if "://" in d.cache_dir or not os.path.isabs(os.path.expanduser(d.cache_dir)):
+            out.append(f"data.cache_dir: must be an absolute local path (a memory-mapped cache), got {d.cache_dir!r}")
+        else:
+            bad = local_write_problem(os.path.expanduser(d.cache_dir), "data.cache_dir")
+            if bad:
+                out.append(bad)
+    return out
+
+
+def local_gpus() -> int:
+    """GPUs this machine's CUDA sees (what the embedded Ray cluster would offer)."""
+    try:
+        import torch
+
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def gpu_problem(cfg: JobConfig, launcher: str) -> str | None:
+    """cluster.use_gpu on a machine without one, when the job would run here (--launcher local, or the Ray cluster
+    started for the job). A cluster joined by address is checked when joined (its workers' nodes may have GPUs
+    that this driver's does not: a CPU driver with GPU workers is normal)."""
+    if not cfg.cluster.use_gpu:
+        return None
+    joined = cfg.cluster.address != AUTO or bool(os.environ.get("RAY_ADDRESS"))
+    if launcher == "ray" and joined:
+        return None
+    if local_gpus() == 0:
+        where = "this machine" if launcher == "local" else "the Ray cluster started here for the job (no RAY_ADDRESS)"
+        return (f"cluster.use_gpu: true, but {where} has no GPU that CUDA sees; set cluster.use_gpu: false to train "
+                "on CPU, or submit to a cluster with GPUs (RAY_ADDRESS / cluster.address)")
+    return None
+
+
+def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> list[str]:
+    """Every problem a launch would stop at before the cluster starts (see the module doc). `job` is the job as
+    written, `cfg` the resolved one (its layout from the plan)."""
+    checks: list[Callable[[], object]] = [
+        lambda: gpu_problem(cfg, launcher),
+        lambda: tracking_uri_problem(job),
+        lambda: None if tracking_uri_problem(job) else tracking_access_problem(job, cfg),
+        lambda: storage_problem(cfg),
+        lambda: init_from_problem(cfg),
+        lambda: data_problems(cfg),
+    ]
+    problems: list[str] = []
+    for check in checks:
+        try:
+            found = check()
+        except ConfigError as e:
+            found = e.problems
+        if isinstance(found, str):
+            problems.append(found)
+        elif found:
+            problems += list(found)  # type: ignore[arg-type]
+    return problems
