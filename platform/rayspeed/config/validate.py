@@ -213,7 +213,7 @@ def number_problems(cfg: JobConfig) -> list[str]:
     """Numbers: finite, and in their range (a negative grad_clip used to switch clipping off silently)."""
     p = []
     for key in ("train.lr", "train.min_lr"):
-        v = _get(cfg, key)
+        v = getattr(cfg.train, key.split(".")[1])
         if isinstance(v, float) and not math.isfinite(v):
             p.append(f"{key}: must be a finite number (or auto), got {v}")
     for key, lo, lo_in, hi, hi_in, why in _NUMBER_RULES:
@@ -229,7 +229,7 @@ def number_problems(cfg: JobConfig) -> list[str]:
     return p
 
 
-def _get(cfg: JobConfig, dotted: str) -> object:
+def _get(cfg: JobConfig, dotted: str) -> float:
     section, key = dotted.split(".")
     return getattr(getattr(cfg, section), key)
 
