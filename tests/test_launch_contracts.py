@@ -140,3 +140,18 @@ def test_init_pretrained_without_a_model_is_exit_2(tmp_path, home, capsys):
     rc, _, err = _train(capsys, "--set", "model.init=pretrained")
     assert rc == 2 and "model.init" in err
     assert load(TINY).model.init == "pretrained"  # the default, unset: a random model of the shape given
+
+
+def test_a_hub_id_without_network_says_so_at_once(home, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: like a machine without network
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    rc = main(["plan", TINY, "--set", "model.pretrained=tiny-org/tiny-model"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err  # one line: no retry chatter
+    assert "not in the local Hugging Face cache, and the hub cannot be reached (127.0.0.1:" in err
+    assert "HF_HUB_OFFLINE=1" in err and "local model directory" in err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc = main(["plan", TINY, "--set", "model.pretrained=tiny-org/tiny-model"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "HF_HUB_OFFLINE is set" in err, err

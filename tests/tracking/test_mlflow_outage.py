@@ -100,3 +100,46 @@ def test_training_survives_a_20s_tracking_outage(tmp_path):
         if job.poll() is None:
             job.kill()
         _stop(srv)
+
+
+def test_a_server_that_is_down_at_launch_gets_the_run_once_it_comes_up(tmp_path):
+    """The launch does not wait for a closed port (one try of a few seconds, one line), training starts, and the
+    job's run, its params and every metric appear once a server comes up on that port."""
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    db, art = f"sqlite:///{tmp_path / 'server.db'}", str(tmp_path / "artifacts")
+    env = dict(os.environ, RAYSPEED_HOME=str(tmp_path), MLFLOW_TRACKING_URI=uri, PYTHONUNBUFFERED="1")
+    name = "late-server"
+    t0 = time.time()
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", TINY, "--launcher", "local",
+         "--set", f"name={name}", "--set", "train.max_steps=30", "--set", "tracking.log_every_steps=1",
+         "--set", "resilience.checkpoint_every_steps=0", "--set", "train.eval_every_steps=0",
+         "--set", "tracking.loss_landscape=false"],
+        env=env, stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT)
+    srv = None
+    try:
+        deadline = time.time() + 120
+        while "does not answer" not in (tmp_path / "job.log").read_text():
+            assert job.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        print(f"\nclosed port: the launcher moved on {time.time() - t0:.1f} s after it started")
+        srv = _server(port, db, art)
+        _wait_up(uri)
+        rc = job.wait(timeout=600)
+        log = (tmp_path / "job.log").read_text()
+        assert rc == 0, log[-4000:]
+        (line,) = [x for x in log.splitlines() if "does not answer" in x]
+        assert "training starts now" in line
+        runs, pts = _points(uri, name)
+        assert runs is not None and len(runs) == 1, log[-3000:]
+        run = runs[0]
+        assert sorted(m.step for m in pts) == list(range(1, 31))
+        assert run.data.params.get("train.max_steps") == "30" and run.info.status == "FINISHED"
+        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+        assert summary["status"] == "finished" and summary["mlflow_run_id"] == run.info.run_id
+    finally:
+        if job.poll() is None:
+            job.kill()
+        if srv is not None:
+            _stop(srv)

@@ -59,12 +59,47 @@ def resolve_file(ref: str, filename: str = CONFIG_FILE) -> Path:
         from huggingface_hub import hf_hub_download
     except ImportError:  # a dependency of transformers; named here so the fix is obvious
         raise PretrainedError("model.pretrained: a hub id needs huggingface_hub (pip install transformers)") from None
+    try:  # the local cache first: a machine without network reuses earlier downloads, with no request at all
+        return Path(hf_hub_download(ref, filename, local_files_only=True))
+    except Exception:
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    fixes = (f"download it where there is network (`hf download {ref}`, into the same HF_HOME), or set "
+             "model.pretrained to a local model directory")
+    if offline:
+        raise PretrainedError(f"model.pretrained: {ref}: {filename} is not in the local Hugging Face cache and "
+                              f"HF_HUB_OFFLINE is set; {fixes}")
+    down = _hub_unreachable()
+    if down:  # said at once: huggingface_hub would retry for about 25 s before saying the same
+        raise PretrainedError(f"model.pretrained: {ref}: not in the local Hugging Face cache, and the hub cannot be "
+                              f"reached ({down}); {fixes} (HF_HUB_OFFLINE=1 then uses the cache only)")
     try:
         return Path(hf_hub_download(ref, filename))
     except Exception as e:
-        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        first = _first_sentence(str(e)) if str(e) else type(e).__name__
         raise PretrainedError(f"model.pretrained: {ref}: cannot fetch {filename} from the Hugging Face hub "
                               f"({first}); check the id, HF_TOKEN for gated models, or use a local directory") from None
+
+
+def _first_sentence(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0]
+    cut = line.find(". ")
+    line = line[: cut + 1] if 0 < cut < limit else line
+    return line if len(line) <= limit else line[: line.rfind(" ", 0, limit)] + " ..."
+
+
+def _hub_unreachable(timeout_s: float = 3.0) -> Optional[str]:
+    """Why the hub's host cannot be reached with one try (None when it answers a TCP connection)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return f"{host}: {e.strerror or e}"
 
 
 def read_pretrained_config(ref: str) -> tuple[dict[str, Any], Path]:

@@ -16,7 +16,7 @@ import queue
 import shutil
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 from rayspeed.redact import redact_mapping, redact_text
 
@@ -66,14 +66,20 @@ class NullLogger:
 class MlflowLogger(NullLogger):
     def last_step(self, key: str) -> int:
         """The highest step `key` was logged at in this run so far (0 when none, or when the server is away)."""
+        if self.run_id is None:
+            return 0
         try:
             return max((int(m.step) for m in self.client.get_metric_history(self.run_id, key)), default=0)
         except Exception as e:  # tracking never blocks training: at worst a replayed step is logged twice
             log.warning("MLflow: could not read the history of %s (%s)", key, _short(e))
             return 0
 
-    def __init__(self, tracking_uri: str, run_id: str, retry_max_s: float = 30.0,
-                 metrics_every_s: float = METRICS_EVERY_S):
+    def __init__(self, tracking_uri: str, run_id: Optional[str], retry_max_s: float = 30.0,
+                 metrics_every_s: float = METRICS_EVERY_S, run_factory: Optional[Callable[[], str]] = None,
+                 on_run: Optional[Callable[[str], None]] = None):
+        """run_id None with a run_factory: the run does not exist yet (the server did not answer at launch);
+        the queue's thread calls run_factory, retrying like any record, before it sends the first one, then
+        on_run(run_id). Everything logged meanwhile waits in the queue."""
         # Short HTTP retries inside mlflow: our own loop retries forever without blocking the caller.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -81,6 +87,8 @@ class MlflowLogger(NullLogger):
 
         self.client = mlflow_client(tracking_uri)
         self.run_id = run_id
+        self._run_factory = run_factory
+        self._on_run = on_run
         self._q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         self._retry_max_s = retry_max_s
         self._warned = False
@@ -136,6 +144,14 @@ class MlflowLogger(NullLogger):
     # ------------------------------------------------------------- consumer side
     def _send(self, kind: str, payload: Any) -> None:
         from mlflow.entities import Metric, Param, RunTag
+
+        if self.run_id is None:
+            if self._run_factory is None:
+                return
+            self.run_id = self._run_factory()
+            log.warning("MLflow: the tracking server answers; records go to run %s", self.run_id)
+            if self._on_run is not None:
+                self._on_run(self.run_id)
 
         if kind == "metrics":
             for i in range(0, len(payload), _MAX_BATCH):

@@ -160,7 +160,8 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     down = unreachable(tracking_uri(cfg))
     if down:
         log.warning("MLflow: the tracking server at %s does not answer (%s, after one try of at most %.0f s): "
-                    "training without tracking", redact_uri(tracking_uri(cfg)), down, PROBE_TIMEOUT_S)
+                    "training starts now; rank 0 creates or finds the job's run when the server answers, and "
+                    "logs what it queued meanwhile", redact_uri(tracking_uri(cfg)), down, PROBE_TIMEOUT_S)
     else:
         try:
             run_id, resumed = find_or_create_run(cfg)
@@ -169,7 +170,8 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         except Exception as e:  # tracking must never stop training
             log.warning("MLflow unavailable (%s): training without tracking", redact_text(str(e).splitlines()[0]))
     payload = LaunchPayload(job=to_dict(job), tracking_uri=tracking_uri(cfg), storage_path=storage,
-                            experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id, resume=resume)
+                            experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id, resume=resume,
+                            tracking_deferred=bool(down))
     error: Exception | None = None
     try:
         if launcher == "local":
@@ -179,6 +181,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
             result = RunResult.from_json(exp.read_json(paths.WORKER_RESULT))
     except Exception as e:
         error, result = e, RunResult(status="failed")
+    run_id = run_id or result.mlflow_run_id  # a deferred run, created by rank 0 once the server answered
     if result.status != "finished" and error is None:
         error = RuntimeError(f"{result.status}: {result.error or ''}")
     summary = {

@@ -22,6 +22,8 @@ class LaunchPayload:
     """Wall-clock time the launcher started the job."""
     mlflow_run_id: Optional[str] = None
     """The job's one MLflow run (None: tracking unavailable, training goes on)."""
+    tracking_deferred: bool = False
+    """The tracking server did not answer at launch: rank 0 finds or creates the job's run once it does."""
     resume: str = "auto"
     """auto | fresh | anyway: what the launcher decided about an existing checkpoint's config (--fresh,
     --resume-anyway)."""
@@ -48,6 +50,8 @@ class RunResult:
     model_state_bytes: Optional[dict[str, int]] = None
     layout: Optional[dict[str, Any]] = None
     registered_model_version: Optional[str] = None
+    mlflow_run_id: Optional[str] = None
+    """The run rank 0 logged to (the launcher's, or the one it created when the server came back)."""
     error: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -128,9 +128,14 @@ class Reporter:
         self.device, self.attempt_started = device, attempt_started
         self.log_every = cfg.tracking.log_every_steps
         self.tracker: Any = NullLogger()
-        if ctx.is_rank0 and payload.mlflow_run_id:
+        self.monitors_started = False
+        if ctx.is_rank0 and (payload.mlflow_run_id or payload.tracking_deferred):
             try:
-                self.tracker = MlflowLogger(payload.tracking_uri, payload.mlflow_run_id)
+                # A server that did not answer at launch: the run is found or created once it does, and what was
+                # logged meanwhile waits in the logger's queue.
+                deferred = None if payload.mlflow_run_id else self._find_or_create_run
+                self.tracker = MlflowLogger(payload.tracking_uri, payload.mlflow_run_id, run_factory=deferred,
+                                            on_run=self._run_found)
             except Exception as e:  # tracking must never kill training
                 log.warning("MLflow unavailable (%s): training continues without tracking", e)
         self.comm = CommTimer(enabled=True)
@@ -157,12 +162,28 @@ class Reporter:
     def _logged_until(self) -> int:
         return int(self.tracker.last_step("train/loss"))
 
+    def _find_or_create_run(self) -> str:
+        from rayspeed.tracking.runs import find_or_create_run
+
+        return find_or_create_run(self.cfg)[0]
+
+    def _run_found(self, run_id: str) -> None:
+        """The deferred run exists (called on the logger's thread): charts and registration can use it now."""
+        if self.payload.mlflow_run_id == run_id:
+            return
+        self.payload.mlflow_run_id = run_id
+        if self.monitors_started and self.charts is None:
+            from rayspeed.tracking.charts import ChartPublisher
+
+            self.charts = ChartPublisher(self.tracker, self.payload.tracking_uri, run_id)
+
     # ------------------------------------------------------------------ start
     def start_monitors(self) -> None:
         from rayspeed.monitoring.system import SystemSampler
 
         if self.cfg.tracking.system_metrics:
             self.sampler = SystemSampler(self.ctx.rank, self.ctx.node_id, interval_s=5.0)
+        self.monitors_started = True
         if self.ctx.is_rank0 and self.payload.mlflow_run_id:
             from rayspeed.tracking.charts import ChartPublisher
 
@@ -207,6 +228,9 @@ class Reporter:
         from rayspeed.tracking.registry import bounded
 
         run_id = self.payload.mlflow_run_id
+        if run_id is None:  # the run does not exist yet (server away at launch): the inputs are not recorded
+            log.warning("MLflow: no run yet; the dataset inputs are not recorded for this attempt")
+            return
         self.inputs_thread = threading.Thread(
             target=lambda: bounded(lambda: log_dataset_inputs(client, run_id, items), "dataset inputs", 120.0),
             name="rayspeed-dataset-inputs", daemon=True)

@@ -269,6 +269,7 @@ class Trainer:
             checkpoint_bytes=self.checkpointer.last_bytes, model_state_bytes=self.reporter.model_state_bytes,
             layout=Layout.from_parallel(c.parallel).record(), registered_model_version=version)
         self.reporter.close("finished")
+        result.mlflow_run_id = self.payload.mlflow_run_id  # after close: a deferred run exists once flushed
         if self.ctx.is_rank0:
             self._write_result(result)
         return result
