@@ -88,6 +88,22 @@ def test_lint_accepts_real_settings_and_ignores_other_variables():
     assert lint_env(env) == []
 
 
+@pytest.mark.parametrize("name,value,says", [
+    ("NCCL_ALGO", "Trees", "did you mean Tree?"), ("NCCL_NTHREADS", "1000", "one of 64, 128, 256, 512"),
+    ("NCCL_PROTO", "LL,Fast", "LL, LL128, Simple"), ("NCCL_DEBUG", "WARNING", "did you mean WARN?"),
+    ("NCCL_BUFFSIZE", "4MB", "must be an integer"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "yes", "0, 1, 2, 3"),
+])
+def test_lint_checks_values_not_only_names(name, value, says):
+    (f,) = lint_env({name: value})
+    assert f.severity == "error" and says in f.cause and f.remedy.startswith("fix the value"), f
+
+
+def test_remedies_read_as_instructions():
+    (f,) = lint_env({"CUDA_LAUNCH_BLOCKING": "1"})
+    assert not f.remedy.startswith("use unset") and f.remedy.startswith("unset it")
+    assert lint_env({"NCCL_ALGO": "^Ring,nvls", "NCCL_PROTO": "Simple", "NCCL_NTHREADS": "512"}) == []
+
+
 def test_debug_knobs_are_information_outside_production():
     (f,) = lint_env({"NCCL_DEBUG": "INFO"}, production=False)
     assert f.severity == "info"
@@ -170,3 +186,14 @@ def test_config_problems_name_the_key_and_the_fix():
     assert e.value.problems == found
     assert any(p.startswith("cluster.env.NCCL_SOCKET_TIMEOUT:") and "collective_timeout_s" in p for p in found)
     assert any(p.startswith("health.grad_norm_spike_factor") for p in found)
+
+
+def test_a_log_that_only_quotes_an_oom_in_an_info_line_is_no_oom():
+    from rayspeed.health.diagnosis import diagnose
+
+    quoted = ["2026-12-01 10:00:00,123\tINFO worker.py:88 -- retry policy: on 'CUDA out of memory' lower micro-batch",
+              "2026/12/01 10:00:01 INFO mlflow.tracking: note: torch.OutOfMemoryError is reported as failed",
+              '{"name": "x", "status": "finished", "steps": 10}']
+    assert [f.id for f in diagnose("\n".join(quoted))] == []
+    real = quoted + ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.3 GiB total)"]
+    assert [f.id for f in diagnose("\n".join(real))][0] == "cuda_oom"

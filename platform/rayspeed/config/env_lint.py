@@ -44,7 +44,13 @@ class EnvIssue:
 
     @property
     def remedy(self) -> str:
-        return f"use {self.use}" if self.use else "remove it"
+        if not self.use:
+            return "remove it"
+        if self.use.startswith("nothing"):  # "nothing (removed)": no replacement
+            return f"remove it {self.use[len('nothing'):].strip()}".strip()
+        if self.use[0].islower():  # an instruction of its own: "unset it", "leave unset", "leave it on (1)"
+            return self.use
+        return f"use {self.use}"
 
 
 def parse_table(raw: Mapping[str, Any]) -> EnvTable:
@@ -108,6 +114,11 @@ def lint_env(env: Mapping[str, str], production: bool = True, world_size: Option
             continue
         status, use, why = r["status"], str(r.get("use") or ""), str(r.get("why") or "")
         src = str(r.get("source") or "") or DEFAULT_SOURCE
+        bad_value = value_problem(value, r)
+        if bad_value and status not in ("invented", "deprecated"):
+            out.append(EnvIssue(name, value, "error", f"{name}={value}: {bad_value}",
+                                "fix the value, or unset it (NCCL's default)", "invalid", src))
+            continue
         if status == "invented":
             out.append(EnvIssue(name, value, "error", f"{name} does not exist: {why}", use, status, src))
         elif status == "deprecated":
@@ -123,6 +134,32 @@ def lint_env(env: Mapping[str, str], production: bool = True, world_size: Option
             sev = "error" if (above and world_size and world_size > int(above)) else "warn"
             out.append(EnvIssue(name, value, sev, f"{name}={value}: {why}", use, status, src))
     return out
+
+
+def value_problem(value: str, r: Mapping[str, Any]) -> Optional[str]:
+    """Why `value` is not one the variable accepts (its table entry's choices / int range), else None."""
+    v = value.strip()
+    choices = [str(c) for c in r.get("choices") or []]
+    if choices:
+        allowed = {c.upper(): c for c in choices}
+        items = [x.strip() for x in v.lstrip("^").split(",")] if r.get("list") else [v]
+        wrong = [x for x in items if x.upper() not in allowed]
+        if wrong or not v:
+            close = difflib.get_close_matches((wrong or [v])[0].upper(), list(allowed), n=1, cutoff=0.6)
+            hint = f"; did you mean {allowed[close[0]]}?" if close else ""
+            kind = "a comma-separated list of " if r.get("list") else "one of "
+            return f"not a value it accepts ({kind}{', '.join(choices)}){hint}"
+    bounds = r.get("int")
+    if bounds:
+        lo, hi = bounds
+        try:
+            n = int(v)
+        except ValueError:
+            return "must be an integer"
+        if (lo is not None and n < lo) or (hi is not None and n > hi):
+            return f"must be an integer {'>= ' + str(lo) if lo is not None else ''}" + (
+                f"{' and ' if lo is not None else ''}<= {hi}" if hi is not None else "")
+    return None
 
 
 def relevant_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -21,12 +21,22 @@ _LAGGING = re.compile(r"ranks \[([\d, ]+)\] are the lagging ranks|- \[([\d, ]+)\
                       r"\[([\d, ]+)\] finished collective #\d+, but didn't join")
 
 
+# A log record at INFO or DEBUG level (Python logging, Ray, MLflow, glog): it may quote an error ("retrying after
+# CUDA out of memory" in a message, a config dump) but it does not report one. Error signatures skip such lines.
+_INFO_LINE = re.compile(r"(?:^|[\s\[|:])(?:INFO|DEBUG)(?:[\s\]|:]|$)|^[ID]\d{4} \d")
+
+
+def is_info_line(line: str) -> bool:
+    return bool(_INFO_LINE.search(line[:160]))
+
+
 def signature_findings(lines: list[str], kb: Knowledge) -> list[Finding]:
     out = []
     for e in kb.entries:
         if not e.signature:
             continue
-        hits = [i for i, line in enumerate(lines) if any(rx.search(line) for rx in e.signature)]
+        hits = [i for i, line in enumerate(lines) if any(rx.search(line) for rx in e.signature)
+                and not (e.severity == "error" and is_info_line(line))]
         if hits:
             out.append(e.finding(evidence=[evidence_line(lines, i) for i in hits[:MAX_EVIDENCE]], count=len(hits),
                                  first_line=hits[0] + 1))
