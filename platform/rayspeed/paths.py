@@ -105,8 +105,13 @@ def tracking_uri(cfg: Any) -> str:
     return f"sqlite:///{home() / MLFLOW_DB}"
 
 
-def artifact_root() -> str:
-    """Artifact root for experiments created in the local SQLite store (absolute, see home())."""
+def artifact_root(uri: str | None = None) -> str:
+    """Artifact root for experiments rayspeed creates in a local store: beside the SQLite database (a store given
+    as sqlite:////data/mlflow.db keeps its artifacts in /data/mlartifacts), else in the launch home."""
+    if uri and uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        if db.is_absolute():
+            return (db.parent / ARTIFACTS_DIR).as_uri()
     return (home() / ARTIFACTS_DIR).as_uri()
 
 

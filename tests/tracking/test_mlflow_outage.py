@@ -136,6 +136,10 @@ def test_a_server_that_is_down_at_launch_gets_the_run_once_it_comes_up(tmp_path)
         run = runs[0]
         assert sorted(m.step for m in pts) == list(range(1, 31))
         assert run.data.params.get("train.max_steps") == "30" and run.info.status == "FINISHED"
+        # the given `auto`s and, beside them, where things really are
+        assert run.data.params["storage.path"] == "auto" and run.data.params["tracking.uri"] == "auto"
+        assert run.data.params["storage.path.resolved"] == str(tmp_path / "runs")
+        assert run.data.params["tracking.uri.resolved"] == uri
         summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["mlflow_run_id"] == run.info.run_id
     finally:

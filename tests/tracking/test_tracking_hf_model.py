@@ -6,6 +6,8 @@ experiment kind, the run description and the git commit tags."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +57,8 @@ def test_logged_model_registered_loads_in_transformers_and_pyfunc(home, tmp_path
     assert run.data.tags["mlflow.source.git.commit"] == "0123456789abcdef0123456789abcdef01234567"
     assert "dp=1 tp=1 pp=1 ZeRO-0" in run.data.tags["mlflow.note.content"]
     assert "\n" not in run.data.tags["mlflow.note.content"]
+    # the MLflow UI's "Source" column
+    assert (run.data.tags["mlflow.source.name"], run.data.tags["mlflow.source.type"]) == ("jobs/train.py", "JOB")
 
     model = Transformer(cfg.model, seed=5).eval()  # Qwen2-style: q/k/v biases (zero at init: make them count)
     with torch.no_grad():
@@ -80,12 +84,22 @@ def test_logged_model_registered_loads_in_transformers_and_pyfunc(home, tmp_path
     assert "model/weights.pt" in [a.path for a in client.list_artifacts(run_id, "model")]  # the earlier form
 
     local = mlflow.artifacts.download_artifacts("models:/rayspeed-hfjob/1", dst_path=str(tmp_path / "dl"))
+    # the byte tokenizer's EOS (byte 0, which training appends) is the model's; weights readable as any file
+    assert json.loads(Path(local, "model", "config.json").read_text())["eos_token_id"] == 0
+    assert json.loads(Path(local, "model", "generation_config.json").read_text())["eos_token_id"] == 0
+    weights = (tmp_path / "export-hf-check")
+    from rayspeed.model.hf_export import hf_dir_from_export
+
+    hf_dir_from_export(export_dir, str(weights))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (weights / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    license_text = Path(local, "LICENSE.txt").read_text()
+    assert "trained by rayspeed" in license_text and "huggingface.co/" not in license_text, license_text
     hf = AutoModelForCausalLM.from_pretrained(f"{local}/model", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(_ids()).logits, expected, rtol=1e-5, atol=1e-5)
     # A registered version still warm-starts: its rayspeed export is found where the warm start looks.
-    from pathlib import Path
-
     assert read_model_config(str(find_model_dir(Path(local))))["architecture"] == "Qwen2ForCausalLM"
 
     generate = mlflow.pyfunc.load_model("models:/rayspeed-hfjob/1")
@@ -135,3 +149,19 @@ def test_git_commit_prefers_the_checkout(tmp_path, monkeypatch):
     assert git_commit(str(tmp_path)) == head.strip()
     monkeypatch.delenv("RAYSPEED_GIT_COMMIT")
     assert git_commit(str(tmp_path / "nowhere")) is None
+
+
+def test_a_sqlite_store_elsewhere_keeps_its_artifacts_beside_it(home, tmp_path, monkeypatch):
+    import mlflow
+
+    from rayspeed.config.load import parse
+    from rayspeed.tracking.runs import find_or_create_run
+
+    store = tmp_path / "elsewhere"
+    store.mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}/mlflow.db")
+    cfg = parse({"name": "beside", "cluster": {"num_workers": 1}})
+    run_id, _ = find_or_create_run(cfg)
+    run = mlflow.MlflowClient(f"sqlite:///{store}/mlflow.db").get_run(run_id)
+    assert run.info.artifact_uri.startswith((store / "mlartifacts").as_uri()), run.info.artifact_uri
+    assert not (home / "mlartifacts").exists()

@@ -12,6 +12,7 @@ caller passes `byte_tokenizer()`, a transformers tokenizer whose ids are exactly
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,16 +48,26 @@ def write_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: 
     shards = _shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+        _readable(out / SINGLE_FILE)
         return [SINGLE_FILE]
     names, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / fname), metadata={"format": "pt"})
+        _readable(out / fname)
         names.append(fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
+
+
+def _readable(path: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600): give the weights the mode every other
+    file of the folder gets (0666 less the umask), so whoever may read the export may read its weights."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_tokenizer(tokenizer: Any, out: Path) -> list[str]:
@@ -134,7 +145,9 @@ def byte_tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
+    # rayspeed's byte tokenizer ends every document with byte 0 (ByteTokenizer.eos_id): the exported model stops
+    # generating there too.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=table[0])
 
 
 def _byte_table() -> dict[int, str]:

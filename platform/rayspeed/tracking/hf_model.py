@@ -56,9 +56,14 @@ def git_commit(repo: Optional[str] = None) -> Optional[str]:
     return os.environ.get(GIT_COMMIT_ENV) or None
 
 
+SOURCE_NAME_TAG = "mlflow.source.name"
+SOURCE_TYPE_TAG = "mlflow.source.type"
+
+
 def run_tags(plan_line: Optional[str] = None) -> dict[str, str]:
-    """Tags for the job's run: the plan as its description, the git commit as its source version."""
-    tags = {}
+    """Tags for the job's run: the plan as its description, the entry point and the git commit as its source
+    (the MLflow UI's "Source" column)."""
+    tags = {SOURCE_NAME_TAG: "jobs/train.py", SOURCE_TYPE_TAG: "JOB"}
     if plan_line:
         tags[NOTE_TAG] = plan_line
     commit = git_commit()
@@ -118,7 +123,35 @@ def log_hf_model(tracking_uri: str, run_id: str, hf_dir: str, export_dir: Option
         )
     if export_dir:
         client.log_model_artifacts(info.model_id, export_dir, RAYSPEED_SUBDIR)
+    # MLflow's fallback LICENSE.txt sends the reader to a hub URL built from the temporary folder's path: the
+    # model's own license note replaces it (the folder's files overwrite the logged ones of the same name).
+    with tempfile.TemporaryDirectory(prefix="rayspeed-license-") as lic:
+        Path(lic, "LICENSE.txt").write_text(license_note(run, _base_model(export_dir)), encoding="utf-8")
+        client.log_model_artifacts(info.model_id, lic)
     return info
+
+
+def _base_model(export_dir: Optional[str]) -> Optional[str]:
+    import json
+
+    try:
+        spec = json.loads((Path(str(export_dir)) / "model_config.json").read_text())
+        return spec.get("model", {}).get("pretrained") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def license_note(run: Any, base: Optional[str]) -> str:
+    """What a reader of the logged model needs to know about its license."""
+    job = run.data.tags.get("rayspeed.job", run.info.run_name)
+    if base:
+        origin = (f"It was fine-tuned from {base}: its license, and the license of the training data, apply to "
+                  f"this model; see the base model's own LICENSE or model card"
+                  + (f" (https://huggingface.co/{base})" if not base.startswith(("/", ".", "~")) else "") + ".")
+    else:
+        origin = ("It was trained from randomly initialised weights (no base model): the license of the training "
+                  "data applies to it.")
+    return (f"This model was trained by rayspeed, job {job!r}, MLflow run {run.info.run_id}.\n{origin}\n")
 
 
 def register_logged_model(tracking_uri: str, info: Any, registered_name: str, run_id: str,

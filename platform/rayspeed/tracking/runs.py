@@ -26,7 +26,7 @@ def experiment_id(client: Any, name: str, uri: str) -> str:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
         return exp.experiment_id
-    location = artifact_root() if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri else None
+    location = artifact_root(uri) if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri else None
     try:
         return client.create_experiment(name, artifact_location=location,
                                         tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})

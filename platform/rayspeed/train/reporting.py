@@ -197,6 +197,10 @@ class Reporter:
         params.update({f"plan.{k}": v for k, v in flatten(plain(self.plan.best)).items()})
         params.update(versions())
         params["cluster.world_size_at_start"] = world
+        # Where the checkpoints and the store really are, beside the `auto` the job gave (masked like every
+        # param: credentials go, paths stay).
+        params["storage.path.resolved"] = self.payload.storage_path
+        params["tracking.uri.resolved"] = self.payload.tracking_uri
         try:
             from rayspeed.monitoring.system import lineage_params
 
