@@ -155,3 +155,24 @@ def test_a_hub_id_without_network_says_so_at_once(home, tmp_path, monkeypatch, c
     rc = main(["plan", TINY, "--set", "model.pretrained=tiny-org/tiny-model"])
     err = capsys.readouterr().err
     assert rc == 2 and "HF_HUB_OFFLINE is set" in err, err
+
+
+def _nine_heads(**parallel):
+    return parse({"name": "nine", "model": {"hidden_size": 72, "num_layers": 2, "num_heads": 9, "num_kv_heads": 3,
+                                            "ffn_hidden_size": 192, "vocab_size": 258, "seq_len": 256},
+                  "train": {"global_batch_size": 3}, "cluster": {"num_workers": 3},
+                  "parallel": {"tp": 3, **parallel}})
+
+
+def test_a_tp_that_does_not_split_the_sequence_plans_without_sequence_parallelism():
+    from rayspeed.config.shape import ModelShape
+    from rayspeed.config.validate import shape_split_problems
+    from rayspeed.planner import plan_job, resolve
+
+    cfg, plan = resolve(_nine_heads(), world_size=3)
+    assert cfg.parallel.tp == 3 and cfg.parallel.sequence_parallel is False
+    assert "model.seq_len (256) does not divide by tp (3)" in plan_job(_nine_heads()).explain
+    # what the workers' model builder checks is what the planner checked
+    assert shape_split_problems(ModelShape.from_config(cfg.model), 3, cfg.parallel.sequence_parallel) == []
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: true splits each sequence"):
+        _nine_heads(sequence_parallel=True)

@@ -68,6 +68,8 @@ def _train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("ray", "local"), default="ray",
                    help="ray (default): Ray Train; local: this process, world size 1")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and plan, train nothing")
+    p.add_argument("--verbose", action="store_true", help="also show the libraries' lines rayspeed silences as "
+                   "benign (rayspeed.logs.BENIGN)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--fresh", dest="resume", action="store_const", const="fresh", default="auto",
                    help="start over: set the job's previous checkpoints aside (and start a new MLflow run)")

@@ -23,8 +23,21 @@ _RESERVED_NAME_RE = re.compile(r"\.superseded-")
 _REGISTERED_RE = re.compile(r"[^/:]+")
 
 
+def sequence_parallel_problem(seq_len: int, tp: int) -> str | None:
+    """Sequence parallelism splits each sequence over the tp ranks: seq_len must divide by tp."""
+    if tp > 1 and seq_len % tp:
+        return f"seq_len={seq_len} must divide by tp={tp} with sequence_parallel"
+    return None
+
+
+def default_sequence_parallel(seq_len: int, tp: int) -> bool:
+    """parallel.sequence_parallel: auto: on with tp > 1, unless the sequence does not split over tp ranks."""
+    return tp > 1 and sequence_parallel_problem(seq_len, tp) is None
+
+
 def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) -> list[str]:
-    """What stops this model shape from being split over tp ranks (the model builder's own check)."""
+    """What stops this model shape from being split over tp ranks: the one divisibility check that the config,
+    the planner and the model builder share."""
     problems = []
     if shape.hidden_size % shape.num_heads:
         problems.append(f"hidden_size={shape.hidden_size} must divide by num_heads={shape.num_heads}")
@@ -36,8 +49,9 @@ def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) ->
                         ("ffn_hidden_size", shape.ffn_hidden_size), ("vocab_size", shape.vocab_size)):
         if value % tp:
             problems.append(f"{name}={value} must divide by the tensor-parallel size tp={tp}")
-    if sequence_parallel and shape.seq_len % tp:
-        problems.append(f"seq_len={shape.seq_len} must divide by tp={tp} with sequence_parallel")
+    sp = sequence_parallel_problem(shape.seq_len, tp) if sequence_parallel else None
+    if sp:
+        problems.append(sp)
     return problems
 
 
@@ -124,6 +138,10 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
                      f"{len(split)} or auto")
     if par.sequence_parallel is True and par.tp == 1:
         p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
+    if par.sequence_parallel is True and isinstance(par.tp, int) and sequence_parallel_problem(m.seq_len, par.tp):
+        p.append(f"parallel.sequence_parallel: true splits each sequence over tp ranks, but model.seq_len "
+                 f"({m.seq_len}) does not divide by parallel.tp ({par.tp}); leave it auto (off for this tp) or "
+                 f"use a seq_len that is a multiple of {par.tp}")
     if isinstance(c.num_workers, list):
         if len(c.num_workers) != 2 or c.num_workers[0] < 1 or c.num_workers[0] > c.num_workers[1]:
             p.append(f"cluster.num_workers: expected an int or [min, max] with 1 <= min <= max, got {c.num_workers}")

@@ -76,7 +76,10 @@ def _key_reason(key: str, best: Estimate) -> str:
     if key == "tp" and lay.tp > 1:
         return f": within one node ({ctx.node_size} ranks, {ctx.hw.intra_node_gbps:.0f} GB/s links)"
     if key == "sequence_parallel":
-        return ": auto is true iff tp > 1"
+        if lay.tp > 1 and not lay.sequence_parallel and ctx.shape.seq_len % lay.tp:
+            return (f": off, model.seq_len ({ctx.shape.seq_len}) does not divide by tp ({lay.tp}); auto is true "
+                    "iff tp > 1 and tp divides model.seq_len")
+        return ": auto is true iff tp > 1 and tp divides model.seq_len"
     if key == "activation_checkpointing":
         return ": the cheapest mode that fits and is fastest"
     if key == "grad_accum":

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
-from rayspeed.config.validate import shape_split_problems
+from rayspeed.config.validate import default_sequence_parallel, shape_split_problems
 from rayspeed.errors import ConfigError
 from rayspeed.planner.checkpoint_memory import checkpoint_plan
 from rayspeed.planner.checkpoint_memory import explain_lines as checkpoint_explain
@@ -282,7 +282,7 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     except (TypeError, ValueError) as exc:
         return {**{k: layout.get(k) for k in LAYOUT_KEYS}, "fits": False, "valid": False, "runnable": False,
                 "reason": f"layout values must be integers: {exc}"}
-    sp = layout.get("sequence_parallel", tp > 1)
+    sp = layout.get("sequence_parallel", default_sequence_parallel(sh.seq_len, tp))
     sp = sp if isinstance(sp, bool) else str(sp).lower() == "true"
     ac = str(layout.get("activation_checkpointing", "none"))
     if min(dp, tp, pp, mb, ga) < 1:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
+from rayspeed.config.validate import default_sequence_parallel, sequence_parallel_problem, shape_split_problems
 from rayspeed.errors import ConfigError
 from rayspeed.planner import hardware, hwprofile
 from rayspeed.planner.inputs import Ctx
@@ -111,6 +112,9 @@ def tp_ok(ctx: Ctx, tp: int) -> str | None:
         return f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and model.num_kv_heads ({sh.num_kv_heads})"
     if sh.vocab_size % tp:
         return f"tp {tp} does not divide model.vocab_size ({sh.vocab_size}) (vocab-parallel embedding)"
+    split = shape_split_problems(sh, tp, sequence_parallel=False)  # the model builder's own rules
+    if split:
+        return f"the model builder: {'; '.join(split)}"
     if tp > ctx.node_size:
         return f"tp {tp} exceeds the {ctx.node_size} ranks of a node (tp never spans nodes)"
     return None
@@ -198,10 +202,15 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                         out.rejected.append(f"parallel.zero_stage ({z}) with pp {pp}: DeepSpeed's pipeline engine "
                                             "supports ZeRO 0 or 1 only")
                         continue
-                    sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
+                    sps = ([fixed["sequence_parallel"]] if "sequence_parallel" in fixed
+                           else [default_sequence_parallel(sh.seq_len, tp)])
                     for sp in sps:
                         if sp and tp == 1:
                             out.rejected.append("parallel.sequence_parallel: true needs tp > 1")
+                            continue
+                        if sp and sequence_parallel_problem(sh.seq_len, tp):
+                            out.rejected.append(f"parallel.sequence_parallel: true needs model.seq_len "
+                                                f"({sh.seq_len}) divisible by tp ({tp})")
                             continue
                         modes = ([fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed
                                  else list(CHECKPOINT_MODES))

@@ -49,7 +49,7 @@ def tracking_env(environ: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _one_try(timeout_s: float) -> Iterator[None]:
+def one_try(timeout_s: float) -> Iterator[None]:
     """MLflow's HTTP retries off for one probe (its default retries an unreachable server for minutes)."""
     keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(timeout_s))}
     saved = {k: os.environ.get(k) for k in keys}
@@ -86,7 +86,7 @@ def unreachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
     if not uri.lower().startswith(("http://", "https://")):
         return None
     try:
-        with _one_try(timeout_s):
+        with one_try(timeout_s):
             mlflow_client(uri).search_experiments(max_results=1)
         return None
     except Exception as e:
@@ -107,7 +107,7 @@ def access_problem(uri: str, key: str = "tracking.uri", timeout_s: float = PROBE
     if not uri.lower().startswith(("http://", "https://")):
         return None
     try:
-        with _one_try(timeout_s):
+        with one_try(timeout_s):
             mlflow_client(uri).search_experiments(max_results=1)
         return None
     except Exception as e:

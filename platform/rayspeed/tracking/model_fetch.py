@@ -69,7 +69,7 @@ def init_from_problem(spec: str, tracking_uri: Optional[str]) -> Optional[str]:
     if parsed is None:
         return None
     name, alias, version = parsed
-    from rayspeed.tracking.client import _one_try, unreachable
+    from rayspeed.tracking.client import one_try, unreachable
 
     if unreachable(str(tracking_uri or "")):
         return None
@@ -81,7 +81,7 @@ def init_from_problem(spec: str, tracking_uri: Optional[str]) -> Optional[str]:
     if db.startswith("sqlite:///") and not os.path.exists(db[len("sqlite:///"):]):
         return problem  # no store yet, so no registered model (and opening one would create it)
     try:
-        with _one_try(10.0):
+        with one_try(10.0):
             client = mlflow_client(tracking_uri)
             if alias:
                 client.get_model_version_by_alias(name, alias)

@@ -29,11 +29,14 @@ log = logging.getLogger("rayspeed")
 
 def train_command(args: argparse.Namespace) -> int:
     """`python jobs/train.py` / `rayspeed train`: check, plan, then run under Ray Train or in this process."""
-    from rayspeed.logs import setup
+    from rayspeed.logs import VERBOSE_ENV, quiet_benign, setup
 
     setup()
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # the workers inherit it (worker_env)
     try:
         job = load(args.config, args.overrides)
+        quiet_benign(job.cluster.use_gpu)
         world = 1 if args.launcher == "local" else job.cluster.max_workers
         from rayspeed.planner import resolve
 
@@ -85,6 +88,10 @@ def worker_env(cfg: JobConfig, storage: str, embedded: bool) -> dict[str, str]:
     from rayspeed.tracking.client import tracking_env
 
     env = dict(log_profile(cfg, cfg.cluster.max_workers) or {})
+    from rayspeed.logs import VERBOSE_ENV
+
+    if os.environ.get(VERBOSE_ENV):
+        env[VERBOSE_ENV] = os.environ[VERBOSE_ENV]
     if is_uri(storage):
         env = {**forwarded_env(remote=not embedded), **env}
     return {**tracking_env(), **env}

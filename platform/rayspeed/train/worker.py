@@ -26,6 +26,9 @@ log = logging.getLogger("rayspeed.worker")
 
 def train_loop(payload: LaunchPayload) -> None:
     """Ray Train's train_loop_per_worker."""
+    from rayspeed.logs import quiet_benign
+
+    quiet_benign(bool(payload.job.get("cluster", {}).get("use_gpu")))
     from rayspeed.train.context import ray_context
 
     run_worker(payload, ray_context())
@@ -67,6 +70,9 @@ def plan_for_world(job: JobConfig, meta: Optional[dict[str, Any]], world: int) -
 
 def run_worker(payload: LaunchPayload, ctx: WorkerContext) -> RunResult:
     t_start = time.time()
+    from rayspeed.logs import quiet_benign
+
+    quiet_benign(bool(payload.job.get("cluster", {}).get("use_gpu")))
     import deepspeed
 
     from rayspeed.logs import setup
