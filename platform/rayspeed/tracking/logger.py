@@ -63,6 +63,10 @@ class NullLogger:
         return 0
 
 
+# How long close() waits for a server that never answered (no run was ever created for the job).
+DEFERRED_CLOSE_S = 15.0
+
+
 class MlflowLogger(NullLogger):
     def last_step(self, key: str) -> int:
         """The highest step `key` was logged at in this run so far (0 when none, or when the server is away)."""
@@ -135,6 +139,9 @@ class MlflowLogger(NullLogger):
         return self._idle.wait(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
+        if self.run_id is None:
+            # The server never answered this job: a last short chance, not the wait owed to a run that exists.
+            timeout_s = min(timeout_s, DEFERRED_CLOSE_S)
         ok = self.flush(timeout_s)
         self._stop = True
         self._q.put(("stop", None))
