@@ -13,7 +13,7 @@ from rayspeed.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
-EXAMPLE = ROOT.parent / "shared" / "spec" / "job.example.yaml"
+EXAMPLE = ROOT / "configs" / "job.example.yaml"
 
 
 def problems(data=None, overrides=()):
@@ -30,7 +30,6 @@ def test_tiny_cpu_loads_and_is_typed():
     assert cfg.cluster.num_workers == 2 and not cfg.cluster.elastic
 
 
-@pytest.mark.skipif(not EXAMPLE.exists(), reason="shared spec not beside the checkout")
 def test_interface_example_loads():
     cfg = load(str(EXAMPLE))
     assert cfg.train.lr == pytest.approx(3e-4)
