@@ -60,3 +60,19 @@ def test_every_playbook_citation_resolves():
             if m.group(1) not in headings:
                 missing.append(f"{path.relative_to(ROOT)}: PLAYBOOK {m.group(1)}")
     assert cited > 20 and not missing, missing
+
+
+def test_the_readme_is_for_users_and_loses_nothing():
+    """Under 200 lines; every heading the long README had is still a heading of the README or of docs/."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200
+    headings = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        headings |= {line.lstrip("#").strip() for line in page.read_text().splitlines() if re.match(r"#{1,4} ", line)}
+    before = ["Two commands", "Running jobs", "On a Ray cluster (`ray job submit`)", "More CPU workers than cores",
+              "Planning", "Failures and elasticity", "Health", "Scheduled retraining", "Security", "Benchmarks",
+              "More than one machine", "Bring your model", "Bring your data", "Token shards", "Where things go",
+              "Layout of the repository"]
+    assert [h for h in before if h not in headings] == []
+    for link in re.findall(r"\]\(([^)#]+)\)", readme):  # every page the README links to exists
+        assert (ROOT / link).exists(), link

@@ -61,7 +61,7 @@ def test_a_header_that_does_not_match_the_format_is_refused_naming_the_file(tmp_
     bad.write_bytes(damage((tmp_path / "good.rstok").read_bytes()))
     with pytest.raises(ConfigError, match=needle) as e:
         build_token_file("tokens", str(tmp_path / "*.rstok"), None, str(tmp_path / "cache"))
-    assert str(bad) in str(e.value) and "README 'Token shards'" in str(e.value)
+    assert str(bad) in str(e.value) and "docs/DATA.md 'Token shards'" in str(e.value)
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
 
 

@@ -63,7 +63,7 @@ class DataConfig:
     source: Literal["python-stdlib", "files", "hf", "tokens"] = "python-stdlib"
     """python-stdlib: the .py files of the running Python's standard library (built-in demo corpus); files: the
     files of `path` (text, JSONL, Parquet, a save_to_disk folder; a .bin is a raw pre-tokenized token file); hf: the
-    Hugging Face dataset `dataset`; tokens: token shards already in rayspeed's format (README 'Token shards')."""
+    Hugging Face dataset `dataset`; tokens: token shards already in rayspeed's format (docs/DATA.md 'Token shards')."""
     path: Union[str, list[str], None] = None
     """One or more paths or globs (`**` allowed). source files: .txt (or any other text file: one document each),
     .jsonl and .parquet (one document per record), a folder written by datasets' save_to_disk, or a raw .bin token

@@ -75,7 +75,7 @@ def read_header(path: str, key: str = "data.path") -> ShardHeader:
     """The header of a shard file, checked against the file's size; ConfigError naming the file otherwise."""
     def bad(why: str) -> ConfigError:
         return ConfigError(f"{key}: {path} is not a rayspeed token shard ({why}); the format is described in "
-                           "README 'Token shards' and rayspeed/data/shards.py")
+                           "docs/DATA.md 'Token shards' and rayspeed/data/shards.py")
 
     try:
         size = os.path.getsize(path)
