@@ -14,7 +14,7 @@ SERVICES := $(CURDIR)/.services
 export RAYSPEED_HOME := $(CURDIR)
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup examples lint train test test-slow test-multinode up down submit plan mlflow-ui bench retrain schedule unschedule clean
+.PHONY: setup examples lint train test test-unit test-slow test-multinode up down submit plan mlflow-ui bench retrain schedule unschedule clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,10 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=15 -m "not slow" --ignore=tests/train/test_multinode.py tests
+
+# The fast inner loop: no lint, no Ray Train runs (tests marked ray), no drills.
+test-unit: setup
+	$(BIN)/python -m pytest -q -m "not slow and not ray" --ignore=tests/train/test_multinode.py tests
 
 # Heavier end-to-end drills (kill points and kill drills, elastic node loss, tracking outage); CI runs them after `make test`.
 test-slow: setup
