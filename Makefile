@@ -35,7 +35,7 @@ runs/examples/tiny-chat/.made: scripts/make_tiny_chat_model.py $(STAMP)
 	$(BIN)/python scripts/make_tiny_chat_model.py runs/examples/tiny-chat
 	@touch $@
 # Read by make itself, never through a shell: CONFIG is the user's text (see the scheduling targets below).
-NEEDS_EXAMPLES = $(if $(findstring runs/examples/,$(file <$(value CONFIG))),examples)
+NEEDS_EXAMPLES = $(if $(wildcard $(value CONFIG)/.),,$(if $(findstring runs/examples/,$(file <$(value CONFIG))),examples))
 
 train: setup $(NEEDS_EXAMPLES)
 	$(BIN)/python jobs/train.py --config $(CONFIG) $(ARGS)

@@ -176,3 +176,11 @@ def test_a_tp_that_does_not_split_the_sequence_plans_without_sequence_parallelis
     assert shape_split_problems(ModelShape.from_config(cfg.model), 3, cfg.parallel.sequence_parallel) == []
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: true splits each sequence"):
         _nine_heads(sequence_parallel=True)
+
+
+def test_a_dumped_random_init_config_loads_again(tmp_path):
+    from rayspeed.config.load import to_yaml
+
+    p = tmp_path / "resolved.yaml"
+    p.write_text(to_yaml(load(TINY)))
+    assert load(str(p)).model.init == "pretrained" and load(str(p)).model.pretrained is None

@@ -55,19 +55,30 @@ def test_secret_names_the_env_profile_used_to_miss(name):
     assert is_secret_key(name)
 
 
-@pytest.mark.parametrize("name", ["PWD", "OLDPWD", "pass_rate", "path", "patience"])
-def test_directories_and_look_alikes_are_not_secrets(name):
+@pytest.mark.parametrize("name", ["pass_rate", "path", "patience", "password_min_len", "token_count"])
+def test_look_alikes_are_not_secrets(name):
     assert not is_secret_key(name)
 
 
-def test_paths_are_never_masked():
+def test_paths_are_never_masked(tmp_path):
     # PWD's value is the launch directory: every path under it used to print as ***.
-    env = {"PWD": "/home/me/rayspeed", "OLDPWD": "/home/me", "GOOGLE_APPLICATION_CREDENTIALS": "/home/me/sa.json"}
-    text = "MLflow run at sqlite:////home/me/rayspeed/mlflow.db, model exported to /home/me/rayspeed/runs/x/model"
+    launch = tmp_path / "rayspeed"
+    launch.mkdir()
+    env = {"PWD": str(launch), "OLDPWD": str(tmp_path), "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "sa.json")}
+    text = f"MLflow run at sqlite:///{launch}/mlflow.db, model exported to {launch}/runs/x/model"
     assert redact_text(text, environ=env) == text
-    assert redact_text("credentials: /home/me/sa.json", environ={}) == "credentials: /home/me/sa.json"
-    assert redact_mapping({"env": {"GOOGLE_APPLICATION_CREDENTIALS": "/etc/sa.json", "HF_TOKEN": "hf_x"}}) == {
-        "env": {"GOOGLE_APPLICATION_CREDENTIALS": "/etc/sa.json", "HF_TOKEN": MASK}}
+    assert redact_text(f"credentials: {tmp_path}/sa.json", environ={}) == f"credentials: {tmp_path}/sa.json"
+    assert redact_text(f"PWD={launch}", environ={}) == f"PWD={launch}"
+    assert redact_mapping({"env": {"GOOGLE_APPLICATION_CREDENTIALS": f"{tmp_path}/sa.json", "HF_TOKEN": "hf_x"}}) == {
+        "env": {"GOOGLE_APPLICATION_CREDENTIALS": f"{tmp_path}/sa.json", "HF_TOKEN": MASK}}
+
+
+def test_a_secret_that_starts_like_a_path_is_still_a_secret():
+    secret = "/K7MDENG/bPxRfiCYEXAMPLEKEYwJalrXUtnFEMI"
+    assert redact_mapping({"AWS_SECRET_ACCESS_KEY": secret}) == {"AWS_SECRET_ACCESS_KEY": MASK}
+    assert secret not in redact_text(f"AWS_SECRET_ACCESS_KEY={secret} and again {secret}",
+                                     environ={"AWS_SECRET_ACCESS_KEY": secret})
+    assert redact_text("connection: Server=db;UID=sa;PWD=Secr3tPass9;", environ={}).count("Secr3tPass9") == 0
 
 
 def test_http_credentials_lose_the_token():
@@ -81,11 +92,26 @@ def test_http_credentials_lose_the_token():
 
 def test_prose_keys_and_settings_stay_readable():
     for plain in ("cache key: 3f2a9c1b0d4e5f6a7b8c", "sort key=loss", "token=5", "password_min_len=12",
-                  "tokens: 32551", "api_key=short"):
+                  "tokens: 32551", "hash key=0123456789abcdef", "eos token: <|eot_id|>"):
         assert redact_text(plain, environ={}) == plain, plain
     assert redact_text("api_key=sk-live-0123456789", environ={}) == f"api_key={MASK}"
     assert redact_text("key=AKIAIOSFODNN7EXAMPLEKEY", environ={}) == f"key={MASK}"
     assert redact_text("DB_PASS=hunter2hunter2 REDIS_PASS='x y'", environ={}) == f"DB_PASS={MASK} REDIS_PASS='{MASK}'"
+
+
+@pytest.mark.parametrize("line, secret", [
+    ("OpenAI api key: sk-abcdefghijklmnop", "sk-abcdefghijklmnop"),
+    ("Using auth token: ghp_abcdefghijklmnop", "ghp_abcdefghijklmnop"),
+    ("AWS secret key=wJalrXUtnFEMIK7MDENG", "wJalrXUtnFEMIK7MDENG"),
+    ("HF access token: 'hf_abcdefghijkl'", "hf_abcdefghijkl"),
+    ("refresh token=eyJhbGciOiJIUzI1NiJ9", "eyJhbGciOiJIUzI1NiJ9"),
+    ("host=db user=u password=hunter2", "hunter2"),
+    ("--password=hunter2", "hunter2"),
+    ("PGPASSWORD=12345678", "12345678"),
+    ("X-API-Key: abc123", "abc123"),
+])
+def test_credentials_in_prose_are_masked(line, secret):
+    assert secret not in redact_text(line, environ={}), redact_text(line, environ={})
 
 
 def test_object_store_uris_lose_the_whole_key_pair():

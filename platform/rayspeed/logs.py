@@ -87,8 +87,8 @@ class _Drop(logging.Filter):
         self.rx, self.name_suffix = rx, name_suffix
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.name_suffix and not record.name.endswith(self.name_suffix):
-            return True
+        if record.levelno >= logging.ERROR or (self.name_suffix and not record.name.endswith(self.name_suffix)):
+            return True  # an error is never benign
         try:
             return not self.rx.search(record.getMessage())
         except Exception:

@@ -5,6 +5,7 @@ caches, and the names of the files in a run's directory. Torch-free, MLflow-free
         checkpoint_stepNNNNNNNN/           one checkpoint (rayspeed.checkpoint.manifest)
         summary.json                       SUMMARY: what the launcher writes at the end
         worker_result.json                 WORKER_RESULT: what rank 0 returns
+        mlflow_run.json                    DEFERRED_RUN: the run rank 0 created when the server was down at launch
         .resilience/                       RESILIENCE_DIR: events.jsonl, handled.jsonl, progress.json
         .chaos/                            CHAOS_DIR: one marker per drill that fired
         model/                             MODEL_DIR: the export, when it could not go to MLflow
@@ -21,6 +22,7 @@ from typing import Any
 AUTO = "auto"
 SUMMARY = "summary.json"
 WORKER_RESULT = "worker_result.json"
+DEFERRED_RUN = "mlflow_run.json"
 RESILIENCE_DIR = ".resilience"
 CHAOS_DIR = ".chaos"
 MODEL_DIR = "model"

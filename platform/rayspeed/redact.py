@@ -15,14 +15,16 @@ Names are split into words (on `_ . - /`, spaces and camelCase); a name is secre
 word or ends with one of the unambiguous ones (`PGPASSWORD`, `githubtoken`), or when its last word is `pass` or
 `pat` (`DB_PASS`, `GITHUB_PAT`). So `data.tokenizer`, `max_tokens` or `monkey` are not secrets while
 `cluster.env.HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`, `apiKey` and `MLFLOW_TRACKING_PASSWORD` are. Names whose last word
-says the value is a mode, a type or a file location (`RAY_AUTH_MODE`, `AWS_WEB_IDENTITY_TOKEN_FILE`) are not: their
-values are settings. The shell's working-directory variables (`PWD`, `OLDPWD`) are not secrets.
+says the value is a mode, a type, a file location or a size (`RAY_AUTH_MODE`, `AWS_WEB_IDENTITY_TOKEN_FILE`,
+`password_min_len`) are not: their values are settings.
 
-Masking never hides a path or a setting. The rule for free text, where a word like `key` is often just prose:
-- a `NAME=value` / `NAME: value` pair is masked when NAME is secret and the value looks like a credential: 8 or
-  more characters, no spaces, not a path (`/`, `~/`, `./`, `../`), not a number; a quoted value under a secret
-  NAME is masked whatever it looks like (except a path);
-- a lone `key`, `token` or `auth` after another word (`cache key: 3f2a...`, `sort key=loss`) is prose, not a NAME;
+Masking never hides a path or a setting. A path is a value shaped like one (`/`, `~/`, `./`, `../`) that exists on
+this machine or whose parent folder does (other than `/`): `$PWD`'s value is one, a base64 secret that happens to
+start with `/` is not. The rule for free text, where a word like `key` is often just prose:
+- a `NAME=value` / `NAME: value` pair under a secret NAME is masked, unless the value is a path. When NAME is just
+  `key`, `token`, `auth` or `pat`, the value must also look like a credential (8 or more characters, no spaces,
+  not a number), and after a word that makes it a thing rather than a credential (`cache key: 3f2a...`, `sort
+  key=loss`, `hash key`, ...) a bare value is prose and stays;
 - an HTTP credential (`Authorization: Bearer <token>`, `Basic <base64>`) loses the credential;
 - the values of secret-named environment variables (6 characters or more, not paths) are masked wherever they occur.
 In mappings (configs, params, environments) every non-empty value under a secret key is masked, except paths;
@@ -48,12 +50,16 @@ SECRET_WORDS = frozenset({
 SECRET_SUFFIXES = ("password", "passwd", "token", "secret", "apikey")
 # Secret only as the last word of a name: DB_PASS, REDIS_PASS, GITHUB_PAT (not pass_rate).
 SECRET_LAST_WORDS = frozenset({"pass", "pat"})
-# Words that, alone after another word in prose, name a thing rather than a credential: "cache key", "sort key".
-PROSE_WORDS = frozenset({"key", "token", "auth"})
-# The last word of a name that holds a setting or a location, not the secret itself.
-NOT_SECRET_LAST_WORDS = frozenset({"mode", "type", "file", "path", "dir", "method", "enabled", "id"})
-# Whole names that are never secrets although a word of theirs is a secret word: the shell's directories.
-NOT_SECRET_NAMES = frozenset({"pwd", "oldpwd"})
+# Secret words that are often something else: a lone one needs a credential-looking value.
+WEAK_WORDS = frozenset({"key", "token", "auth", "pat"})
+# Words before a lone weak word that make it a thing, not a credential: "cache key: 3f2a", "sort key=loss".
+PROSE_BEFORE = frozenset({"cache", "sort", "hash", "partition", "primary", "foreign", "lookup", "dict", "map",
+                          "index", "group", "join", "shard", "dedup", "routing", "row", "column", "sorting", "grouping",
+                          "composite", "unique", "next", "previous", "special", "bos", "eos", "pad", "unk", "end",
+                          "start", "stop", "first", "last", "input", "output", "vocab"})
+# The last word of a name that holds a setting, a location or a size, not the secret itself.
+NOT_SECRET_LAST_WORDS = frozenset({"mode", "type", "file", "path", "dir", "method", "enabled", "id", "len", "length",
+                                   "count", "size"})
 # URI schemes whose userinfo is an access key pair: both halves are masked.
 KEY_PAIR_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs", "abfs", "abfss", "az", "wasb", "wasbs", "oss"})
 MIN_CREDENTIAL_LEN = 8
@@ -77,7 +83,7 @@ def _words(name: str) -> list[str]:
 def is_secret_key(name: Any) -> bool:
     """Whether a key, variable or parameter name looks like it holds a secret (see the module doc)."""
     words = _words(str(name))
-    if not words or words[-1] in NOT_SECRET_LAST_WORDS or str(name).strip().lower() in NOT_SECRET_NAMES:
+    if not words or words[-1] in NOT_SECRET_LAST_WORDS:
         return False
     if words[-1] in SECRET_LAST_WORDS:
         return True
@@ -85,19 +91,26 @@ def is_secret_key(name: Any) -> bool:
 
 
 def is_path(value: str) -> bool:
-    """A filesystem location (never masked: masking must not hide where things are)."""
-    return value.startswith(("/", "~/", "./", "../")) or bool(re.match(r"^[A-Za-z]:[\\/]", value))
+    """A filesystem location (never masked: masking must not hide where things are): path-shaped, and it or its
+    parent folder (other than the root) exists here. A secret that merely starts with "/" is not one."""
+    if not (value.startswith(("/", "~/", "./", "../")) or re.match(r"^[A-Za-z]:[\\/]", value)):
+        return False
+    p = os.path.abspath(os.path.expanduser(value.rstrip("/") or "/"))
+    parent = os.path.dirname(p)
+    try:
+        return os.path.exists(p) or (parent not in ("/", "") and os.path.isdir(parent))
+    except (OSError, ValueError):
+        return False
+
+
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
 
 def looks_like_credential(value: str) -> bool:
     """8 or more characters, no spaces, not a path, not a number (see the module doc)."""
     if len(value) < MIN_CREDENTIAL_LEN or any(c.isspace() for c in value) or value == MASK or is_path(value):
         return False
-    try:
-        float(value)
-        return False
-    except ValueError:
-        return True
+    return not _NUMBER.fullmatch(value)
 
 
 def _secret_query_param(name: str) -> bool:
@@ -168,9 +181,11 @@ def _pairs(text: str) -> str:
         start = m.start()
         vs, ve = m.span(group)
         name = m.group("name")
-        prose = name.lower() in PROSE_WORDS and re.search(r"\w[ \t]+$", text[:start]) is not None
-        if is_secret_key(name) and not prose and value and value != MASK and not is_path(value) and (
-                group != "bare" or looks_like_credential(value)):
+        lone = name.lower() in WEAK_WORDS
+        before = re.search(r"([A-Za-z]+)[ \t]+$", text[:start])
+        prose = lone and group == "bare" and before is not None and before.group(1).lower() in PROSE_BEFORE
+        if (is_secret_key(name) and not prose and value and value != MASK and not is_path(value)
+                and (not lone or group != "bare" or looks_like_credential(value))):
             replaced = MASK
         elif group != "bare":  # a quoted value may hold pairs of its own: --set cluster.env='{HF_TOKEN: ...}'
             replaced = _pairs(value)

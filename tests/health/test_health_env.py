@@ -102,6 +102,9 @@ def test_remedies_read_as_instructions():
     (f,) = lint_env({"CUDA_LAUNCH_BLOCKING": "1"})
     assert not f.remedy.startswith("use unset") and f.remedy.startswith("unset it")
     assert lint_env({"NCCL_ALGO": "^Ring,nvls", "NCCL_PROTO": "Simple", "NCCL_NTHREADS": "512"}) == []
+    # NCCL reads an empty value as unset; NCCL 2.24+ takes per-collective lists
+    assert lint_env({"NCCL_DEBUG": "", "NCCL_ALGO": "allreduce:tree;allgather:ring"}) == []
+    assert lint_env({"NCCL_ALGO": "allreduce:trees"})[0].cause.startswith("NCCL_ALGO=allreduce:trees: not a value")
 
 
 def test_debug_knobs_are_information_outside_production():

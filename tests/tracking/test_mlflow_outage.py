@@ -142,6 +142,9 @@ def test_a_server_that_is_down_at_launch_gets_the_run_once_it_comes_up(tmp_path)
         assert run.data.params["tracking.uri.resolved"] == uri
         summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["mlflow_run_id"] == run.info.run_id
+        # where the launcher finds the run even when the job fails
+        recorded = json.loads((tmp_path / "runs" / name / "mlflow_run.json").read_text())
+        assert recorded["run_id"] == run.info.run_id
     finally:
         if job.poll() is None:
             job.kill()

@@ -139,10 +139,14 @@ def lint_env(env: Mapping[str, str], production: bool = True, world_size: Option
 def value_problem(value: str, r: Mapping[str, Any]) -> Optional[str]:
     """Why `value` is not one the variable accepts (its table entry's choices / int range), else None."""
     v = value.strip()
+    if not v:  # NCCL reads an empty value as unset
+        return None
     choices = [str(c) for c in r.get("choices") or []]
     if choices:
         allowed = {c.upper(): c for c in choices}
-        items = [x.strip() for x in v.lstrip("^").split(",")] if r.get("list") else [v]
+        items = [v]
+        if r.get("list"):  # "Ring,Tree", "^LL128", or per collective: "allreduce:tree;allgather:ring" (NCCL 2.24+)
+            items = [x.strip() for part in v.split(";") for x in part.split(":")[-1].lstrip("^").split(",")]
         wrong = [x for x in items if x.upper() not in allowed]
         if wrong or not v:
             close = difflib.get_close_matches((wrong or [v])[0].upper(), list(allowed), n=1, cutoff=0.6)

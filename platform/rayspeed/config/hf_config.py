@@ -69,7 +69,10 @@ def resolve_file(ref: str, filename: str = CONFIG_FILE) -> Path:
     if offline:
         raise PretrainedError(f"model.pretrained: {ref}: {filename} is not in the local Hugging Face cache and "
                               f"HF_HUB_OFFLINE is set; {fixes}")
-    down = _hub_unreachable()
+    # Behind a proxy a direct connection says nothing: huggingface_hub goes through it (and its retries apply).
+    proxied = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                              "all_proxy"))
+    down = None if proxied else _hub_unreachable()
     if down:  # said at once: huggingface_hub would retry for about 25 s before saying the same
         raise PretrainedError(f"model.pretrained: {ref}: not in the local Hugging Face cache, and the hub cannot be "
                               f"reached ({down}); {fixes} (HF_HUB_OFFLINE=1 then uses the cache only)")

@@ -236,7 +236,9 @@ def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
     _anchor_relative_paths(data)
     cfg = _build(JobConfig, data, "", problems)
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    if written and not problems and model.get("init") == "pretrained" and not cfg.model.pretrained:
+    # A dumped config (config/resolved.yaml, a dry run's output) always carries `pretrained: null` beside the
+    # default `init: pretrained`: only an init given without any pretrained key is the mistake.
+    if written and not problems and model.get("init") == "pretrained" and "pretrained" not in model:
         problems.append("model.init: pretrained needs model.pretrained (a Hugging Face model directory or hub id); "
                         "set it, or set model.init: random to train the shape given here from scratch")
     if not problems and cfg.model.pretrained:

@@ -80,11 +80,28 @@ def http_status(e: BaseException) -> Optional[int]:
 PROBE_TIMEOUT_S = 5.0
 
 
+# A launch asks several times (access, train.init_from, the run): one answer per server for a few seconds.
+_PROBES: dict[str, tuple[float, Optional[str]]] = {}
+PROBE_REUSE_S = 10.0
+
+
 def unreachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
     """None when the tracking store at `uri` answers (any HTTP answer: a 401 is an answer); else why it does not,
-    in one line, after one try of at most timeout_s. Stores that are not servers always answer."""
+    in one line, after one try of at most timeout_s (an answer is reused for PROBE_REUSE_S). Stores that are not
+    servers always answer."""
     if not uri.lower().startswith(("http://", "https://")):
         return None
+    import time
+
+    seen = _PROBES.get(uri)
+    if seen and time.monotonic() - seen[0] < PROBE_REUSE_S:
+        return seen[1]
+    why = _probe(uri, timeout_s)
+    _PROBES[uri] = (time.monotonic(), why)
+    return why
+
+
+def _probe(uri: str, timeout_s: float) -> Optional[str]:
     try:
         with one_try(timeout_s):
             mlflow_client(uri).search_experiments(max_results=1)
@@ -104,8 +121,8 @@ def access_problem(uri: str, key: str = "tracking.uri", timeout_s: float = PROBE
     """One line when the MLflow server at `uri` refuses this process (401: no or wrong credentials; 403: no
     permission), else None (also when it does not answer: tracking never stops training). Only http(s) URIs are
     probed; a local store has no authentication."""
-    if not uri.lower().startswith(("http://", "https://")):
-        return None
+    if not uri.lower().startswith(("http://", "https://")) or unreachable(uri, timeout_s):
+        return None  # a server that does not answer refuses nobody: tracking waits for it (bad luck, not input)
     try:
         with one_try(timeout_s):
             mlflow_client(uri).search_experiments(max_results=1)

@@ -80,6 +80,8 @@ def init_from_problem(spec: str, tracking_uri: Optional[str]) -> Optional[str]:
     db = str(tracking_uri or "")
     if db.startswith("sqlite:///") and not os.path.exists(db[len("sqlite:///"):]):
         return problem  # no store yet, so no registered model (and opening one would create it)
+    if not db.startswith(("sqlite:", "http://", "https://", "databricks")):
+        return None  # a file store (or a plugin): opening it may create folders; the workers' fetch says why
     try:
         with one_try(10.0):
             client = mlflow_client(tracking_uri)

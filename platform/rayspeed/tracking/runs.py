@@ -37,10 +37,12 @@ def experiment_id(client: Any, name: str, uri: str) -> str:
         return exp.experiment_id
 
 
-def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
+def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None,
+                       uri: Optional[str] = None) -> tuple[str, bool]:
     """(run id, resumed): the job's existing run if one exists (same experiment, tag rayspeed.job = name),
-    else a new one. Resubmitting a job name therefore continues its run."""
-    uri = tracking_uri(cfg)
+    else a new one. Resubmitting a job name therefore continues its run. `uri`: the store the launcher resolved
+    (a worker's own environment may not name it)."""
+    uri = uri or tracking_uri(cfg)
     client = mlflow_client(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, uri)
     runs = client.search_runs(
@@ -62,13 +64,13 @@ def find_or_create_run(cfg: JobConfig, extra_tags: dict[str, str] | None = None)
     return run.info.run_id, False
 
 
-def supersede_run(cfg: JobConfig) -> Optional[str]:
+def supersede_run(cfg: JobConfig, uri: Optional[str] = None) -> Optional[str]:
     """--fresh: the job's current run stops being the job's run (its rayspeed.job tag gets a suffix), so the next
     find_or_create_run starts a new one; returns the old run id (None when there was none or tracking is away)."""
     import time
 
     try:
-        uri = tracking_uri(cfg)
+        uri = uri or tracking_uri(cfg)
         client = mlflow_client(uri)
         exp_id = experiment_id(client, cfg.tracking.experiment, uri)
         runs = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{cfg.name}'")

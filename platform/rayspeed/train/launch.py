@@ -148,23 +148,25 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
 
 
 def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any] | None, resume: str) -> int:
+    from rayspeed.tracking.client import PROBE_TIMEOUT_S, unreachable
     from rayspeed.tracking.runs import find_or_create_run, finish_run, supersede_run
     from rayspeed.train import resilience, resume_guard
 
     storage = storage_path(cfg)
     exp = locate(storage).child(cfg.name)
-    if resume == "fresh" and exp.exists():
-        log.warning("--fresh: %s", resume_guard.set_aside(exp))
-        supersede_run(cfg)
-    exp.mkdirs()
-    # A new submission: an earlier incident (say, a job that ran out of restarts) is not recovered by this start.
-    resilience.close_incidents(str(exp), "a new submission")
-    run_id = None
-    from rayspeed.tracking.client import PROBE_TIMEOUT_S, unreachable
-
     # Tracking never stops training, nor delays it: a server that does not answer within a few seconds is not
     # waited for (MLflow's own retries would hold the launch for minutes).
     down = unreachable(tracking_uri(cfg))
+    if resume == "fresh" and exp.exists():
+        log.warning("--fresh: %s", resume_guard.set_aside(exp))
+        if not down:  # else rank 0 sets the old run aside once the server answers (LaunchPayload.resume)
+            supersede_run(cfg)
+    exp.mkdirs()
+    if exp.exists(paths.DEFERRED_RUN):  # an earlier submission's: this one's rank 0 writes its own
+        exp.delete(paths.DEFERRED_RUN)
+    # A new submission: an earlier incident (say, a job that ran out of restarts) is not recovered by this start.
+    resilience.close_incidents(str(exp), "a new submission")
+    run_id = None
     if down:
         log.warning("MLflow: the tracking server at %s does not answer (%s, after one try of at most %.0f s): "
                     "training starts now; rank 0 creates or finds the job's run when the server answers, and "
@@ -188,7 +190,8 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
             result = RunResult.from_json(exp.read_json(paths.WORKER_RESULT))
     except Exception as e:
         error, result = e, RunResult(status="failed")
-    run_id = run_id or result.mlflow_run_id  # a deferred run, created by rank 0 once the server answered
+    if run_id is None and down:  # a deferred run, created by rank 0 once the server answered (also on failure)
+        run_id = result.mlflow_run_id or exp.read_json(paths.DEFERRED_RUN).get("run_id")
     if result.status != "finished" and error is None:
         error = RuntimeError(f"{result.status}: {result.error or ''}")
     summary = {

@@ -23,12 +23,22 @@ TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "m
                     "uc")
 
 
+def plugin_schemes() -> set[str]:
+    """Tracking-store schemes that installed MLflow plugins register (entry point group mlflow.tracking_store)."""
+    from importlib.metadata import entry_points
+
+    try:
+        return {ep.name.lower() for ep in entry_points(group="mlflow.tracking_store")}
+    except Exception:
+        return set()
+
+
 def tracking_uri_problem(job: JobConfig) -> str | None:
     uri = job.tracking.uri
     if uri == AUTO or "://" not in uri:
         return None
     scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
-    if scheme not in TRACKING_SCHEMES:
+    if scheme not in TRACKING_SCHEMES and scheme not in plugin_schemes():
         return (f"tracking.uri: {uri!r}: MLflow has no store for {scheme}://; use http(s)://host:port (a tracking "
                 "server), sqlite:///abs/path/mlflow.db, or auto")
     return None

@@ -59,6 +59,8 @@ def _register(trainer: Any, out_dir: Optional[str], val_loss: Optional[float], l
     from rayspeed.tracking.runs import registered_model_name
 
     c, ctx, payload, reporter = trainer.cfg, trainer.ctx, trainer.payload, trainer.reporter
+    if ctx.is_rank0 and payload.tracking_deferred and not payload.mlflow_run_id:
+        reporter.tracker.flush(60)  # a server back by now gets the run (created on the logger's thread) first
     if not ctx.is_rank0 or not payload.mlflow_run_id:
         return None
     version = None

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from rayspeed import paths
 from rayspeed.config.load import flatten, to_dict, to_yaml
 from rayspeed.config.schema import JobConfig
 from rayspeed.health.calibration import worst_rank_peak_memory_gib
@@ -129,6 +130,7 @@ class Reporter:
         self.log_every = cfg.tracking.log_every_steps
         self.tracker: Any = NullLogger()
         self.monitors_started = False
+        self.superseded = False
         if ctx.is_rank0 and (payload.mlflow_run_id or payload.tracking_deferred):
             try:
                 # A server that did not answer at launch: the run is found or created once it does, and what was
@@ -163,15 +165,35 @@ class Reporter:
         return int(self.tracker.last_step("train/loss"))
 
     def _find_or_create_run(self) -> str:
-        from rayspeed.tracking.runs import find_or_create_run
+        from rayspeed.tracking.client import unreachable
+        from rayspeed.tracking.runs import find_or_create_run, supersede_run
 
-        return find_or_create_run(self.cfg)[0]
+        uri = self.payload.tracking_uri  # the store the launcher resolved, not this worker's environment's
+        down = unreachable(uri)
+        if down:  # the logger retries with backoff
+            raise ConnectionError(f"no answer from {uri} yet ({down})")
+        from rayspeed import storage
+
+        known = storage.locate(self.ctx.experiment_dir).read_json(paths.DEFERRED_RUN).get("run_id")
+        if known:  # an earlier attempt of this submission created it (a restart re-reads the launch payload)
+            return str(known)
+        if self.payload.resume == "fresh" and not self.superseded:
+            supersede_run(self.cfg, uri)  # --fresh while the server was down: the old run is set aside now
+            self.superseded = True
+        return find_or_create_run(self.cfg, uri=uri)[0]
 
     def _run_found(self, run_id: str) -> None:
-        """The deferred run exists (called on the logger's thread): charts and registration can use it now."""
+        """The deferred run exists (called on the logger's thread): charts and registration can use it now, and
+        the launcher finds it in the experiment folder even when the job fails."""
         if self.payload.mlflow_run_id == run_id:
             return
         self.payload.mlflow_run_id = run_id
+        try:
+            from rayspeed import storage
+
+            storage.locate(self.ctx.experiment_dir).write_json(paths.DEFERRED_RUN, {"run_id": run_id})
+        except Exception as e:  # tracking never fails the job
+            log.warning("could not record the deferred MLflow run id: %s", e)
         if self.monitors_started and self.charts is None:
             from rayspeed.tracking.charts import ChartPublisher
 
