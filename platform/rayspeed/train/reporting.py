@@ -20,7 +20,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from rayspeed import paths
 from rayspeed.config.load import flatten, to_dict, to_yaml
 from rayspeed.config.schema import JobConfig
 from rayspeed.health.calibration import worst_rank_peak_memory_gib
@@ -28,6 +27,7 @@ from rayspeed.logs import log_rank
 from rayspeed.parallel.objects import gather_objects
 from rayspeed.planner.feedback import plan_metrics
 from rayspeed.train import resilience
+from rayspeed.train.deferred_run import DeferredRun, record_deferred_run
 
 log = logging.getLogger("rayspeed.worker")
 
@@ -130,12 +130,11 @@ class Reporter:
         self.log_every = cfg.tracking.log_every_steps
         self.tracker: Any = NullLogger()
         self.monitors_started = False
-        self.superseded = False
         if ctx.is_rank0 and (payload.mlflow_run_id or payload.tracking_deferred):
             try:
                 # A server that did not answer at launch: the run is found or created once it does, and what was
                 # logged meanwhile waits in the logger's queue.
-                deferred = None if payload.mlflow_run_id else self._find_or_create_run
+                deferred = None if payload.mlflow_run_id else DeferredRun(cfg, payload, ctx.experiment_dir)
                 self.tracker = MlflowLogger(payload.tracking_uri, payload.mlflow_run_id, run_factory=deferred,
                                             on_run=self._run_found)
             except Exception as e:  # tracking must never kill training
@@ -164,36 +163,12 @@ class Reporter:
     def _logged_until(self) -> int:
         return int(self.tracker.last_step("train/loss"))
 
-    def _find_or_create_run(self) -> str:
-        from rayspeed.tracking.client import unreachable
-        from rayspeed.tracking.runs import find_or_create_run, supersede_run
-
-        uri = self.payload.tracking_uri  # the store the launcher resolved, not this worker's environment's
-        down = unreachable(uri)
-        if down:  # the logger retries with backoff
-            raise ConnectionError(f"no answer from {uri} yet ({down})")
-        from rayspeed import storage
-
-        known = storage.locate(self.ctx.experiment_dir).read_json(paths.DEFERRED_RUN).get("run_id")
-        if known:  # an earlier attempt of this submission created it (a restart re-reads the launch payload)
-            return str(known)
-        if self.payload.resume == "fresh" and not self.superseded:
-            supersede_run(self.cfg, uri)  # --fresh while the server was down: the old run is set aside now
-            self.superseded = True
-        return find_or_create_run(self.cfg, uri=uri)[0]
-
     def _run_found(self, run_id: str) -> None:
-        """The deferred run exists (called on the logger's thread): charts and registration can use it now, and
-        the launcher finds it in the experiment folder even when the job fails."""
+        """The deferred run exists (called on the logger's thread): charts and registration can use it now."""
         if self.payload.mlflow_run_id == run_id:
             return
         self.payload.mlflow_run_id = run_id
-        try:
-            from rayspeed import storage
-
-            storage.locate(self.ctx.experiment_dir).write_json(paths.DEFERRED_RUN, {"run_id": run_id})
-        except Exception as e:  # tracking never fails the job
-            log.warning("could not record the deferred MLflow run id: %s", e)
+        record_deferred_run(self.ctx.experiment_dir, run_id)
         if self.monitors_started and self.charts is None:
             from rayspeed.tracking.charts import ChartPublisher
 
