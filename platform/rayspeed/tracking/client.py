@@ -81,8 +81,35 @@ PROBE_TIMEOUT_S = 5.0
 
 
 # A launch asks several times (access, train.init_from, the run): one answer per server for a few seconds.
-_PROBES: dict[str, tuple[float, Optional[str]]] = {}
+_ANSWERS: dict[tuple[str, ...], tuple[float, Optional[str], Optional[BaseException]]] = {}
 PROBE_REUSE_S = 10.0
+
+
+def _ask(uri: str, timeout_s: float) -> tuple[Optional[str], Optional[BaseException]]:
+    """(why the server does not answer or None, the error it answered with or None), from one request of at
+    most timeout_s, reused for PROBE_REUSE_S."""
+    import time
+
+    key = (uri, *(os.environ.get(k, "") for k in TRACKING_CREDENTIAL_ENV))  # other credentials, another answer
+    seen = _ANSWERS.get(key)
+    if seen and time.monotonic() - seen[0] < PROBE_REUSE_S:
+        return seen[1], seen[2]
+    why: Optional[str] = None
+    error: Optional[BaseException] = None
+    try:
+        with one_try(timeout_s):
+            mlflow_client(uri).search_experiments(max_results=1)
+    except Exception as e:
+        text = str(e)
+        if "failed with exception" not in text and getattr(e, "error_code", "") != "INTERNAL_ERROR":
+            error = e  # an HTTP error status: the server is there
+        else:
+            why = next((c.lower() for c in ("Connection refused", "timed out", "Name or service not known",
+                                            "No route to host", "Temporary failure in name resolution",
+                                            "Connection reset") if c.lower() in text.lower()),
+                       redact_text(text.splitlines()[0][:200]) if text else type(e).__name__)
+    _ANSWERS[key] = (time.monotonic(), why, error)
+    return why, error
 
 
 def unreachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
@@ -91,44 +118,19 @@ def unreachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
     servers always answer."""
     if not uri.lower().startswith(("http://", "https://")):
         return None
-    import time
-
-    seen = _PROBES.get(uri)
-    if seen and time.monotonic() - seen[0] < PROBE_REUSE_S:
-        return seen[1]
-    why = _probe(uri, timeout_s)
-    _PROBES[uri] = (time.monotonic(), why)
-    return why
-
-
-def _probe(uri: str, timeout_s: float) -> Optional[str]:
-    try:
-        with one_try(timeout_s):
-            mlflow_client(uri).search_experiments(max_results=1)
-        return None
-    except Exception as e:
-        text = str(e)
-        if "failed with exception" not in text and getattr(e, "error_code", "") != "INTERNAL_ERROR":
-            return None  # an HTTP error status: the server is there
-        for cause in ("Connection refused", "timed out", "Name or service not known", "No route to host",
-                      "Temporary failure in name resolution", "Connection reset"):
-            if cause.lower() in text.lower():
-                return cause.lower()
-        return redact_text(text.splitlines()[0][:200]) if text else type(e).__name__
+    return _ask(uri, timeout_s)[0]
 
 
 def access_problem(uri: str, key: str = "tracking.uri", timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
     """One line when the MLflow server at `uri` refuses this process (401: no or wrong credentials; 403: no
     permission), else None (also when it does not answer: tracking never stops training). Only http(s) URIs are
     probed; a local store has no authentication."""
-    if not uri.lower().startswith(("http://", "https://")) or unreachable(uri, timeout_s):
-        return None  # a server that does not answer refuses nobody: tracking waits for it (bad luck, not input)
-    try:
-        with one_try(timeout_s):
-            mlflow_client(uri).search_experiments(max_results=1)
+    if not uri.lower().startswith(("http://", "https://")):
         return None
-    except Exception as e:
-        status = http_status(e)
+    down, error = _ask(uri, timeout_s)
+    if down or error is None:
+        return None  # it answered, or it does not answer: nobody is refused (tracking waits for it: bad luck)
+    status = http_status(error)
     where = f"{key}: the MLflow server at {redact_uri(uri)}"
     user = os.environ.get("MLFLOW_TRACKING_USERNAME")
     if status == 401:
