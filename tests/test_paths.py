@@ -1,5 +1,6 @@
 """Where `auto` puts a job's files, and when it must not guess."""
 
+import os
 from pathlib import Path
 
 from rayspeed import paths
@@ -37,3 +38,31 @@ def test_data_and_model_caches_follow_storage(tmp_path):
     assert paths.data_cache_dir(str(tmp_path), "auto", "job") == str(tmp_path / ".cache" / "data")
     assert paths.data_cache_dir("s3://b/runs", str(tmp_path), "job") == str(Path(tmp_path) / "job" / ".cache" / "data")
     assert paths.model_cache_dir("s3://b/runs") is None
+
+
+def test_scratch_of_a_killed_process_is_deleted_by_the_next_one(tmp_path, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    from rayspeed.paths import owned_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # a process that made its folder and was killed before it could delete it
+    child = subprocess.run([sys.executable, "-c", "from rayspeed.paths import owned_scratch as o; print(o('x-'))"],
+                           capture_output=True, text=True, check=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    dead = Path(child.stdout.strip())
+    (dead / "chart.png").write_bytes(b"png")
+    host = socket.gethostname().replace("-", "_")[:40]
+    other_host = tmp_path / "x-otherhost-1-abcd"  # another host sharing /tmp: never ours to judge
+    other_host.mkdir()
+    other_prefix = tmp_path / f"y-{host}-999999999-abcd"  # a dead pid, another prefix: not ours either
+    other_prefix.mkdir()
+    assert dead.is_dir() and dead.parent == tmp_path
+
+    mine = Path(owned_scratch("x-"))
+    assert not dead.exists()
+    again = Path(owned_scratch("x-"))  # the owner of `mine` (this process) is alive: kept
+    assert mine.is_dir() and again.is_dir() and other_host.is_dir() and other_prefix.is_dir()
+    assert mine.name.startswith(f"x-{host}-{os.getpid()}-")

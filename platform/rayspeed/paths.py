@@ -142,3 +142,31 @@ def model_cache_dir(storage: str) -> str | None:
 def chaos_marker(kind: str, rank: int, step: int) -> str:
     """A drill's marker, relative to the experiment directory (the restarted rank may run on another node)."""
     return f"{CHAOS_DIR}/{kind}_rank{rank}_step{step}"
+
+
+def owned_scratch(prefix: str) -> str:
+    """A new temporary folder named after this host and process (`<prefix><host>-<pid>-XXXX`).
+
+    Its user deletes it once done; a process killed on the way (a cut node, a kill drill, an OOM kill) cannot, so the
+    next caller with the same prefix on this host deletes the folders whose process is gone. A long-lived node that
+    runs many jobs keeps none of them."""
+    import shutil
+    import socket
+
+    host = socket.gethostname().replace("-", "_")[:40] or "host"
+    base = tempfile.gettempdir()
+    for p in Path(base).glob(f"{prefix}{host}-*-*"):
+        pid = p.name[len(prefix) + len(host) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{host}-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True

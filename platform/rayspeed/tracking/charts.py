@@ -27,11 +27,11 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import textwrap
 import threading
 from typing import Any, Optional
 
+from rayspeed.paths import owned_scratch
 from rayspeed.tracking.client import mlflow_client
 from rayspeed.tracking.run_history import LANDSCAPE_JSON, RunHistory, previous_landscape
 
@@ -407,9 +407,9 @@ class ChartPublisher:
         try:
             if self.tracker is not None:
                 self.tracker.flush(self.flush_timeout_s)
-            # The folder only carries the files to MLflow (the logger deletes it once sent): a long-lived node
-            # running many jobs must not keep one per refresh.
-            out = tempfile.mkdtemp(prefix="rayspeed-charts-")
+            # The folder only carries the files to MLflow (the logger deletes it once sent; the next publisher on
+            # this host deletes it if this process is killed first).
+            out = owned_scratch("rayspeed-charts-")
             try:
                 paths = render_charts(self.uri, self.run_id, out, landscape=landscape)
                 self.last_paths = [os.path.basename(p) for p in paths]

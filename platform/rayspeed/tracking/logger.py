@@ -131,6 +131,10 @@ class MlflowLogger(NullLogger):
 
     def log_artifact_dir(self, path: str, artifact_path: str | None = None, remove: bool = False) -> None:
         """Upload a folder; with remove, the folder is the logger's: deleted once sent (or given up at close)."""
+        if self._stop:  # closed: nothing will send it (a chart render that outlived the job's wait)
+            if remove:
+                shutil.rmtree(path, ignore_errors=True)
+            return
         self._put("dir", (path, artifact_path, remove))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
