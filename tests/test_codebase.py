@@ -69,18 +69,118 @@ def test_no_module_uses_another_modules_private_names():
     assert not found, "private names used across modules (make them public or move the code):\n" + "\n".join(found)
 
 
-def test_ray_and_deepspeed_internals_only_in_compat():
-    allowed = {"compat.py"}
+def _is_private(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+
+def _chain(node: ast.AST) -> tuple[str | None, list[str]]:
+    """`a.b.c` -> ("a", ["b", "c"]); the root is None when the chain starts at a call or a subscript."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id if isinstance(node, ast.Name) else None), attrs[::-1]
+
+
+# Documented settings of a library, assigned as its docs say (not patches of its code).
+LIBRARY_SETTINGS = ("torch.backends.",)
+# rayspeed's own objects set by name (the library rule cannot see types): (module, first argument).
+OWN_SETATTR = {("config/hf_config.py", "model")}
+
+
+def library_private_uses(path: Path) -> list[str]:
+    """A library's private names (`_x` in an import, an attribute chain or a method overridden in a subclass),
+    importlib of a library module by name, and patches of library objects (attribute assignment, setattr, delattr)."""
+    tree = ast.parse(path.read_text())
+    rel = str(path.relative_to(PACKAGE))
+    lib: dict[str, str] = {}  # local name -> the library object it is bound to
     found = []
-    for p in _modules():
-        if p.name in allowed:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] != "rayspeed":
+                    lib[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                    if _is_private(a.name):
+                        found.append(f"{rel}:{node.lineno}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] != "rayspeed":
+            for a in node.names:
+                lib[a.asname or a.name] = f"{node.module}.{a.name}"
+                if _is_private(node.module) or _is_private(a.name):
+                    found.append(f"{rel}:{node.lineno}: from {node.module} import {a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            root, attrs = _chain(node)
+            if root in lib and _is_private(node.attr):
+                found.append(f"{rel}:{node.lineno}: {root}.{'.'.join(attrs)}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                root, attrs = _chain(t) if isinstance(t, ast.Attribute) else (None, [])
+                dotted = f"{lib.get(root, '')}.{'.'.join(attrs)}"
+                if root in lib and not dotted.startswith(LIBRARY_SETTINGS):
+                    found.append(f"{rel}:{node.lineno}: {root}.{'.'.join(attrs)} = ... (patches {lib[root]})")
+        elif isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            first = node.args[0] if node.args else None
+            if name in ("setattr", "delattr") and first is not None:
+                if (rel, getattr(first, "id", None)) not in OWN_SETATTR:
+                    found.append(f"{rel}:{node.lineno}: {name}({ast.unparse(first)}, ...)")
+            if (name == "import_module" and isinstance(first, ast.Constant)
+                    and not str(first.value).startswith("rayspeed")):
+                found.append(f"{rel}:{node.lineno}: import_module({first.value!r})")
+        elif isinstance(node, ast.ClassDef):
+            bases = [_library_object(lib, b) for b in node.bases if _chain(b)[0] in lib]
+            for item in node.body:
+                if (isinstance(item, ast.FunctionDef) and _is_private(item.name)
+                        and any(b is None or hasattr(b, item.name) for b in bases)):
+                    found.append(f"{rel}:{item.lineno}: {node.name}.{item.name} overrides a library class's own")
+    return found
+
+
+def _library_object(lib: dict[str, str], node: ast.AST):
+    """The library class a base-class expression names (None when it cannot be imported here)."""
+    import importlib
+
+    root, attrs = _chain(node)
+    parts = lib[root].split(".") + attrs
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
             continue
-        text = p.read_text()
-        for needle in ("ray.train.v2._internal", "_create_default_callbacks", "__compatible_ops__",
-                       "_count_possible_workers"):
-            if needle in text:
-                found.append(f"{p.relative_to(PACKAGE)}: {needle}")
-    assert not found, f"internals of Ray/DeepSpeed outside rayspeed/compat.py: {found}"
+        try:
+            for a in parts[i:]:
+                obj = getattr(obj, a)
+            return obj
+        except AttributeError:
+            return None
+    return None
+
+
+def test_library_internals_only_in_compat():
+    """Every private use of Ray, DeepSpeed, MLflow, torch or any other library lives in rayspeed/compat.py, where
+    each says why and when it can go, and compat.check() verifies it still exists."""
+    found = [f for p in _modules() if p.name != "compat.py" for f in library_private_uses(p)]
+    assert not found, "library internals outside rayspeed/compat.py (move them there):\n" + "\n".join(found)
+
+
+def test_the_private_use_check_finds_each_kind(tmp_path):
+    probe = PACKAGE / "_probe_private_use.py"
+    probe.write_text(
+        "import torch._dynamo\nfrom ray.train.v2._internal import x\nimport importlib\nimport deepspeed\n"
+        "from deepspeed.pipe import PipelineModule\nimport torch\n"
+        "m = importlib.import_module('deepspeed.comm.comm')\nn = deepspeed.comm._private_thing\n"
+        "deepspeed.comm.cdb = None\nsetattr(m, 'all_reduce', None)\ntorch.backends.cudnn.allow_tf32 = True\n"
+        "class P(PipelineModule):\n    def _partition_layers(self):\n        pass\n    def _mine(self):\n"
+        "        pass\n")
+    try:
+        found = library_private_uses(probe)
+    finally:
+        probe.unlink()
+    kinds = sorted(f.split(": ", 1)[1] for f in found)
+    assert kinds == sorted([
+        "import torch._dynamo", "from ray.train.v2._internal import x", "deepspeed.comm._private_thing",
+        "deepspeed.comm.cdb = ... (patches deepspeed)", "import_module('deepspeed.comm.comm')", "setattr(m, ...)",
+        "P._partition_layers overrides a library class's own"]), kinds
 
 
 def test_pinned_ray_and_deepspeed_still_have_the_internals_compat_patches():

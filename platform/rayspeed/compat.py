@@ -1,4 +1,4 @@
-"""Every use of a Ray, DeepSpeed or MLflow internal, in one place, each written for the pinned versions below.
+"""Every use of a Ray, DeepSpeed, MLflow or torch internal, in one place, each written for the pinned versions below.
 
 A new Ray or DeepSpeed release may move any of these. `check()` (run by tests/test_compat.py) verifies that the
 installed versions are the ones written for and that every internal still exists, and says which to revisit.
@@ -94,32 +94,16 @@ def fail_after_capacity_wait(wait_s: float, message: str) -> None:
     policy.make_decision_for_non_running_worker_group = _decide
 
 
-# Callbacks that start an idle actor and do nothing for a job without Ray Datasets / on a throwaway cluster.
-_ALWAYS_SKIPPED = ("DatasetsCallback",)
-_SKIPPED_ON_EMBEDDED = ("PlacementGroupCleanerCallback",)
+def set_worker_group_start_timeout(seconds: float) -> None:
+    """How long Ray Train's controller waits for a worker group to start before calling the attempt failed.
 
+    Why: after a node loss it first retries the old size, so its default 60 s is pure recovery delay; Ray Train
+    v2 reads it only from the environment variable RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (ray 2.60.0, no
+    ScalingConfig/RunConfig field). Remove when Ray Train takes it as a config field. An operator's own setting
+    wins."""
+    import os
 
-def lean_trainer_class(embedded: bool) -> Any:
-    """TorchTrainer without the callbacks that do nothing for this job (each one an idle actor, ~0.009 cores).
-
-    DatasetsCallback is skipped on every cluster when no Ray Dataset is passed (rayspeed reads its own token
-    memmaps): it would start a DatasetManager actor per attempt; on the embedded cluster also the placement-group
-    cleaner (the placement group dies with the cluster). The controller builds its callbacks in
-    `TorchTrainer._create_default_callbacks` (ray 2.60.0); if that method goes away the plain trainer is used."""
-    from ray.train.torch import TorchTrainer
-
-    if not hasattr(TorchTrainer, "_create_default_callbacks"):
-        return TorchTrainer
-    skip = {*_ALWAYS_SKIPPED, *(_SKIPPED_ON_EMBEDDED if embedded else ())}
-
-    class RayspeedTrainer(TorchTrainer):
-        def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [cb for cb in callbacks if type(cb).__name__ not in skip]
-
-    return RayspeedTrainer
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(seconds))
 
 
 # ---------------------------------------------------------------- DeepSpeed (written for deepspeed 0.19.8)
@@ -156,6 +140,79 @@ def pipeline_explicit_parts(module: Any, method: str) -> bool:
     stage_id = module._topo.get_coord(module.global_rank).pipe
     module._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1])
     return True
+
+
+class ExplicitPipelineParts:
+    """Mixed in before DeepSpeed's PipelineModule: a `parts:` partition method places the job's own per-stage
+    split (parallel.stage_layers). Why: PipelineModule's partition methods are uniform/parameters/type:regex
+    (deepspeed 0.19.8), and `_partition_layers` is where one is chosen. Remove when PipelineModule accepts
+    explicit stage boundaries."""
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        if not pipeline_explicit_parts(self, method):
+            super()._partition_layers(method)  # type: ignore[misc]
+
+
+def deepspeed_comm_backend() -> Any:
+    """DeepSpeed's communication backend object (`deepspeed.comm.comm.cdb`: every ZeRO, engine and pipeline
+    collective goes through it), or None when deepspeed.comm is not initialised. Why: the gradient-sync timer
+    (rayspeed.monitoring.comm_timer) wraps its methods; deepspeed.comm has no public hook (0.19.8). Remove when
+    it offers one (its comms logger records sizes, not the time a step spends)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:  # no engine without it: nothing to time, and no import to pay
+        return None
+    try:
+        import importlib
+
+        cdb = getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None)
+        if cdb is not None and cdb.is_initialized():
+            return cdb
+    except Exception:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def methods_replaced(obj: Any, replacements: dict[str, Any]) -> Iterator[None]:
+    """Replace methods of a library object for the duration of the block, and put back exactly what was there
+    (the instance's own attribute, or none, so the class's method shows through again)."""
+    saved: list[tuple[str, bool, Any]] = []
+    try:
+        for name, fn in replacements.items():
+            saved.append((name, name in vars(obj), vars(obj).get(name)))
+            setattr(obj, name, fn)
+        yield
+    finally:
+        for name, had_own, own in reversed(saved):
+            try:
+                if had_own:
+                    setattr(obj, name, own)
+                else:
+                    delattr(obj, name)
+            except Exception:
+                pass
+
+
+def fused_optimizer_devices() -> tuple[str, ...]:
+    """The device types torch's fused AdamW runs on. Why: torch has no public query (2.13); the fused CPU kernel
+    saves ~6% of a CPU step (engine/optim.py). Remove when torch exposes one. If the helper moves: () (torch's
+    default implementation is used)."""
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        return tuple(_get_fused_kernels_supported_devices())
+    except Exception:
+        return ()
+
+
+def compile_errors_fall_back_to_eager() -> None:
+    """A torch.compile failure runs that frame eagerly, with a warning, instead of failing the job
+    (train.compile: auto). Why: `torch._dynamo.config.suppress_errors` is the only switch (torch 2.13). Remove
+    when torch.compile takes a per-call fallback option."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
 
 
 def skip_deepspeed_shm_comm_op() -> None:
@@ -322,10 +379,6 @@ def check() -> list[str]:
                             "fail_after_capacity_wait cannot bound the wait for workers")
     except ImportError as e:
         problems.append(f"ray.train.v2._internal.execution.scaling_policy.elastic moved ({e})")
-    from ray.train.torch import TorchTrainer
-
-    if not hasattr(TorchTrainer, "_create_default_callbacks"):
-        problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class falls back to TorchTrainer")
     try:
         from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
         from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
@@ -350,6 +403,16 @@ def check() -> list[str]:
     for attr in ("_partition_layers", "_set_bounds"):
         if not hasattr(PipelineModule, attr):
             problems.append(f"PipelineModule.{attr} is gone: pipeline_explicit_parts cannot place stage_layers")
+    import importlib
+
+    if not hasattr(importlib.import_module("deepspeed.comm.comm"), "cdb"):
+        problems.append("deepspeed.comm.comm.cdb is gone: the gradient-sync timer measures nothing")
+    if not fused_optimizer_devices():
+        problems.append("torch.optim.optimizer._get_fused_kernels_supported_devices is gone: AdamW runs unfused")
+    import torch._dynamo
+
+    if not hasattr(torch._dynamo.config, "suppress_errors"):
+        problems.append("torch._dynamo.config.suppress_errors is gone: a compile error fails the job")
     if not hasattr(deepspeed.ops, "__compatible_ops__"):
         problems.append("deepspeed.ops.__compatible_ops__ is gone: the CPU shm comm op is compiled again at start")
     from mlflow.tracking._model_registry import utils as registry_utils

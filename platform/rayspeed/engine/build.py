@@ -99,9 +99,9 @@ def compile_model(model: torch.nn.Module, fallback_to_eager: bool) -> None:
     """Compile the module in place (nn.Module.compile: parameter names and state_dict keys stay the same, so
     checkpoints and exported models are interchangeable with eager runs)."""
     if fallback_to_eager:
-        import torch._dynamo
+        from rayspeed import compat
 
-        torch._dynamo.config.suppress_errors = True  # a compile failure runs that frame eagerly, with a warning
+        compat.compile_errors_fall_back_to_eager()
     model.compile()
 
 

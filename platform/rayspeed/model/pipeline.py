@@ -36,7 +36,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from rayspeed.compat import pipeline_explicit_parts
+from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
 from rayspeed.model.transformer import Block, OutputHead, RMSNorm, check_mode, check_split
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
@@ -116,7 +116,7 @@ def _pipeline_module_class():
     """
     from deepspeed.pipe import PipelineModule
 
-    class SequenceParallelPipelineModule(PipelineModule):
+    class SequenceParallelPipelineModule(ExplicitPipelineParts, PipelineModule):
         """A PipelineModule whose stages exchange full-sequence activations, identical on every tp rank.
 
         Without sequence parallelism the activations between blocks are already replicated over
@@ -147,11 +147,6 @@ def _pipeline_module_class():
 
         def forward(self, forward_input):
             return self._stage_output(super().forward(self._stage_input(forward_input)))
-
-        def _partition_layers(self, method="uniform"):
-            # An explicit per-stage split ('parts:...', see build_pipeline_module's stage_layers).
-            if not pipeline_explicit_parts(self, method):
-                super()._partition_layers(method)
 
     return SequenceParallelPipelineModule
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import sys
 import time
 from typing import Any, Iterator, Optional
+
+from rayspeed import compat
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +47,6 @@ TIMED_OPS = (
     "broadcast",
     "all_to_all_single",
 )
-
-
-def _backend() -> Any:
-    """DeepSpeed's communication backend object, or None if deepspeed.comm is not initialised."""
-    if "deepspeed" not in sys.modules:  # no engine without it: nothing to time, and no import to pay
-        return None
-    try:
-        import importlib
-
-        dscomm = importlib.import_module("deepspeed.comm.comm")
-        cdb = getattr(dscomm, "cdb", None)
-        if cdb is not None and cdb.is_initialized():
-            return cdb
-    except Exception:
-        pass
-    return None
 
 
 def _sync() -> None:
@@ -209,29 +194,14 @@ class CommTimer:
 
     @contextlib.contextmanager
     def _installed(self) -> Iterator[bool]:
-        cdb = _backend()
+        cdb = compat.deepspeed_comm_backend()
         if cdb is None:
             yield False
             return
-        patched: list[tuple[str, bool, Any]] = []
-        try:
-            for name in TIMED_OPS:
-                fn = getattr(cdb, name, None)
-                if fn is None or not callable(fn):
-                    continue
-                had_own = name in vars(cdb)
-                patched.append((name, had_own, vars(cdb).get(name)))
-                setattr(cdb, name, self._wrap(name, fn))
+        ops = {name: getattr(cdb, name, None) for name in TIMED_OPS}
+        wrapped = {name: self._wrap(name, fn) for name, fn in ops.items() if fn is not None and callable(fn)}
+        with compat.methods_replaced(cdb, wrapped):
             yield True
-        finally:
-            for name, had_own, own in reversed(patched):
-                try:
-                    if had_own:
-                        setattr(cdb, name, own)
-                    else:
-                        delattr(cdb, name)
-                except Exception:
-                    pass
 
     # ------------------------------------------------------------------ API
     @contextlib.contextmanager

@@ -59,7 +59,7 @@ def _figure(w: float = 9.0, h: float = 4.8):
 
 def _save(fig, path: str, status: str = "data") -> str:
     """PNG with a tEXt Description: "data: <title>" or "no data: <reason>" (for tests and scripts)."""
-    title = fig._suptitle.get_text() if fig._suptitle is not None else ""
+    title = fig.get_suptitle()
     if not title and fig.axes:
         title = fig.axes[0].get_title()
     desc = status if status != "data" else f"data: {title}"

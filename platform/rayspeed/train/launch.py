@@ -99,7 +99,7 @@ def worker_env(cfg: JobConfig, storage: str, embedded: bool) -> dict[str, str]:
 
 def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from rayspeed.train.resilience import ResilienceCallback
     from rayspeed.train.worker import train_loop
@@ -116,10 +116,8 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
                     f"resilience.stability_threshold ({r.stability_threshold:g}) x {c.max_workers} workers; add "
                     "capacity, lower resilience.stability_threshold, or raise resilience.capacity_wait_s")
     env = worker_env(cfg, payload.storage_path, embedded)
-    # Ray Train waits this long for a worker group to start before calling the attempt failed; after a node
-    # loss it first retries the old size, so the default 60 s is pure recovery delay. Read by the controller.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(cfg.resilience.worker_start_timeout_s))
-    trainer = compat.lean_trainer_class(embedded)(
+    compat.set_worker_group_start_timeout(cfg.resilience.worker_start_timeout_s)
+    trainer = TorchTrainer(
         train_loop_per_worker=train_loop,
         train_loop_config=payload,
         scaling_config=ScalingConfig(
