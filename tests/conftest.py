@@ -12,6 +12,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _mlflow_store_template(tmp_path_factory):
+    """Where the session's empty MLflow store is made, on first use (tests/_cluster.py seed_store)."""
+    from _cluster import StoreTemplate
+
+    StoreTemplate.root = tmp_path_factory.mktemp("mlflow-template")
+    yield
+
+
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
     """A real local Ray cluster shared by every integration test of the session."""
@@ -111,3 +120,31 @@ def examples_home(tmp_path_factory):
     made["tiny-llama"] = str(home / "runs" / "examples" / "tiny-llama")
     tiny.save(made["tiny-llama"], tokenizer=True)  # what `make examples` runs: the script's defaults
     return home, made
+
+
+# ---------------------------------------------------------------- the time budget (tests/_budget.py)
+
+import _budget  # noqa: E402
+
+_BUDGET = _budget.Budget()
+
+
+def pytest_runtest_logreport(report):
+    _BUDGET.add(report.nodeid, report.duration)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _budget.enabled() or not _BUDGET.spent:
+        return
+    problems = _BUDGET.problems()
+    terminalreporter.write_line(f"time budget: {sum(_BUDGET.spent.values()):.0f} s in {len(_BUDGET.spent)} modules; "
+                                + ("over budget:" if problems else "every module within its budget"))
+    for p in problems:
+        terminalreporter.write_line(f"  {p}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Runs before the terminal summary, which then prints the table.
+    _BUDGET.write_spent()
+    if _budget.enabled() and exitstatus == 0 and _BUDGET.spent and _BUDGET.problems():
+        session.exitstatus = 1

@@ -100,6 +100,17 @@ def test_set_overrides_are_yaml():
     assert cfg.train.lr == "auto" and cfg.parallel.tp == 2
 
 
+def test_checkpoint_kill_drills_take_one_or_a_list_with_distinct_steps():
+    one = parse({}, ["chaos.kill_rank_in_checkpoint={rank: 1, step: 8, point: after_shards}"])
+    assert one.chaos.kill_rank_in_checkpoint == KillAt(rank=1, step=8, point="after_shards")
+    many = parse({}, ["chaos.kill_rank_in_checkpoint=[{rank: 1, step: 8}, {rank: 0, step: 12, point: before_shards}]"])
+    assert many.chaos.kill_rank_in_checkpoint == [KillAt(1, 8), KillAt(0, 12, "before_shards")]
+    (p,) = problems({"chaos": {"kill_rank_in_checkpoint": [{"rank": 1, "step": 8}, {"rank": 0, "step": 8}]}})
+    assert p == "chaos.kill_rank_in_checkpoint: each drill of the list needs its own step, got steps [8, 8]"
+    (p,) = problems({"chaos": {"kill_rank_in_checkpoint": [{"rank": 1, "step": 8}, {"rank": 7, "step": 9}]}})
+    assert p.startswith("chaos.kill_rank_in_checkpoint: rank 7 does not exist")
+
+
 def test_yaml_11_exponent_floats_are_numbers():
     assert parse({}, ["train.lr=1e-4"]).train.lr == 1e-4
     assert parse({"train": {"min_lr": "3e-5"}}).train.min_lr == 3e-5

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _cluster import ROOT, VENV_BIN, free_port, stop_process_group
+from _cluster import QUICK_STOP, ROOT, VENV_BIN, free_port, stop_process_group
 
 TOKEN = "0123456789abcdef" * 4
 JOB = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--set", "name=join", "--set", "train.max_steps=4",
@@ -40,7 +40,7 @@ class Cluster:
     def __init__(self, tmp: Path, auth: str, nodes: int = 1):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        env = _env(_home(tmp, token=auth == "token"), RAY_AUTH_MODE=auth)
+        env = _env(_home(tmp, token=auth == "token"), RAY_AUTH_MODE=auth, **QUICK_STOP)
         self.procs = []
         def base() -> list[str]:  # free ports of its own for every node: other clusters on this machine keep theirs
             return ["--block", "--num-cpus", "3", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",

@@ -325,11 +325,12 @@ class KillAt:
 class ChaosConfig:
     kill_rank_at_step: Optional[KillAt] = None
     """{rank: 1, step: 12}: that rank's process dies once, at that step."""
-    kill_rank_in_checkpoint: Optional[KillAt] = None
+    kill_rank_in_checkpoint: Union[KillAt, list[KillAt], None] = None
     """{rank: 0, step: 10, point: before_manifest}: that rank dies once while writing the checkpoint of that step,
     at `point` (before_shards | between_shards | after_shards | before_manifest | after_manifest): the drill for
     torn checkpoints. With resilience.checkpoint_mode async every point after before_shards is in the background
-    writer, while training goes on."""
+    writer, while training goes on. A list of them (distinct steps): one kill each, the restarts in turn (raise
+    resilience.max_failures to their number)."""
     hang_rank_at_step: Optional[KillAt] = None
     """{rank: 1, step: 12}: that rank stops answering once, at that step (the others' collectives must time
     out after resilience.collective_timeout_s and the job restart)."""

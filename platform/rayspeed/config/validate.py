@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import Any
 
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
@@ -182,13 +183,17 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     if cfg.storage.staging_dir != AUTO and not os.path.isabs(os.path.expanduser(cfg.storage.staging_dir)):
         p.append(f"storage.staging_dir: must be an absolute node-local path, got {cfg.storage.staging_dir!r}")
     for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step"):
-        k = getattr(cfg.chaos, key)
-        if k is not None and (k.rank < 0 or k.step < 1):
-            p.append(f"chaos.{key}: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
-        elif k is not None and k.rank >= c.max_workers:
-            p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
-        if k is not None and k.point is not None and key != "kill_rank_in_checkpoint":
-            p.append(f"chaos.{key}.point: only chaos.kill_rank_in_checkpoint has a point (where in the save)")
+        drills = chaos_drills(getattr(cfg.chaos, key))
+        for k in drills:
+            if k.rank < 0 or k.step < 1:
+                p.append(f"chaos.{key}: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
+            elif k.rank >= c.max_workers:
+                p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
+            if k.point is not None and key != "kill_rank_in_checkpoint":
+                p.append(f"chaos.{key}.point: only chaos.kill_rank_in_checkpoint has a point (where in the save)")
+        steps = [k.step for k in drills]
+        if len(set(steps)) < len(steps):
+            p.append(f"chaos.{key}: each drill of the list needs its own step, got steps {steps}")
     return p + health_problems(cfg, lint_cluster_env)
 
 
@@ -344,3 +349,10 @@ def health_problems(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         if issue.severity == "error":
             out.append(f"cluster.env.{issue.variable}: {issue.cause}; {issue.remedy}")
     return out
+
+
+def chaos_drills(spec: Any) -> list[Any]:
+    """A chaos key's drills as a list (the key takes one drill or a list of them)."""
+    if spec is None:
+        return []
+    return list(spec) if isinstance(spec, list) else [spec]

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from rayspeed import paths, storage
+from rayspeed.config.validate import chaos_drills
 
 log = logging.getLogger("rayspeed.chaos")
 
@@ -53,8 +54,6 @@ class ChaosDrills:
 
     def in_checkpoint(self, step: int, point: str) -> None:
         """Called at each point of a save (CHECKPOINT_POINTS, in order); dies at the drill's point."""
-        spec = self.cfg.kill_rank_in_checkpoint
-        if spec is None or (spec.point or DEFAULT_POINT) != point:
-            return
-        if self._once("ckptkill", spec, step):
-            self._die(f"killing rank {self.rank} inside the checkpoint write of step {step} ({point})")
+        for spec in chaos_drills(self.cfg.kill_rank_in_checkpoint):
+            if (spec.point or DEFAULT_POINT) == point and self._once("ckptkill", spec, step):
+                self._die(f"killing rank {self.rank} inside the checkpoint write of step {step} ({point})")

@@ -1,0 +1,54 @@
+"""The suite's time budget (tests/time_budget.yaml): seconds per test module (setup, call and teardown of its
+tests together), compared at the end of a session when RAYSPEED_TIME_BUDGET is set (CI sets it).
+
+A module over `tolerance` x its budget, or a module with no budget that takes more than `unbudgeted_s`, fails the
+session with a table saying which and by how much: a feature's tests come with their budget (its issue states it),
+and a slower suite is a decision made in the budget file, not found at the 90-minute limit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+
+BUDGET_FILE = Path(__file__).with_name("time_budget.yaml")
+ENV = "RAYSPEED_TIME_BUDGET"
+SPENT_ENV = "RAYSPEED_TIME_SPENT"  # a JSON file the session's seconds per module are added to (for the budget)
+
+
+class Budget:
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+
+    def add(self, nodeid: str, seconds: float) -> None:
+        self.spent[nodeid.split("::")[0]] += seconds
+
+    def write_spent(self) -> None:
+        import json
+
+        path = os.environ.get(SPENT_ENV)
+        if not path or not self.spent:
+            return
+        old = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+        old.update({k: round(v, 1) for k, v in self.spent.items()})
+        Path(path).write_text(json.dumps(old, indent=1, sort_keys=True))
+
+    def problems(self) -> list[str]:
+        import yaml
+
+        spec = yaml.safe_load(BUDGET_FILE.read_text())
+        tolerance, free = float(spec["tolerance"]), float(spec["unbudgeted_s"])
+        budgets = spec["modules"]
+        out = []
+        for module, s in sorted(self.spent.items(), key=lambda kv: -kv[1]):
+            b = budgets.get(module)
+            if b is None and s > free:
+                out.append(f"{module}: {s:.0f} s and no budget (over {free:.0f} s: give it one in {BUDGET_FILE.name})")
+            elif b is not None and s > tolerance * b:
+                out.append(f"{module}: {s:.0f} s, over {tolerance:g} x its budget of {b:.0f} s")
+        return out
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV))
