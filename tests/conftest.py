@@ -10,6 +10,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every Ray cluster in the tests runs with token auth, like `make up`. Ray reads this when imported.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# The tests' MLflow servers track runs; MLflow's job runner (three huey consumer processes per server, for its GenAI
+# jobs) would only take CPU from the training processes beside them.
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
 
 @pytest.fixture(scope="session", autouse=True)

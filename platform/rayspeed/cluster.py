@@ -26,7 +26,8 @@ def local_cpus(cfg: JobConfig) -> int:
 # ~0.009 cores (its main thread wakes every 10 ms) and the dashboard with its module processes ~0.035, all
 # taken from the training processes (docs/BENCHMARKS.md). So: no dashboard (nothing to browse on a random
 # port; the job's record is MLflow), no preemption watcher (a local machine is not a spot instance), no
-# Prometheus metrics from Ray Train (the job's metrics go to MLflow).
+# Prometheus metrics from Ray Train (the job's metrics go to MLflow); and (rayspeed.compat.lean_trainer_class) no
+# placement-group cleaner (the placement group dies with the cluster) and no dataset manager (no Ray Data).
 EMBEDDED_RAY_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",

@@ -21,8 +21,8 @@ DEEPSPEED_VERSION = "0.19.8"
 
 
 def controller_callback_bases() -> tuple[type, type]:
-    """(ControllerCallback, WorkerGroupCallback): Ray Train v2's callback interfaces, still under `_internal` in
-    2.60. rayspeed's ResilienceCallback implements both to timestamp failures and resize decisions."""
+    """(ControllerCallback, WorkerGroupCallback): Ray Train v2's callback interfaces (under `_internal` in 2.60),
+    which rayspeed's ResilienceCallback implements to timestamp failures and resize decisions."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
     return ControllerCallback, WorkerGroupCallback
@@ -94,6 +94,26 @@ def fail_after_capacity_wait(wait_s: float, message: str) -> None:
     policy.make_decision_for_non_running_worker_group = _decide
 
 
+def lean_trainer_class(embedded: bool) -> Any:
+    """TorchTrainer without DatasetsCallback (no Ray Dataset: a DatasetManager actor per attempt) and, on the
+    cluster the launcher starts for itself, PlacementGroupCleanerCallback. Why: that cleaner's actor finds any other
+    Ray instance on the machine, dies, and the controller waits ~20 s for it at every attempt (docs/BENCHMARKS.md;
+    the seeded kill drill of make test-slow: 191 s with this class, 272 s without). Built in
+    `TorchTrainer._create_default_callbacks` (2.60.0; gone: the plain trainer). Remove when Ray Train skips both."""
+    from ray.train.torch import TorchTrainer
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return TorchTrainer
+    skip = {"DatasetsCallback", *(("PlacementGroupCleanerCallback",) if embedded else ())}
+
+    class RayspeedTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return callbacks if self.datasets else [cb for cb in callbacks if type(cb).__name__ not in skip]
+
+    return RayspeedTrainer
+
+
 def set_worker_group_start_timeout(seconds: float) -> None:
     """How long Ray Train's controller waits for a worker group to start before calling the attempt failed.
 
@@ -113,17 +133,12 @@ PARTS_PREFIX = "parts:"
 
 
 def pipeline_explicit_parts(module: Any, method: str) -> bool:
-    """DeepSpeed 0.19.8 `PipelineModule._partition_layers(method)`: an explicit stage split.
-
-    DeepSpeed partitions its flat list of layer specs only by 'uniform', 'parameters' or 'type:<regex>', none
-    of which places a chosen number of blocks on each stage. Called from a PipelineModule subclass's
-    `_partition_layers` override, this accepts method = 'parts:0,b1,...,bN' (N = num_stages; stage i owns specs
-    b_i:b_{i+1}, b_0 = 0, b_N = the number of specs) and sets what DeepSpeed's own partitioner sets in 0.19.8:
-    `self.parts` (read by `stage_owner`, the tied-module index and `partitions()`) and the local bounds
-    (`_set_bounds`, read by `_build` and the checkpoint layer paths, which stay numbered by global layer index,
-    so checkpoints and `ds_to_universal` do not depend on the split). Returns False for any other method, so
-    the caller runs DeepSpeed's partitioner. Raises ValueError for a split that does not cover the specs.
-    """
+    """DeepSpeed 0.19.8 `PipelineModule._partition_layers(method)` for an explicit stage split, which its 'uniform',
+    'parameters' and 'type:<regex>' cannot express: method = 'parts:0,b1,...,bN' (stage i owns specs b_i:b_{i+1})
+    sets what DeepSpeed's partitioner sets: `self.parts` (stage_owner, tied modules, partitions()) and the local
+    bounds (`_set_bounds`: _build and the checkpoint layer paths, numbered by global layer index, so checkpoints and
+    ds_to_universal do not depend on the split). False for any other method (DeepSpeed's partitioner runs);
+    ValueError for a split that does not cover the specs."""
     if not isinstance(method, str) or not method.lower().startswith(PARTS_PREFIX):
         return False
     try:
@@ -403,6 +418,10 @@ def check() -> list[str]:
     for attr in ("_partition_layers", "_set_bounds"):
         if not hasattr(PipelineModule, attr):
             problems.append(f"PipelineModule.{attr} is gone: pipeline_explicit_parts cannot place stage_layers")
+    from ray.train.torch import TorchTrainer
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class falls back to TorchTrainer")
     import importlib
 
     if not hasattr(importlib.import_module("deepspeed.comm.comm"), "cdb"):

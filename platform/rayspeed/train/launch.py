@@ -99,7 +99,7 @@ def worker_env(cfg: JobConfig, storage: str, embedded: bool) -> dict[str, str]:
 
 def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from rayspeed.train.resilience import ResilienceCallback
     from rayspeed.train.worker import train_loop
@@ -117,7 +117,7 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
                     "capacity, lower resilience.stability_threshold, or raise resilience.capacity_wait_s")
     env = worker_env(cfg, payload.storage_path, embedded)
     compat.set_worker_group_start_timeout(cfg.resilience.worker_start_timeout_s)
-    trainer = TorchTrainer(
+    trainer = compat.lean_trainer_class(embedded)(
         train_loop_per_worker=train_loop,
         train_loop_config=payload,
         scaling_config=ScalingConfig(
