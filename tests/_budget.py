@@ -20,6 +20,7 @@ SPENT_ENV = "RAYSPEED_TIME_SPENT"  # a JSON file the session's seconds per modul
 class Budget:
     def __init__(self) -> None:
         self.spent: dict[str, float] = defaultdict(float)
+        self.over: list[str] | None = None  # the problems, once checked at the end of the session
 
     def add(self, nodeid: str, seconds: float) -> None:
         self.spent[nodeid.split("::")[0]] += seconds

@@ -3,34 +3,18 @@ worker (`run_worker`: re-plan, Trainer, checkpoints, MLflow logging, export) in 
 For parity over layouts, where what differs is the layout and Ray's part is the same for each (one Ray job per
 feature proves that part through `python jobs/train.py`).
 
-    result, history = run_inprocess(home, config, ["parallel.tp=2", ...], workers=2)
+    result = run_inprocess(home, config, ["parallel.tp=2", ...], workers=2)   # rank 0's RunResult (JSON)
 """
 
 from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 from _cluster import seed_store
 from _dist import run_distributed
-
-
-@contextmanager
-def _home(home: Path):
-    saved = {k: os.environ.get(k) for k in ("RAYSPEED_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    os.environ["RAYSPEED_HOME"] = str(home)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.environ.pop("RAY_ADDRESS", None)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _rank(rank: int, world: int, payload: dict) -> dict:
@@ -56,7 +40,8 @@ def run_inprocess(home: Path, config: str, sets: list[str], workers: int, timeou
     from rayspeed.train.payload import LaunchPayload
 
     seed_store(home)
-    with _home(home):
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    with mock.patch.dict(os.environ, {**env, "RAYSPEED_HOME": str(home)}, clear=True):
         job = load(config, sets)
         cfg, _ = resolve(job, world_size=workers)
         storage = storage_path(cfg)

@@ -136,18 +136,19 @@ def pytest_runtest_logreport(report):
     _BUDGET.add(report.nodeid, report.duration)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _budget.enabled() or not _BUDGET.spent:
-        return
-    problems = _BUDGET.problems()
-    terminalreporter.write_line(f"time budget: {sum(_BUDGET.spent.values()):.0f} s in {len(_BUDGET.spent)} modules; "
-                                + ("over budget:" if problems else "every module within its budget"))
-    for p in problems:
-        terminalreporter.write_line(f"  {p}")
-
-
 def pytest_sessionfinish(session, exitstatus):
     # Runs before the terminal summary, which then prints the table.
     _BUDGET.write_spent()
-    if _budget.enabled() and exitstatus == 0 and _BUDGET.spent and _BUDGET.problems():
-        session.exitstatus = 1
+    if _budget.enabled() and _BUDGET.spent:
+        _BUDGET.over = _BUDGET.problems()
+        if exitstatus == 0 and _BUDGET.over:
+            session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _BUDGET.over is None:
+        return
+    terminalreporter.write_line(f"time budget: {sum(_BUDGET.spent.values()):.0f} s in {len(_BUDGET.spent)} modules; "
+                                + ("over budget:" if _BUDGET.over else "every module within its budget"))
+    for p in _BUDGET.over:
+        terminalreporter.write_line(f"  {p}")
