@@ -1,0 +1,122 @@
+"""Every use of a Ray, DeepSpeed, MLflow or torch internal, in this package
+(one module per library), each written for the pinned versions below.
+
+A new Ray or DeepSpeed release may move any of these. `check()` (run by tests/test_codebase.py) verifies that the
+installed versions are the ones written for and that every internal still exists, and says which to revisit.
+Nothing here is imported by the planner: Ray and DeepSpeed are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from rayspeed.compat.deepspeed_internals import (
+    PARTS_PREFIX,
+    ExplicitPipelineParts,
+    async_checkpoint_problem,
+    capture_checkpoint_writes,
+    checkpoint_writer,
+    deepspeed_comm_backend,
+    methods_replaced,
+    pipeline_explicit_parts,
+    skip_deepspeed_shm_comm_op,
+)
+from rayspeed.compat.mlflow_internals import MLFLOW_PROCESS_ENV, mlflow_process_state, mlflow_process_store
+from rayspeed.compat.ray_internals import (
+    controller_callback_bases,
+    count_live_workers_only,
+    fail_after_capacity_wait,
+    lean_trainer_class,
+    set_worker_group_start_timeout,
+)
+from rayspeed.compat.torch_internals import compile_errors_fall_back_to_eager, fused_optimizer_devices
+
+RAY_VERSION = "2.60.0"
+DEEPSPEED_VERSION = "0.19.8"
+
+__all__ = ["DEEPSPEED_VERSION", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSION", "ExplicitPipelineParts",
+           "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer",
+           "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
+           "deepspeed_comm_backend", "fail_after_capacity_wait", "fused_optimizer_devices", "lean_trainer_class",
+           "methods_replaced", "mlflow_process_state", "mlflow_process_store", "pipeline_explicit_parts",
+           "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op"]
+
+
+
+def check() -> list[str]:
+    """Problems with the installed Ray/DeepSpeed for the internals above (empty when all is as written for)."""
+    problems = []
+    import deepspeed
+    import ray
+
+    if ray.__version__ != RAY_VERSION:
+        problems.append(f"ray {ray.__version__} is installed, rayspeed.compat was written for {RAY_VERSION}: "
+                        "re-check every Ray internal in rayspeed/compat/ray_internals.py")
+    if deepspeed.__version__ != DEEPSPEED_VERSION:
+        problems.append(f"deepspeed {deepspeed.__version__} is installed, rayspeed.compat was written for "
+                        f"{DEEPSPEED_VERSION}: re-check every DeepSpeed internal in "
+                        "rayspeed/compat/deepspeed_internals.py")
+    try:
+        controller_callback_bases()
+    except ImportError as e:
+        problems.append(f"ray.train.v2._internal.execution.callback moved ({e})")
+    try:
+        from ray.train.v2._internal.execution.scaling_policy import elastic
+
+        if not hasattr(elastic.ElasticScalingPolicy, "_count_possible_workers"):
+            problems.append("ElasticScalingPolicy._count_possible_workers is gone: count_live_workers_only is a no-op")
+        if not hasattr(elastic.ElasticScalingPolicy, "make_decision_for_non_running_worker_group"):
+            problems.append("ElasticScalingPolicy.make_decision_for_non_running_worker_group is gone: "
+                            "fail_after_capacity_wait cannot bound the wait for workers")
+    except ImportError as e:
+        problems.append(f"ray.train.v2._internal.execution.scaling_policy.elastic moved ({e})")
+    try:
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        missing = [m for m in ("create", "save", "makedirs", "load", "commit", "is_data_parallel_writer",
+                               "preserves_storage_sharing") if not hasattr(CheckpointEngine, m)]
+        if missing or not issubclass(TorchCheckpointEngine, CheckpointEngine):
+            problems.append(f"DeepSpeed's CheckpointEngine interface changed ({missing}): async checkpoints "
+                            "(capture_checkpoint_writes) must be re-checked")
+        import inspect
+
+        src = inspect.getsource(DeepSpeedEngine.save_checkpoint)
+        if "self.checkpoint_engine.commit" not in src or "self.checkpoint_engine.create" not in src:
+            problems.append("DeepSpeedEngine.save_checkpoint no longer creates/commits through its checkpoint engine: "
+                            "async checkpoints (capture_checkpoint_writes) must be re-checked")
+    except ImportError as e:
+        problems.append(f"deepspeed.runtime.checkpoint_engine moved ({e}): async checkpoints cannot capture writes")
+    import deepspeed.ops
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    for attr in ("_partition_layers", "_set_bounds"):
+        if not hasattr(PipelineModule, attr):
+            problems.append(f"PipelineModule.{attr} is gone: pipeline_explicit_parts cannot place stage_layers")
+    from ray.train.torch import TorchTrainer
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class falls back to TorchTrainer")
+    import importlib
+
+    if not hasattr(importlib.import_module("deepspeed.comm.comm"), "cdb"):
+        problems.append("deepspeed.comm.comm.cdb is gone: the gradient-sync timer measures nothing")
+    if not fused_optimizer_devices():
+        problems.append("torch.optim.optimizer._get_fused_kernels_supported_devices is gone: AdamW runs unfused")
+    import torch._dynamo
+
+    if not hasattr(torch._dynamo.config, "suppress_errors"):
+        problems.append("torch._dynamo.config.suppress_errors is gone: a compile error fails the job")
+    if not hasattr(deepspeed.ops, "__compatible_ops__"):
+        problems.append("deepspeed.ops.__compatible_ops__ is gone: the CPU shm comm op is compiled again at start")
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    if not (hasattr(tracking_utils, "_tracking_uri") and hasattr(registry_utils, "_registry_uri")):
+        problems.append("mlflow's _tracking_uri/_registry_uri globals moved: mlflow_process_store cannot restore "
+                        "the process-wide store")
+    from mlflow.tracking import fluent
+
+    if not hasattr(fluent, "_active_experiment_id"):
+        problems.append("mlflow.tracking.fluent._active_experiment_id moved: mlflow_process_store cannot restore "
+                        "the active experiment")
+    return problems

@@ -1,0 +1,183 @@
+"""DeepSpeed internals rayspeed uses (written for deepspeed 0.19.8); each says why and when it can go."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+log = logging.getLogger("rayspeed.compat")
+
+
+PARTS_PREFIX = "parts:"
+
+
+def pipeline_explicit_parts(module: Any, method: str) -> bool:
+    """DeepSpeed 0.19.8 `PipelineModule._partition_layers(method)` for an explicit stage split, which its 'uniform',
+    'parameters' and 'type:<regex>' cannot express: method = 'parts:0,b1,...,bN' (stage i owns specs b_i:b_{i+1})
+    sets what DeepSpeed's partitioner sets: `self.parts` (stage_owner, tied modules, partitions()) and the local
+    bounds (`_set_bounds`: _build and the checkpoint layer paths, numbered by global layer index, so checkpoints and
+    ds_to_universal do not depend on the split). False for any other method (DeepSpeed's partitioner runs);
+    ValueError for a split that does not cover the specs."""
+    if not isinstance(method, str) or not method.lower().startswith(PARTS_PREFIX):
+        return False
+    try:
+        parts = [int(x) for x in method[len(PARTS_PREFIX):].split(",")]
+    except ValueError:
+        raise ValueError(f"partition_method {method!r}: expected 'parts:' and comma-separated integers") from None
+    stages = int(module.num_stages)
+    num_specs = len(module._layer_specs)
+    if (len(parts) != stages + 1 or parts[0] != 0 or parts[-1] != num_specs
+            or any(b <= a for a, b in zip(parts, parts[1:]))):
+        raise ValueError(f"partition_method {method!r}: need {stages + 1} strictly increasing boundaries from 0 to "
+                         f"{num_specs} (one or more layer specs per stage)")
+    module.parts = parts
+    stage_id = module._topo.get_coord(module.global_rank).pipe
+    module._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1])
+    return True
+
+
+class ExplicitPipelineParts:
+    """Mixed in before DeepSpeed's PipelineModule: a `parts:` partition method places the job's own per-stage
+    split (parallel.stage_layers). Why: PipelineModule's partition methods are uniform/parameters/type:regex
+    (deepspeed 0.19.8), and `_partition_layers` is where one is chosen. Remove when PipelineModule accepts
+    explicit stage boundaries."""
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        if not pipeline_explicit_parts(self, method):
+            super()._partition_layers(method)  # type: ignore[misc]
+
+
+def deepspeed_comm_backend() -> Any:
+    """DeepSpeed's communication backend object (`deepspeed.comm.comm.cdb`: every ZeRO, engine and pipeline
+    collective goes through it), or None when deepspeed.comm is not initialised. Why: the gradient-sync timer
+    (rayspeed.monitoring.comm_timer) wraps its methods; deepspeed.comm has no public hook (0.19.8). Remove when
+    it offers one (its comms logger records sizes, not the time a step spends)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:  # no engine without it: nothing to time, and no import to pay
+        return None
+    try:
+        import importlib
+
+        cdb = getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None)
+        if cdb is not None and cdb.is_initialized():
+            return cdb
+    except Exception:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def methods_replaced(obj: Any, replacements: dict[str, Any]) -> Iterator[None]:
+    """Replace methods of a library object for the duration of the block, and put back exactly what was there
+    (the instance's own attribute, or none, so the class's method shows through again)."""
+    saved: list[tuple[str, bool, Any]] = []
+    try:
+        for name, fn in replacements.items():
+            saved.append((name, name in vars(obj), vars(obj).get(name)))
+            setattr(obj, name, fn)
+        yield
+    finally:
+        for name, had_own, own in reversed(saved):
+            try:
+                if had_own:
+                    setattr(obj, name, own)
+                else:
+                    delattr(obj, name)
+            except Exception:
+                pass
+
+
+
+
+def skip_deepspeed_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (used by its inference all-reduce, not
+    by training's gloo collectives) at init_distributed: a C++ build on every fresh machine (measured ~60 s) and
+    a lock every worker waits on. Marking the op incompatible in `deepspeed.ops.__compatible_ops__` skips it."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    except Exception as e:  # an older/newer DeepSpeed without it: nothing to skip
+        log.debug("shm comm op not skipped: %s", e)
+
+
+def async_checkpoint_problem(engine: Any) -> str | None:
+    """Why `capture_checkpoint_writes` cannot make this engine's save asynchronous (None: it can). Every file of
+    DeepSpeed 0.19.8's `save_checkpoint` goes through `engine.checkpoint_engine.save(state_dict, path)` when that is
+    the plain TorchCheckpointEngine, except the NVMe-offload copy, which copies swap files directly."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    ce = getattr(engine, "checkpoint_engine", None)
+    if type(ce) is not TorchCheckpointEngine:
+        return f"DeepSpeed's checkpoint engine is {type(ce).__name__}, not TorchCheckpointEngine"
+    offload = getattr(engine, "zero_nvme_offload_optimizer", None)
+    if callable(offload) and offload():
+        return "ZeRO NVMe offload copies its swap files during the save"
+    return None
+
+
+def capture_checkpoint_writes(engine: Any, copy: Any) -> Any:
+    """A context manager around `engine.save_checkpoint`: every state dict DeepSpeed would write is handed to
+    `copy` (a host snapshot) instead of torch.save, and yields the list of (path, snapshot) it recorded; directories
+    and the files DeepSpeed copies directly (zero_to_fp32.py) are still made. The snapshots are written later with
+    `writer(state, path)` (the engine's own TorchCheckpointEngine.save: the same bytes as a synchronous save).
+
+    DeepSpeed 0.19.8: `DeepSpeedEngine.save_checkpoint` (engine.py) calls `self.checkpoint_engine.create`, `.save`
+    for the model, ZeRO and pipeline-layer files, `.makedirs`, then `.commit` (not decoupled); the engine is
+    swapped for the length of the call (option (b) of the checkpoint-engine abstraction: a capturing engine whose
+    commit is deferred to rayspeed's background writer)."""
+    import contextlib
+
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    original = engine.checkpoint_engine
+
+    class CapturingCheckpointEngine(CheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.name = "RayspeedCapturingCheckpointEngine"
+            self.captured: list[tuple[str, Any]] = []
+
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            self.captured.append((str(path), copy(state_dict)))
+
+        def makedirs(self, path: str, exist_ok: bool = False) -> None:
+            original.makedirs(path, exist_ok=exist_ok)
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return original.load(path, map_location=map_location)
+
+        def commit(self, info: Any) -> bool:
+            return True  # rayspeed commits: the manifest, once every rank's files are durable
+
+        def is_data_parallel_writer(self, dp_rank: int) -> bool:
+            return original.is_data_parallel_writer(dp_rank)
+
+        def preserves_storage_sharing(self) -> bool:
+            return original.preserves_storage_sharing()
+
+    @contextlib.contextmanager
+    def swapped() -> Any:
+        capture = CapturingCheckpointEngine()
+        engine.checkpoint_engine = capture
+        try:
+            yield capture.captured
+        finally:
+            engine.checkpoint_engine = original
+
+    return swapped()
+
+
+def checkpoint_writer(engine: Any) -> Any:
+    """(state, path) -> None: how this engine's TorchCheckpointEngine writes one file (torch.save with its
+    serialization setting); safe to call from a background thread (no collectives)."""
+    ce = engine.checkpoint_engine
+    return lambda state, path: ce.save(state, path)

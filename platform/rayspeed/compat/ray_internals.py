@@ -1,0 +1,114 @@
+"""Ray Train v2 internals rayspeed uses (written for ray 2.60.0); each says why and when it can go."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("rayspeed.compat")
+
+
+def controller_callback_bases() -> tuple[type, type]:
+    """(ControllerCallback, WorkerGroupCallback): Ray Train v2's callback interfaces (under `_internal` in 2.60),
+    which rayspeed's ResilienceCallback implements to timestamp failures and resize decisions."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    return ControllerCallback, WorkerGroupCallback
+
+
+def count_live_workers_only() -> None:
+    """Make Ray Train's elastic sizing count only nodes that are alive.
+
+    After a node dies, the autoscaling coordinator's reservations still list it for a while, so the elastic
+    policy retries the old size and waits out the whole worker-group start timeout for capacity that is gone
+    (64 s measured). Filtering the reservations by the GCS's live-node table makes the first restart decision use
+    the world that actually exists. Patches `ElasticScalingPolicy._count_possible_workers` (ray 2.60.0); applied
+    once, in the controller process."""
+    from ray.train.v2._internal.execution.scaling_policy import elastic
+
+    policy = elastic.ElasticScalingPolicy
+    if getattr(policy._count_possible_workers, "_rayspeed_live_only", False):
+        return
+    original = policy._count_possible_workers
+
+    def _count(self, reserved_resources):
+        try:
+            import ray
+
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            live = {k: v for k, v in reserved_resources.items() if k in alive}
+            if len(live) != len(reserved_resources):
+                log.warning("rayspeed: ignoring reservations on %d dead node(s) when sizing the worker group",
+                            len(reserved_resources) - len(live))
+            reserved_resources = live
+        except Exception as e:  # fall back to Ray's own view
+            log.warning("rayspeed: could not read live nodes (%s); using Ray's reservations", e)
+        return original(self, reserved_resources)
+
+    _count._rayspeed_live_only = True  # type: ignore[attr-defined]
+    policy._count_possible_workers = _count
+
+
+def fail_after_capacity_wait(wait_s: float, message: str) -> None:
+    """A (re)start that finds fewer workers than the minimum waits in Ray Train's elastic policy forever (it returns
+    NoopDecision every poll). Patches `ElasticScalingPolicy.make_decision_for_non_running_worker_group` (ray
+    2.60.0) to log once when the wait begins and to raise RuntimeError(message) after wait_s: the controller turns
+    it into the run's failure. Applied once, in the controller process."""
+    import time
+
+    from ray.train.v2._internal.execution.scaling_policy import elastic
+
+    policy = elastic.ElasticScalingPolicy
+    if getattr(policy.make_decision_for_non_running_worker_group, "_rayspeed_capacity", False):
+        return
+    original = policy.make_decision_for_non_running_worker_group
+
+    def _decide(self):
+        decision = original(self)
+        if type(decision).__name__ != "NoopDecision":
+            self._rayspeed_waiting_since = None
+            return decision
+        since = getattr(self, "_rayspeed_waiting_since", None)
+        now = time.monotonic()
+        if since is None:
+            self._rayspeed_waiting_since = now
+            log.warning("rayspeed: waiting for capacity: fewer than %d workers can start; failing after %.0f s",
+                        self.scaling_config.min_workers, wait_s)
+        elif now - since > wait_s:
+            raise RuntimeError(message)
+        return decision
+
+    _decide._rayspeed_capacity = True  # type: ignore[attr-defined]
+    policy.make_decision_for_non_running_worker_group = _decide
+
+
+def lean_trainer_class(embedded: bool) -> Any:
+    """TorchTrainer without DatasetsCallback (no Ray Dataset: a DatasetManager actor per attempt) and, on the
+    cluster the launcher starts for itself, PlacementGroupCleanerCallback. Why: that cleaner's actor finds any other
+    Ray instance on the machine, dies, and the controller waits ~20 s for it at every attempt (docs/BENCHMARKS.md;
+    the seeded kill drill of make test-slow: 191 s with this class, 272 s without). Built in
+    `TorchTrainer._create_default_callbacks` (2.60.0; gone: the plain trainer). Remove when Ray Train skips both."""
+    from ray.train.torch import TorchTrainer
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return TorchTrainer
+    skip = {"DatasetsCallback", *(("PlacementGroupCleanerCallback",) if embedded else ())}
+
+    class RayspeedTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return callbacks if self.datasets else [cb for cb in callbacks if type(cb).__name__ not in skip]
+
+    return RayspeedTrainer
+
+
+def set_worker_group_start_timeout(seconds: float) -> None:
+    """How long Ray Train's controller waits for a worker group to start before calling the attempt failed.
+
+    Why: after a node loss it first retries the old size, so its default 60 s is pure recovery delay; Ray Train
+    v2 reads it only from the environment variable RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (ray 2.60.0, no
+    ScalingConfig/RunConfig field). Remove when Ray Train takes it as a config field. An operator's own setting
+    wins."""
+    import os
+
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(seconds))
