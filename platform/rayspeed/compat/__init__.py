@@ -18,6 +18,7 @@ from rayspeed.compat.deepspeed_internals import (
     methods_replaced,
     pipeline_explicit_parts,
     skip_deepspeed_shm_comm_op,
+    step_grad_norm,
 )
 from rayspeed.compat.mlflow_internals import MLFLOW_PROCESS_ENV, mlflow_process_state, mlflow_process_store
 from rayspeed.compat.ray_internals import (
@@ -37,7 +38,7 @@ __all__ = ["DEEPSPEED_VERSION", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSI
            "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
            "deepspeed_comm_backend", "fail_after_capacity_wait", "fused_optimizer_devices", "lean_trainer_class",
            "methods_replaced", "mlflow_process_state", "mlflow_process_store", "pipeline_explicit_parts",
-           "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op"]
+           "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm"]
 
 
 
@@ -92,6 +93,15 @@ def check() -> list[str]:
     for attr in ("_partition_layers", "_set_bounds"):
         if not hasattr(PipelineModule, attr):
             problems.append(f"PipelineModule.{attr} is gone: pipeline_explicit_parts cannot place stage_layers")
+    import inspect
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    for where in (stage_1_and_2.DeepSpeedZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer):
+        if "self._global_grad_norm" not in inspect.getsource(where):
+            problems.append(f"{where.__name__} keeps no _global_grad_norm: the watchdog's skip cannot see the "
+                            "step's norm before the update (step_grad_norm)")
     from ray.train.torch import TorchTrainer
 
     if not hasattr(TorchTrainer, "_create_default_callbacks"):

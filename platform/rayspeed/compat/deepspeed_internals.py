@@ -91,6 +91,17 @@ def methods_replaced(obj: Any, replacements: dict[str, Any]) -> Iterator[None]:
 
 
 
+def step_grad_norm(engine: Any) -> Any:
+    """The global gradient norm DeepSpeed's ZeRO (1-3) or bf16 optimizer computed in the step under way, before it
+    calls the client optimizer; None without such a wrapper (ZeRO-0 fp32). Why: it sits in the wrapper's
+    `_global_grad_norm`, public (get_global_grad_norm) only after the step, and the watchdog's guard decides during
+    it (0.19.8: stage_1_and_2.py, stage3.py, bf16_optimizer.py). Remove when DeepSpeed has a pre-update hook."""
+    import torch
+
+    opt = engine.optimizer
+    return None if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "_global_grad_norm", None)
+
+
 def skip_deepspeed_shm_comm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (used by its inference all-reduce, not
     by training's gloo collectives) at init_distributed: a C++ build on every fresh machine (measured ~60 s) and

@@ -299,8 +299,9 @@ class HealthConfig:
     fail_on_slow_rank: bool = False
     """Fail the preflight when a rank is flagged slow (default: flag and log it only)."""
     watchdog: Literal["off", "skip", "rollback"] = "skip"
-    """On a NaN/Inf loss or a grad-norm spike: skip the step, roll back to the last verified checkpoint, or do
-    nothing."""
+    """On a NaN/Inf loss or a grad-norm spike, checked every step before its update: skip (the update is not applied:
+    weights and optimizer state stay as they were, the step's data is consumed), rollback (not applied either, and
+    the newest verified checkpoint is restored), or off (applied, nothing checked: no per-step host sync)."""
     grad_norm_spike_factor: float = 10.0
     """A grad norm above this multiple of the median of the recent window is a spike."""
     watchdog_window: int = 20
@@ -334,6 +335,10 @@ class ChaosConfig:
     hang_rank_at_step: Optional[KillAt] = None
     """{rank: 1, step: 12}: that rank stops answering once, at that step (the others' collectives must time
     out after resilience.collective_timeout_s and the job restart)."""
+    nan_loss_at_step: Optional[KillAt] = None
+    """{rank: 0, step: 5}: that rank's loss is NaN once, at that step (the drill for health.watchdog: skip withholds
+    the update, rollback restores the last verified checkpoint, off lets it through). With a pipeline, name a rank
+    of the last stage (where the loss is computed)."""
 
 
 @dataclass

@@ -182,7 +182,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
                      "absolute local path or an object-store URI such as s3://bucket/prefix or gs://bucket/prefix")
     if cfg.storage.staging_dir != AUTO and not os.path.isabs(os.path.expanduser(cfg.storage.staging_dir)):
         p.append(f"storage.staging_dir: must be an absolute node-local path, got {cfg.storage.staging_dir!r}")
-    for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step"):
+    for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step", "nan_loss_at_step"):
         drills = chaos_drills(getattr(cfg.chaos, key))
         for k in drills:
             if k.rank < 0 or k.step < 1:

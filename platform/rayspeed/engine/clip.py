@@ -51,3 +51,25 @@ class GradClipper:
         norm = sq.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm, foreach=True)
         return norm
+
+
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter], tp_group: Any = None, pp_group: Any = None
+                     ) -> torch.Tensor:
+    """The L2 norm of the model's gradients where DeepSpeed computes none (ZeRO-0 fp32), the same on every rank: this
+    rank's replicated gradients, its tensor-parallel shards summed over the tp group, every pipeline stage's part
+    summed over the pp group (a weight tied across stages counts once per stage holding it)."""
+    params = [p for p in parameters if p.grad is not None]
+    sharded_tp = tp_group is not None and dist.get_world_size(tp_group) > 1
+    shards = [p for p in params if sharded_tp and getattr(p, "tensor_model_parallel", False)]
+    ids = {id(p) for p in shards}
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = GradClipper._sq([p for p in params if id(p) not in ids])
+    sq = torch.zeros((), device=device) if sq is None else sq
+    if sharded_tp:
+        shard = GradClipper._sq(shards)
+        shard = torch.zeros((), device=device) if shard is None else shard
+        dist.all_reduce(shard, group=tp_group)
+        sq = sq + shard
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    return sq.sqrt()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,12 +36,26 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW whose update a guard can withhold (the watchdog's `skip`): when `guard()` says no, this step changes
+    nothing, neither the weights nor Adam's moments nor its step count. DeepSpeed's ZeRO and bf16 optimizers call
+    it for their fp32 partitions after reducing and clipping the gradients, so the guard sees the step's global
+    gradient norm; they may call it once per parameter group, and the guard decides once per step."""
+
+    guard: Optional[Callable[[], bool]] = None
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self.guard is not None and not self.guard():
+            return None
+        return super().step(closure)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: JobConfig, on_gpu: bool) -> torch.optim.Optimizer:
     t = cfg.train
     # Fused: one kernel per parameter for the whole update, on GPUs and on CPUs alike (torch's CPU default is a
     # Python loop of ~10 ops per parameter; fused measured -6% CPU time per step on tiny-cpu's bare loop).
     fused = on_gpu or "cpu" in compat.fused_optimizer_devices()
-    return torch.optim.AdamW(
+    return GuardedAdamW(
         param_groups(model, t.weight_decay), lr=float(t.lr), betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         **({"fused": True} if fused else {}),
     )

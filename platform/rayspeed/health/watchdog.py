@@ -1,13 +1,13 @@
 """Training-time watchdog: a NaN/Inf loss or a grad-norm spike -> skip the step or roll back.
 
     wd = Watchdog(policy="skip", spike_factor=10.0, window=20)       # or Watchdog.from_config(cfg.health)
-    d = wd.check(step, loss, grad_norm)                               # every step the loss is read
-    if d.action == "skip": ...        # drop this step's update (zero the grads, do not step)
-    elif d.action == "rollback": ...  # reload the newest verified checkpoint, then wd.reset()
+    d = wd.check(step, loss, grad_norm)                               # every step, before its update
+    if d.action == "skip": ...        # withhold this step's update (rayspeed.train.step_guard)
+    elif d.action == "rollback": ...  # withhold it, reload the newest verified checkpoint, then wd.reset()
 
-The watchdog only decides; the worker loop acts. Every decision other than "ok" is logged as one line saying
-why. The same inputs give the same decision on every rank, so ranks never disagree: pass the reduced loss and
-the global grad norm (what DeepSpeed reports), not per-rank values.
+The watchdog only decides; the step guard and the worker loop act. Every decision other than "ok" is logged as
+one line saying why. The same inputs give the same decision on every rank, so ranks never disagree: pass the
+reduced loss and the global grad norm (what DeepSpeed computes), not per-rank values.
 
 A spike is a grad norm above spike_factor x the median of the last `window` accepted norms; no spike is called
 before a few norms are known (warm-up norms are large and fall fast). Skipped steps never enter the window, so
@@ -73,8 +73,8 @@ class Watchdog:
     def baseline(self) -> float | None:
         return statistics.median(self.norms) if len(self.norms) >= self.min_history else None
 
-    def _problem(self, loss: float, grad_norm: float | None) -> str | None:
-        if not math.isfinite(loss):
+    def _problem(self, loss: float | None, grad_norm: float | None) -> str | None:
+        if loss is not None and not math.isfinite(loss):
             return f"loss is {loss}"
         if grad_norm is None:
             return None
@@ -86,8 +86,9 @@ class Watchdog:
                     f"of the last {len(self.norms)} steps")
         return None
 
-    def check(self, step: int, loss: float, grad_norm: float | None = None) -> Decision:
-        loss = float(loss)
+    def check(self, step: int, loss: float | None, grad_norm: float | None = None) -> Decision:
+        """loss None: not known before the update (a pipeline's loss lives on its last stage)."""
+        loss = None if loss is None else float(loss)
         grad_norm = None if grad_norm is None else float(grad_norm)
         problem = self._problem(loss, grad_norm)
         if problem is None:

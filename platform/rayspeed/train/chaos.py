@@ -1,6 +1,6 @@
 """Fault-injection drills (`chaos.*` job keys): a rank dies or hangs once, at a given step or inside a checkpoint
-write. Each drill fires once per job: its marker lives in the experiment's storage, since the restarted rank may
-run on another node."""
+write, or its loss is NaN once. Each drill fires once per job: its marker lives in the experiment's storage, since
+the restarted rank may run on another node."""
 
 from __future__ import annotations
 
@@ -51,6 +51,13 @@ class ChaosDrills:
             log.warning("chaos: rank %d hangs at step %d", self.rank, step)
             while True:  # the others' collectives time out; Ray then restarts the group
                 time.sleep(3600)
+
+    def poisons_loss(self, step: int) -> bool:
+        """chaos.nan_loss_at_step: this rank's loss of this step is NaN (once per job; the watchdog's drill)."""
+        if self._once("nan", self.cfg.nan_loss_at_step, step):
+            log.warning("chaos: rank %d's loss is NaN at step %d", self.rank, step)
+            return True
+        return False
 
     def in_checkpoint(self, step: int, point: str) -> None:
         """Called at each point of a save (CHECKPOINT_POINTS, in order); dies at the drill's point."""

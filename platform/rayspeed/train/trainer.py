@@ -52,6 +52,7 @@ class Trainer:
         self.engine: Any = None
         self.pipelined = False
         self.clipper: Any = None
+        self.guard: Any = None
         self.grad_norm: Optional[torch.Tensor] = None
         self.train_split: Any = None
         self.batches: Any = None
@@ -80,6 +81,10 @@ class Trainer:
             self.clipper = GradClipper(self.engine.module.parameters(), c.train.grad_clip, self.groups.tp_group)
         self.validator = Validator(c, self.validator_batches, self.device, self.pipelined, self.reporter.dp_mean,
                                    weighted=self.batches.weighted)
+        if c.health.watchdog != "off":
+            from rayspeed.train.step_guard import StepGuard
+
+            self.guard = StepGuard(self.watchdog, self.engine, self.groups, self._own_norm)
         phases["engine"] = time.time() - t
         t = time.time()
         client = self.checkpointer.load(self.engine)
@@ -181,11 +186,11 @@ class Trainer:
             done = step + 1
             self.chaos.at_step(done)
             with self.reporter.timed_step(done):
-                loss = self.train_step(micro, self.loss_scale(step))
+                loss = self.train_step(micro, self.loss_scale(step), done)
+            self._guarded(done)
             self.reporter.step_done(done, loss, self.state, self.engine)
             if self.reporter.should_log(done):
-                metrics = self.reporter.log_window(done, self.lr(), self.global_grad_norm())
-                self._watch(done, metrics)
+                self.reporter.log_window(done, self.lr(), self.global_grad_norm())
             if self.validator.should_validate(done):
                 val_loss = self.validator.run(self.engine)
                 self.reporter.log_validation(done, val_loss)
@@ -207,24 +212,37 @@ class Trainer:
             return None
         return self.groups.dp * self.cfg.parallel.grad_accum / max(1, self.batches.step_tokens(step))
 
-    def train_step(self, micro_batches: list, scale: Optional[float] = None) -> torch.Tensor:
+    def train_step(self, micro_batches: list, scale: Optional[float] = None, step: int = 0) -> torch.Tensor:
         eng = self.engine
+        poison = self.chaos.poisons_loss(step)
         if self.pipelined:
             if scale is not None:
                 eng.module.loss_fn.scale = scale
+            if poison:  # the loss lives on the last stage: a rank of another stage poisons nothing
+                eng.module.loss_fn.scale = float("nan")
+            if self.guard is not None:
+                self.guard.arm(step, None)
             batches = [(stage_inputs(mb, self.device), mb[1].to(self.device)) for mb in micro_batches]
-            return eng.train_batch(iter(batches)).float().mean()
+            loss = eng.train_batch(iter(batches)).float().mean()
+            if poison:
+                eng.module.loss_fn.scale = scale
+            return loss
         total = torch.zeros((), device=self.device)
         for mb in micro_batches:
             x, y = mb[0].to(self.device, non_blocking=True), mb[1].to(self.device, non_blocking=True)
             loss = eng(x, y, *(t.to(self.device, non_blocking=True) for t in mb[2:]))
             if scale is not None:  # mean over this micro-batch's counted labels -> its share of the step's mean
                 loss = loss * (int((mb[1] != IGNORE_INDEX).sum()) * scale)
+            if poison:
+                loss = loss * float("nan")
             eng.backward(loss)
-            if self.clipper is not None and eng.is_gradient_accumulation_boundary():
-                self.grad_norm = self.clipper()  # gradients are all-reduced by now
-            eng.step()
             total += loss.detach().float()
+            if eng.is_gradient_accumulation_boundary():
+                if self.clipper is not None:
+                    self.grad_norm = self.clipper()  # gradients are all-reduced by now
+                if self.guard is not None:
+                    self.guard.arm(step, total / len(micro_batches))
+            eng.step()
         return total / len(micro_batches)
 
     def client_state(self, step: int) -> dict[str, Any]:
@@ -238,15 +256,27 @@ class Trainer:
         gn = self.grad_norm if self.clipper is not None else self.engine.get_global_grad_norm()
         return None if gn is None else float(gn)
 
-    def _watch(self, step: int, metrics: dict[str, float]) -> None:
-        """The watchdog reads the loss and grad norm where the loop already has them (log steps)."""
-        decision = self.watchdog.check(step, metrics["train/loss"], metrics.get("train/grad_norm"))
-        if decision.ok:
+    def _own_norm(self) -> Optional[torch.Tensor]:
+        """The step's global gradient norm where no DeepSpeed wrapper computes one (ZeRO-0 fp32): the clipper's, or
+        computed over this rank's gradients and summed over tensor- and pipeline-parallel ranks."""
+        if self.clipper is not None:
+            return self.grad_norm
+        from rayspeed.engine.clip import global_grad_norm
+
+        return global_grad_norm(self.engine.module.parameters(), self.groups.tp_group, self.groups.pp_group)
+
+    def _guarded(self, step: int) -> None:
+        """After the step: act on what the guard decided before its update (it was withheld unless ok)."""
+        decision = self.guard.settle() if self.guard is not None else None
+        if decision is None or decision.ok:
+            return
+        if decision.action == "skip":
+            self.reporter.set_tags({f"rayspeed.watchdog.step{step}": f"skipped: {decision.reason}"[:4000]})
             return
         chosen = self.checkpointer.rollback(self.engine)
         if chosen is None:
-            log_rank(log, "watchdog: %s, but no verified checkpoint to roll back to; continuing", decision.reason,
-                     level=logging.WARNING)
+            log_rank(log, "watchdog: %s, but no verified checkpoint to roll back to; the update was not applied, "
+                     "continuing", decision.reason, level=logging.WARNING)
             return
         # Continue with the data after the bad window: replaying it would reproduce the same blow-up.
         self.watchdog.reset()

@@ -1,0 +1,74 @@
+"""The watchdog before the update: every optimizer step, the step's loss and global gradient norm are checked
+before the optimizer applies anything, so `health.watchdog: skip` withholds a bad update (weights, Adam's moments and
+step count stay as they were) and `rollback` restores the last verified checkpoint instead of stepping into it.
+
+    guard = StepGuard(watchdog, engine, groups, own_norm)   # installs itself in the client optimizer
+    guard.arm(step, loss)                                     # before the boundary's engine.step() / train_batch
+    engine.step()                                             # the optimizer asks guard() once or per group
+    decision = guard.settle()                                 # what was decided this step (None: no update due)
+
+Where the numbers come from: the loss is this rank's micro-batch mean, averaged over the data-parallel group
+(one scalar all-reduce per step: the price of deciding before the update; with a pipeline the loss lives on the
+last stage and is left out, the gradient norm carries a non-finite loss anyway). The norm is the one DeepSpeed's ZeRO
+or bf16 optimizer computed for this step before it calls the client optimizer (rayspeed.compat.step_grad_norm), or
+the worker's own (its clipper's, or computed over tensor- and pipeline-parallel ranks) where no wrapper computes one.
+Every rank sees the same two numbers, so every rank decides the same. Where DeepSpeed itself drops the step (its
+overflow check on a non-finite norm: fp32 ZeRO, fp16) the client optimizer is never asked; settle() still tells the
+watchdog, so a run of bad steps counts towards watchdog_max_skips either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from rayspeed import compat
+
+
+class StepGuard:
+    def __init__(self, watchdog: Any, engine: Any, groups: Any, own_norm: Callable[[], Optional[torch.Tensor]]):
+        self.watchdog, self.engine, self.groups, self.own_norm = watchdog, engine, groups, own_norm
+        self.step = 0
+        self.loss: Optional[float] = None
+        self.decision: Any = None
+        self._loss_tensor: Optional[torch.Tensor] = None
+        self._skipped: Optional[int] = None
+        opt = engine.optimizer  # the client optimizer itself (ZeRO-0 fp32) or DeepSpeed's wrapper around it
+        client = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
+        if not hasattr(client, "guard"):
+            raise TypeError(f"the client optimizer {type(client).__name__} takes no guard (rayspeed builds "
+                            "GuardedAdamW)")
+        client.guard = self
+
+    def arm(self, step: int, loss: Optional[torch.Tensor]) -> None:
+        """Before the step's update: its number and this rank's loss (None under a pipeline)."""
+        self.step, self.decision, self._loss_tensor = step, None, None
+        self._skipped = int(getattr(self.engine, "skipped_steps", 0))
+        if loss is not None:
+            loss = loss.detach().float().reshape(()).clone()
+            if self.groups.dp > 1:
+                dist.all_reduce(loss, group=self.groups.dp_group)
+                loss /= self.groups.dp
+            self._loss_tensor = loss
+
+    def __call__(self) -> bool:
+        if self.decision is None:
+            norm = compat.step_grad_norm(self.engine)
+            if norm is None:
+                norm = self.own_norm()
+            loss = None if self._loss_tensor is None else float(self._loss_tensor)
+            self.decision = self.watchdog.check(self.step, loss, None if norm is None else float(norm))
+        return self.decision.ok
+
+    def settle(self) -> Any:
+        """After the step: the decision (None when no step was armed)."""
+        if self.decision is None and self._armed():
+            if int(getattr(self.engine, "skipped_steps", 0)) > self._skipped:  # DeepSpeed dropped it (overflow)
+                loss = None if self._loss_tensor is None else float(self._loss_tensor)
+                self.decision = self.watchdog.check(self.step, loss, float("inf"))
+        return self.decision
+
+    def _armed(self) -> bool:
+        return self._skipped is not None
