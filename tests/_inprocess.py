@@ -38,6 +38,7 @@ def run_inprocess(home: Path, config: str, sets: list[str], workers: int, timeou
     from rayspeed.tracking.runs import find_or_create_run
     from rayspeed.train.data_setup import prepare
     from rayspeed.train.payload import LaunchPayload
+    from rayspeed.train.resume_guard import run_identity
 
     seed_store(home)
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
@@ -50,7 +51,8 @@ def run_inprocess(home: Path, config: str, sets: list[str], workers: int, timeou
         prepare(cfg, storage, "local")
         run_id, _ = find_or_create_run(cfg)
         payload = LaunchPayload(job=to_dict(job), tracking_uri=tracking_uri(cfg), storage_path=storage,
-                                experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id)
+                                experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id,
+                                run_identity=run_identity(job))
         results = run_distributed(_rank, workers, dataclasses.asdict(payload), timeout_s=timeout_s,
                                   env={"RAYSPEED_HOME": str(home)})
     return results[0]

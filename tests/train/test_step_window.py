@@ -1,5 +1,5 @@
 """Throughput figures leave out the step the gradient-sync timer measures (it synchronises the device around every
-collective): StepWindow times only unmeasured steps, and the Reporter samples one log step per window (every
+collective): StepWindow times only unmeasured steps, and the metrics callback samples one log step per window (every
 tenth log step when every window is one step), reporting no throughput for a window with nothing else."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from rayspeed.config.load import parse
-from rayspeed.train.reporting import COMM_SAMPLE_EVERY, Reporter, StepWindow
+from rayspeed.tracking.logger import NullLogger
+from rayspeed.train.events import Callbacks, TrainState
+from rayspeed.train.metrics_callback import COMM_SAMPLE_EVERY, MetricsCallback, StepWindow
 
 LOSS = torch.tensor(2.0)
 
@@ -32,26 +34,28 @@ def test_measured_steps_and_pauses_are_not_step_time():
     assert w.step_time() is None  # nothing but the measured step
 
 
-def _reporter(log_every: int) -> Reporter:
+def _reporter(log_every: int) -> MetricsCallback:
     cfg = parse({"name": "w", "tracking": {"log_every_steps": log_every}, "train": {"max_steps": 100}})
     ctx = SimpleNamespace(is_rank0=False, rank=0, world_size=1, node_id="n", experiment_dir="/nonexistent")
-    payload = SimpleNamespace(mlflow_run_id=None, tracking_uri=None)
     plan = SimpleNamespace(best={"step_time_s": 0.02, "memory_gib_per_gpu": 1.0})
-    r = Reporter(cfg, plan, ctx, payload, SimpleNamespace(dp=1), torch.device("cpu"), time.time())
+    r = MetricsCallback(cfg, plan, ctx, SimpleNamespace(dp=1), torch.device("cpu"), Callbacks(), NullLogger(),
+                        lambda: 1e-3, lambda: None)
     r.first_step_done = True  # the first-step report is a collective over a real engine: not what is tested here
     return r
 
 
-def _run(r: Reporter, steps: range, seconds=lambda step, measured: 0.0) -> tuple[dict[int, dict], list[int]]:
+def _run(r: MetricsCallback, steps: range, seconds=lambda step, measured: 0.0) -> tuple[dict[int, dict], list[int]]:
     logged, measured = {}, []
+    state = TrainState(max_steps=r.cfg.train.max_steps)
     for step in steps:
         with r.timed_step(step):
             if r.measuring:
                 measured.append(step)
             time.sleep(seconds(step, r.measuring))
-        r.step_done(step, LOSS, {"step": step}, None)
+        r.step_timed(LOSS)
+        state.step = step
         if r.should_log(step):
-            logged[step] = r.log_window(step, 1e-3, None)
+            logged[step] = r.log_window(state)
     return logged, measured
 
 

@@ -1,5 +1,5 @@
-"""health.watchdog through a job's worker path (tests/_inprocess.py, 2 gloo processes, ZeRO-0 fp32: the optimizer
-path where DeepSpeed itself drops no non-finite step): rank 1's loss is NaN at step 3 (chaos.nan_loss_at_step).
+"""health.watchdog through a job's worker path (tests/_inprocess.py, one gloo process, ZeRO-0 fp32: the optimizer
+path where DeepSpeed itself drops no non-finite step): its loss is NaN at step 3 (chaos.nan_loss_at_step).
 `off` lets the update through and every later loss is NaN (the drill bites); `skip` withholds it: the run goes on
 from the same weights, tagged; `rollback` restores the step-2 checkpoint and goes on. The engine-level proof over
 every optimizer path (ZeRO 1-3 and bf16 drop a non-finite step themselves) is tests/train/test_step_guard.py."""
@@ -23,10 +23,10 @@ def home(tmp_path_factory):
 
 def _run(home, policy, *extra):
     sets = [f"name=wd-{policy}", f"train.max_steps={STEPS}", "tracking.log_every_steps=1", "train.eval_every_steps=0",
-            "train.warmup_steps=1", "cluster.num_workers=2", "parallel.dp=2", "parallel.zero_stage=0",
+            "train.warmup_steps=1", "cluster.num_workers=1", "parallel.zero_stage=0",
             "tracking.charts_every_checkpoints=0", f"health.watchdog='{policy}'",
-            f"chaos.nan_loss_at_step={{rank: 1, step: {BAD}}}", *extra]
-    summary = run_inprocess(home, TINY, sets, workers=2)
+            f"chaos.nan_loss_at_step={{rank: 0, step: {BAD}}}", *extra]
+    summary = run_inprocess(home, TINY, sets, workers=1)
     assert summary["status"] == "finished", summary
     return summary, dict(metric_history(home, summary["mlflow_run_id"], "train/loss"))
 

@@ -138,6 +138,11 @@ class TrainConfig:
     compile: Union[bool, Auto] = AUTO
     """torch.compile the model before DeepSpeed wraps it. auto: on GPUs for layouts without pipeline, ZeRO-3 or
     tensor parallelism (falls back to eager on a compile error); eager on CPU."""
+    callbacks: list[str] = field(default_factory=list)
+    """Your own training-loop callbacks, each `package.module:Class`: a rayspeed.train.events.Callback subclass
+    built with no arguments, importable where the job starts and on every worker (in the job's working dir or an
+    installed package). Every rank calls it at step_end, log, validation, before_checkpoint, checkpoint_saved,
+    checkpoint_committed, end and failure (docs/ARCHITECTURE.md, "Extension points")."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ROPE_TYPES, ModelShape
 
+CALLBACK_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 # File names are at most 255 bytes on every common filesystem; the job's folders add suffixes (.superseded-...).
@@ -194,6 +195,8 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         steps = [k.step for k in drills]
         if len(set(steps)) < len(steps):
             p.append(f"chaos.{key}: each drill of the list needs its own step, got steps {steps}")
+    p += [f"train.callbacks: {name!r} is not `package.module:Class` (e.g. mypkg.hooks:PrintLoss)"
+          for name in cfg.train.callbacks if not CALLBACK_NAME.fullmatch(str(name))]
     return p + health_problems(cfg, lint_cluster_env)
 
 

@@ -21,8 +21,9 @@ def loads_pretrained(cfg: JobConfig) -> bool:
 
 
 def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
-    """The model for this rank: the whole Transformer (sharded over tp), or this stage of the pipeline. With
-    model.pretrained (init: pretrained) its weights are this rank's slices of the checkpoint."""
+    """The model for this rank as built: the whole Transformer (sharded over tp), or this stage of the pipeline,
+    before any transform (rayspeed.engine.transforms). With model.pretrained (init: pretrained) its weights are
+    this rank's slices of the checkpoint."""
     if not loads_pretrained(cfg):
         return _build_model(cfg, groups)
     from rayspeed.model.hf_weights import load_hf_weights, local_model_dir
@@ -51,19 +52,12 @@ def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
             num_stages=par.pp,
             tp=tp,
             sequence_parallel=bool(par.sequence_parallel),
-            activation_checkpointing=par.activation_checkpointing,
             seed=cfg.train.seed,
             stage_layers=getattr(par, "stage_layers", None) or None,
         )
     from rayspeed.model.transformer import Transformer
 
-    return Transformer(
-        mcfg,
-        tp=tp,
-        sequence_parallel=bool(par.sequence_parallel),
-        activation_checkpointing=par.activation_checkpointing,
-        seed=cfg.train.seed,
-    )
+    return Transformer(mcfg, tp=tp, sequence_parallel=bool(par.sequence_parallel), seed=cfg.train.seed)
 
 
 def compile_decision(cfg: JobConfig, on_gpu: bool) -> tuple[bool, str]:
@@ -120,12 +114,9 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         warm_start(model, cfg, groups)
     if not on_gpu:
         model = model.to(device)
-    do_compile, why = compile_decision(cfg, on_gpu)
-    if do_compile:
-        compile_model(model, fallback_to_eager=True)
-        log.info("torch.compile on: %s", why)
-    else:
-        log.debug("torch.compile off: %s", why)
+    from rayspeed.engine.transforms import apply_transforms
+
+    apply_transforms(model, cfg, groups, on_gpu)  # in their declared order, after the weights are in
     optimizer = build_optimizer(model, cfg, on_gpu)
     scheduler = build_scheduler(optimizer, cfg)
     pipelined = cfg.parallel.pp > 1

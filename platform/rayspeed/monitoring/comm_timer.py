@@ -11,7 +11,7 @@ the grad-norm and overflow reductions and pipeline tied-weight all-reduces all g
 timer; on GPU the device is synchronised before and after each one, so the wall time is the collective's
 own. Other steps pay nothing: the wrappers are installed only for the measured step and removed after. The
 measured step is therefore slower than the others: the reporter samples it (one log step per window) and leaves
-it out of step time, tokens/s and MFU (rayspeed.train.reporting.StepWindow).
+it out of step time, tokens/s and MFU (rayspeed.train.metrics_callback.StepWindow).
 
 What the number means: synchronising around each collective serialises what DeepSpeed would overlap
 (overlap_comm), so grad_sync_fraction = (time in gradient collectives) / (step time) of an unoverlapped

@@ -95,7 +95,7 @@ def _gib(v: float) -> str:
 def memory_table(e: Estimate) -> list[str]:
     who = "GPU" if e.ctx.hw.is_gpu else "worker"
     lines = [f"memory per {who}, worst rank (pipeline stage {e.worst_stage}), GiB:"]
-    for k in COMPONENTS:
+    for k in (*COMPONENTS, *(k for k in e.memory if k not in COMPONENTS)):  # then features' terms
         v = e.memory.get(k, 0.0) / GIB
         if v > 0:
             lines.append(f"  {k:<18} {_gib(v)}")
@@ -109,7 +109,8 @@ def time_table(e: Estimate) -> list[str]:
     who = "GPU" if e.ctx.hw.is_gpu else "worker"
     lines = [f"time per step (predicted): {e.step_s:.4f} s -> {e.tokens_per_s_per_gpu:,.0f} tokens/s per {who}, "
              f"MFU {100 * e.mfu:.1f}%"]
-    for k, label in TIME_PARTS:
+    parts = [*TIME_PARTS, *((k, k) for k in e.time.terms)]  # then features' terms (planner/terms.py)
+    for k, label in parts:
         if t[k] > 0:
             lines.append(f"  {label:<45} {t[k]:9.4f} s  {100 * t[k] / e.step_s:5.1f}%")
     if t["recompute_s"] > 0:

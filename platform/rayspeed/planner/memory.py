@@ -11,6 +11,7 @@ from rayspeed.config.shape import ModelShape
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.model_math import split_of, stage_params
+from rayspeed.planner.terms import memory_terms
 
 COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "logits_loss",
               "zero3_gathered", "comm_buckets", "cuda_context", "allocator_slack")
@@ -183,6 +184,9 @@ def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
     else:
         out["cuda_context"] = 0.4 * GIB  # the Python + torch process itself
     dynamic = out["activations"] + out["logits_loss"] + out["zero3_gathered"] + out["comm_buckets"]
+    for name, (nbytes, churns) in memory_terms(ctx, lay, stage).items():  # what features add (planner/terms.py)
+        out[name] = nbytes
+        dynamic += nbytes if churns else 0.0
     # Caching-allocator fragmentation grows with the churn of short-lived tensors.
     out["allocator_slack"] = 0.25 * GIB + 0.05 * dynamic
     return out

@@ -8,7 +8,7 @@ slowest of n GPUs."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rayspeed.config.layout import Layout
 from rayspeed.planner import gemm as gemm_model
@@ -16,6 +16,7 @@ from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, ncc
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
 from rayspeed.planner.model_math import max_stage_params, split_of
+from rayspeed.planner.terms import time_terms
 
 __all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost",
            "block_work", "engine_overheads"]
@@ -40,22 +41,27 @@ class StepTime:
     zero3_overhead_s: float  # ZeRO-3 gather bookkeeping
     optimizer_s: float  # optimizer step + engine overhead
     straggler_s: float = 0.0  # waiting for the slowest GPU of the job at every synchronisation
+    terms: dict[str, tuple[float, str]] = field(default_factory=dict)  # features' (seconds, kind): planner/terms.py
+
+    def _terms(self, kind: str) -> float:
+        return sum(s for s, k in self.terms.values() if k == kind)
 
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.tp_comm_s + self.pp_bubble_s + self.pp_p2p_s + self.dp_comm_s
-                + self.zero3_overhead_s + self.optimizer_s + self.straggler_s)
+                + self.zero3_overhead_s + self.optimizer_s + self.straggler_s + sum(s for s, _ in self.terms.values()))
 
     def as_dict(self) -> dict:
-        d = {k: round(v, 6) for k, v in self.__dict__.items()}
+        d = {k: round(v, 6) for k, v in self.__dict__.items() if k != "terms"}
+        d.update({k: round(s, 6) for k, (s, _) in self.terms.items()})
         d["step_s"] = round(self.step_s, 6)
         return d
 
     def groups(self) -> tuple[float, float, float]:
         """(compute, communication, overhead) seconds: what the fitted efficiency factors scale."""
-        return (self.compute_s + self.pp_bubble_s + self.straggler_s,
-                self.tp_comm_s + self.pp_p2p_s + self.dp_comm_s,
-                self.optimizer_s + self.zero3_overhead_s)
+        return (self.compute_s + self.pp_bubble_s + self.straggler_s + self._terms("compute"),
+                self.tp_comm_s + self.pp_p2p_s + self.dp_comm_s + self._terms("communication"),
+                self.optimizer_s + self.zero3_overhead_s + self._terms("overhead"))
 
 
 # ---------------------------------------------------------------- compute
@@ -381,7 +387,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
         strag = (compute + bubble) * hw.straggler_sigma * math.sqrt(2 * math.log(world))
     st = StepTime(compute_s=compute, recompute_s=m * rec, tp_comm_s=tp_total, pp_bubble_s=bubble,
                   pp_p2p_s=p2p, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, zero3_overhead_s=z3,
-                  optimizer_s=opt, straggler_s=strag)
+                  optimizer_s=opt, straggler_s=strag, terms=time_terms(ctx, lay))
     return st
 
 

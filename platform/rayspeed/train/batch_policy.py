@@ -16,11 +16,13 @@ from typing import Any, Optional
 from rayspeed.config.schema import AUTO, JobConfig
 
 
-def _degrees(job: JobConfig, world: int) -> tuple[int, Optional[int]]:
+def _degrees(job: JobConfig, world: int, tp_pp: Optional[tuple[int, int]] = None) -> tuple[int, Optional[int]]:
     """(new dp, micro-batch if the job fixes it) for this world: tp and pp as the job (or its checkpoint) pins
-    them, else as the planner would choose them for the original batch."""
+    them, else as given (the caller's plan), else as the planner would choose them for the original batch."""
     par = job.parallel
     tp, pp = par.tp, par.pp
+    if tp_pp is not None and not (isinstance(tp, int) and isinstance(pp, int)):
+        tp, pp = (tp if isinstance(tp, int) else tp_pp[0]), (pp if isinstance(pp, int) else tp_pp[1])
     if not (isinstance(tp, int) and isinstance(pp, int)):
         from rayspeed.errors import ConfigError
         from rayspeed.planner import plan_job
@@ -49,15 +51,17 @@ def new_global_batch(g0: int, total: int, world: int, dp: int, micro: Optional[i
     return g, (per_rank if micro is not None else None)
 
 
-def apply_batch_policy(job: JobConfig, world_size: int) -> tuple[JobConfig, str]:
-    """The job with its global batch (and learning rate) for `world_size` workers, and one line saying why."""
+def apply_batch_policy(job: JobConfig, world_size: int,
+                       tp_pp: Optional[tuple[int, int]] = None) -> tuple[JobConfig, str]:
+    """The job with its global batch (and learning rate) for `world_size` workers, and one line saying why.
+    tp_pp: the tensor- and pipeline-parallel degrees to size the batch by where the job leaves them auto."""
     total = job.cluster.max_workers
     policy = job.resilience.batch_policy
     g0 = job.train.global_batch_size
     if policy == "keep_global" or world_size >= total:
         return job, f"batch policy {policy}: global batch {g0} kept (world {world_size}/{total})"
     lost = total - world_size
-    dp, micro = _degrees(job, world_size)
+    dp, micro = _degrees(job, world_size, tp_pp)
     g, new_micro = new_global_batch(g0, total, world_size, dp, micro)
     scale = math.sqrt(g / g0)
     train: Any = replace(job.train, global_batch_size=g)

@@ -5,11 +5,26 @@ when some are ignored (chat, document masking), so it is the mean over every cou
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from rayspeed.data.token_split import IGNORE_INDEX
+from rayspeed.logs import log_rank
+from rayspeed.train.events import Callback, TrainState
+
+log = logging.getLogger("rayspeed.worker")
+
+
+def dp_mean(t: torch.Tensor, groups: Any, device: torch.device) -> float:
+    """The mean of `t` over the data-parallel ranks, on the host (a collective of the dp group)."""
+    t = t.detach().clone().to(device, dtype=torch.float64)
+    if groups.dp > 1:
+        dist.all_reduce(t, group=groups.dp_group)
+        t /= groups.dp
+    return float(t.item())
 
 
 def stage_inputs(micro_batch: tuple, device: torch.device) -> Any:
@@ -60,3 +75,16 @@ class Validator:
         if self.weighted:
             return self.dp_mean(total) / max(1e-30, self.dp_mean(counted))
         return self.dp_mean(total / max(1, n))
+
+
+class ValidationCallback(Callback):
+    """Validates at train.eval_every_steps and at the last step; fires the `validation` event with the loss."""
+
+    def __init__(self, validator: Validator, engine: Any, events: Any):
+        self.validator, self.engine, self.events = validator, engine, events
+
+    def on_step_end(self, state: TrainState) -> None:
+        if self.validator.should_validate(state.step):
+            state.val_loss = self.validator.run(self.engine)
+            log_rank(log, "step %d val loss %.4f", state.step, state.val_loss)
+            self.events.validation(state, state.val_loss)

@@ -160,8 +160,9 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         if not down:  # else rank 0 sets the old run aside once the server answers (LaunchPayload.resume)
             supersede_run(cfg)
     exp.mkdirs()
-    if exp.exists(paths.DEFERRED_RUN):  # an earlier submission's: this one's rank 0 writes its own
-        exp.delete(paths.DEFERRED_RUN)
+    for stale in (paths.DEFERRED_RUN, paths.WORKER_RESULT):  # an earlier submission's: this one's rank 0 writes its own
+        if exp.exists(stale):
+            exp.delete(stale)
     # A new submission: an earlier incident (say, a job that ran out of restarts) is not recovered by this start.
     resilience.close_incidents(str(exp), "a new submission")
     run_id = None
@@ -178,39 +179,23 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
             log.warning("MLflow unavailable (%s): training without tracking", redact_text(str(e).splitlines()[0]))
     payload = LaunchPayload(job=to_dict(job), tracking_uri=tracking_uri(cfg), storage_path=storage,
                             experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id, resume=resume,
-                            tracking_deferred=bool(down))
+                            tracking_deferred=bool(down), run_identity=resume_guard.run_identity(job))
     error: Exception | None = None
     try:
+        # One result path under both launchers: rank 0 writes its RunResult beside the checkpoints, read here.
         if launcher == "local":
-            result = _run_local(cfg, payload)
+            _run_local(cfg, payload)
         else:
             _ray_train(cfg, payload, embedded=bool(ray_info and ray_info.get("started")))
-            result = RunResult.from_json(exp.read_json(paths.WORKER_RESULT))
+        result = RunResult.from_json(exp.read_json(paths.WORKER_RESULT))
     except Exception as e:
         error, result = e, RunResult(status="failed")
     if run_id is None and down:  # a deferred run, created by rank 0 once the server answered (also on failure)
         run_id = result.mlflow_run_id or exp.read_json(paths.DEFERRED_RUN).get("run_id")
     if result.status != "finished" and error is None:
         error = RuntimeError(f"{result.status}: {result.error or ''}")
-    summary = {
-        "name": cfg.name,
-        "status": "finished" if error is None else (result.status if result.status not in ("unknown",) else "failed"),
-        "steps": result.steps,
-        "final_loss": result.final_loss,
-        "val_loss": result.val_loss,
-        "mlflow_run_id": run_id,
-        "restarts": result.restarts,
-        "world_size": result.world_size,
-        "global_batch_size": result.global_batch_size,
-        "recovery_s": result.recovery_s,
-        "checkpoint_stall_s": result.checkpoint_stall_s,
-        "checkpoint_write_s": result.checkpoint_write_s,
-        "checkpoint_bytes": result.checkpoint_bytes,
-        "model_state_bytes": result.model_state_bytes,
-        "registered_model_version": result.registered_model_version,
-        "layout": result.layout,
-        "launcher": launcher,
-    }
+    status = "finished" if error is None else (result.status if result.status not in ("unknown",) else "failed")
+    summary = result.summary(cfg.name, launcher, status=status, mlflow_run_id=run_id)
     if error is not None:
         summary["error"] = redact_text(f"{type(error).__name__}: {str(error)[:2000]}")
     exp.write_json(paths.SUMMARY, summary)
@@ -223,7 +208,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     return EXIT_OK
 
 
-def _run_local(cfg: JobConfig, payload: LaunchPayload) -> RunResult:
+def _run_local(cfg: JobConfig, payload: LaunchPayload) -> None:
     from rayspeed.health.envprofile import log_profile
     from rayspeed.train.context import local_context
     from rayspeed.train.worker import run_worker
@@ -232,5 +217,5 @@ def _run_local(cfg: JobConfig, payload: LaunchPayload) -> RunResult:
         os.environ.setdefault(k, v)
     backend = "nccl" if cfg.cluster.use_gpu else "gloo"
     ctx = local_context(payload.experiment_dir, backend, cfg.resilience.collective_timeout_s)
-    return run_worker(payload, ctx)
+    run_worker(payload, ctx)
 

@@ -117,6 +117,21 @@ def gpu_problem(cfg: JobConfig, launcher: str) -> str | None:
     return None
 
 
+def callback_problems(cfg: JobConfig) -> list[str]:
+    """Each train.callbacks entry imports and builds here, as it will on every worker."""
+    from rayspeed.train.events import load_callback
+
+    out = []
+    for name in cfg.train.callbacks:
+        try:
+            load_callback(name)
+        except Exception as e:
+            out.append(f"train.callbacks: {name!r} cannot be built here ({type(e).__name__}: {e}); it must be "
+                       "importable where the job starts and on every worker (the job's working dir or an installed "
+                       "package) and build with no arguments")
+    return out
+
+
 def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> list[str]:
     """Every problem a launch would stop at before the cluster starts (see the module doc). `job` is the job as
     written, `cfg` the resolved one (its layout from the plan)."""
@@ -127,6 +142,7 @@ def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> li
         lambda: storage_problem(cfg),
         lambda: init_from_problem(cfg),
         lambda: data_problems(cfg),
+        lambda: callback_problems(cfg),
     ]
     problems: list[str] = []
     for check in checks:

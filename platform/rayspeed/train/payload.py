@@ -27,6 +27,9 @@ class LaunchPayload:
     resume: str = "auto"
     """auto | fresh | anyway: what the launcher decided about an existing checkpoint's config (--fresh,
     --resume-anyway)."""
+    run_identity: dict[str, Any] = field(default_factory=dict)
+    """What the run computes, as submitted (rayspeed.train.resume_guard.run_identity), computed once by the
+    launcher: every checkpoint records it."""
 
 
 @dataclass
@@ -57,6 +60,12 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def summary(self, name: str, launcher: str, **overrides: Any) -> dict[str, Any]:
+        """summary.json: every field of the result (but `error`, which the launcher words, and `extra`), with the
+        job's name and the launcher."""
+        fields = {k: v for k, v in self.to_json().items() if k not in ("error", "extra")}
+        return {"name": name, **fields, **overrides, "launcher": launcher}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RunResult":

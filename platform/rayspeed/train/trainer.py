@@ -1,6 +1,6 @@
-"""The trainer of one attempt: built for the world this attempt got, it sets up data, engine and resume, then
-runs the loop. Each component owns its cadence and its rank-0 logic (the checkpoint manager, the reporter, the
-validator, the chaos drills, the watchdog); the loop only calls them."""
+"""The trainer of one attempt: built for the world this attempt got, it sets up data, engine and resume, wires
+the step, the checkpoint cadence and the callbacks (rayspeed.train.events), and hands them to the loop
+(rayspeed.train.loop). Each component owns its cadence and its rank-0 logic; the loop only calls them."""
 
 from __future__ import annotations
 
@@ -11,20 +11,24 @@ from typing import Any, Optional
 import torch
 
 from rayspeed import paths, storage
-from rayspeed.checkpoint import manifest, rng
+from rayspeed.checkpoint import rng
+from rayspeed.checkpoint.cadence import Cadence
 from rayspeed.checkpoint.manager import CheckpointManager
 from rayspeed.config.layout import Layout
-from rayspeed.config.load import parse
 from rayspeed.config.schema import JobConfig
-from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.logs import log_rank
 from rayspeed.parallel.groups import ParallelGroups
 from rayspeed.parallel.objects import gather_objects
 from rayspeed.train.chaos import ChaosDrills
-from rayspeed.train.evaluation import Validator, stage_inputs
+from rayspeed.train.evaluation import ValidationCallback, Validator, dp_mean
+from rayspeed.train.events import Callbacks, TrainState, load_callback
+from rayspeed.train.loop import run_loop
+from rayspeed.train.metrics_callback import MetricsCallback
+from rayspeed.train.mlflow_callback import MlflowCallback
+from rayspeed.train.outputs import OutputsCallback
 from rayspeed.train.payload import LaunchPayload, RunResult
-from rayspeed.train.reporting import Reporter
-from rayspeed.train.resume_guard import run_identity
+from rayspeed.train.recovery import RecoveryCallback
+from rayspeed.train.step import TrainStep
 
 log = logging.getLogger("rayspeed.worker")
 
@@ -40,9 +44,10 @@ class Trainer:
         self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp)
         self.chaos = ChaosDrills(c.chaos, ctx.rank, ctx.experiment_dir)
         self.checkpointer = CheckpointManager(c, ctx, chosen, meta, payload.mlflow_run_id, self.chaos,
-                                              identity=run_identity(parse(payload.job)),
+                                              identity=payload.run_identity,
                                               snapshot_plan=plan.best.get("checkpoint"))
-        self.reporter = Reporter(c, plan, ctx, payload, self.groups, self.device, attempt_started)
+        self.attempt_started = attempt_started
+        self.mlflow = MlflowCallback(c, plan, ctx, payload)
         from rayspeed.health.watchdog import Watchdog
 
         self.watchdog = Watchdog.from_config(c.health)
@@ -52,8 +57,6 @@ class Trainer:
         self.engine: Any = None
         self.pipelined = False
         self.clipper: Any = None
-        self.guard: Any = None
-        self.grad_norm: Optional[torch.Tensor] = None
         self.train_split: Any = None
         self.batches: Any = None
         self.validator_batches: list[Any] = []
@@ -79,12 +82,8 @@ class Trainer:
             from rayspeed.engine.clip import GradClipper
 
             self.clipper = GradClipper(self.engine.module.parameters(), c.train.grad_clip, self.groups.tp_group)
-        self.validator = Validator(c, self.validator_batches, self.device, self.pipelined, self.reporter.dp_mean,
-                                   weighted=self.batches.weighted)
-        if c.health.watchdog != "off":
-            from rayspeed.train.step_guard import StepGuard
-
-            self.guard = StepGuard(self.watchdog, self.engine, self.groups, self._own_norm)
+        self.validator = Validator(c, self.validator_batches, self.device, self.pipelined,
+                                   lambda t: dp_mean(t, self.groups, self.device), weighted=self.batches.weighted)
         phases["engine"] = time.time() - t
         t = time.time()
         client = self.checkpointer.load(self.engine)
@@ -99,10 +98,8 @@ class Trainer:
             if failed is not None:
                 return failed
         phases["preflight"] = time.time() - t
-        self.reporter.start_monitors()
         log_rank(log, "startup: %s", ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
-        self.reporter.log_start(self.state, self.ds_config, self.node_ids)
-        self.reporter.log_data_inputs(self.data_inputs)
+        self.mlflow.describe(self.ds_config, self.node_ids, self.data_inputs)
         return None
 
     def _check_topology(self) -> None:
@@ -159,11 +156,11 @@ class Trainer:
             result = RunResult(status="preflight_failed", error=e.reason, world_size=self.ctx.world_size)
             if self.ctx.is_rank0:
                 log.error("preflight failed: %s", e.reason)
-                self.reporter.set_tags({"rayspeed.preflight": e.reason[:4000]})
-                self.reporter.close("preflight_failed")
+                self.mlflow.set_tags({"rayspeed.preflight": e.reason[:4000]})
+                self.mlflow.close("preflight_failed")
                 self._write_result(result)
             return result
-        self.reporter.log_preflight(report)
+        self.mlflow.log_preflight(report)
         return None
 
     # ------------------------------------------------------------------ the loop
@@ -171,134 +168,53 @@ class Trainer:
         failed = self.setup()
         if failed is not None:
             return failed
-        try:
-            return self.train()
-        except BaseException:
-            self.reporter.on_failure()
-            raise
+        return self.train()
+
+    def callbacks(self, step: TrainStep) -> Callbacks:
+        """The listeners, in the order step_end reaches them (end and failure: reversed, so the tracker closes
+        last): the tracker, recovery accounting, the outputs, the job's own (train.callbacks), then the producers
+        of the log and validation events (after every step_end listener: a step ends before what it produces)."""
+        c, ctx, events = self.cfg, self.ctx, Callbacks()
+        tracker = self.mlflow.tracker
+        metrics = MetricsCallback(c, self.plan, ctx, self.groups, self.device, events, tracker, step.lr,
+                                  step.global_grad_norm, engine=self.engine)
+        step.timing = metrics
+        for cb in (self.mlflow, RecoveryCallback(ctx, tracker, self.attempt_started),
+                   OutputsCallback(c, ctx, self.payload, self.engine, self.groups, self.device, self.checkpointer,
+                                   self.validator_batches, self.mlflow),
+                   *(load_callback(name) for name in c.train.callbacks),
+                   metrics, ValidationCallback(self.validator, self.engine, events)):
+            events.add(cb)
+        return events
 
     def train(self) -> RunResult:
         c, start = self.cfg, self.state["step"]
-        val_loss: Optional[float] = None
-        self.reporter.start_step = start
+        state = TrainState(max_steps=c.train.max_steps, rank=self.ctx.rank, world_size=self.ctx.world_size,
+                           step=start, start_step=start, restarts=self.state["restarts"],
+                           resumed_from=self.state.get("resumed_from"))
+        step = TrainStep(c, self.engine, self.pipelined, self.groups, self.device, self.batches, self.chaos,
+                         self.clipper, self.watchdog, self.checkpointer, self.mlflow.set_tags)
+        events = self.callbacks(step)
+        saves = Cadence(self.checkpointer, self.engine, self.client_state, events)
+        events.start(state)
         self.engine.train()
-        for step, micro in self.batches.iterate(start, c.train.max_steps - start):
-            done = step + 1
-            self.chaos.at_step(done)
-            with self.reporter.timed_step(done):
-                loss = self.train_step(micro, self.loss_scale(step), done)
-            self._guarded(done)
-            self.reporter.step_done(done, loss, self.state, self.engine)
-            if self.reporter.should_log(done):
-                self.reporter.log_window(done, self.lr(), self.global_grad_norm())
-            if self.validator.should_validate(done):
-                val_loss = self.validator.run(self.engine)
-                self.reporter.log_validation(done, val_loss)
-            if self.checkpointer.should_save(done):
-                self.reporter.before_checkpoint()
-                stall = self.checkpointer.save(done, self.engine, self.client_state(done))
-                self.reporter.log_checkpoint(done, stall)
-            self.reporter.log_checkpoints_written(self.checkpointer.poll())  # async: when the background commits
-        self.checkpointer.drain()  # the last save commits before the outputs
-        self.reporter.log_checkpoints_written(self.checkpointer.poll())
-        return self.finish(val_loss)
-
-    def loss_scale(self, step: int) -> Optional[float]:
-        """With ignored labels (chat, document masking) the loss of a step is the mean over the counted labels of
-        its whole global batch, whatever micro-batch or rank they fall in: each micro-batch's summed loss is scaled
-        by dp * grad_accum / (counted labels of the global batch), which DeepSpeed's averaging over accumulation
-        and data-parallel ranks turns into exactly that mean. None: every label counts (the plain mean)."""
-        if not self.batches.weighted:
-            return None
-        return self.groups.dp * self.cfg.parallel.grad_accum / max(1, self.batches.step_tokens(step))
-
-    def train_step(self, micro_batches: list, scale: Optional[float] = None, step: int = 0) -> torch.Tensor:
-        eng = self.engine
-        poison = self.chaos.poisons_loss(step)
-        if self.pipelined:
-            if scale is not None:
-                eng.module.loss_fn.scale = scale
-            if poison:  # the loss lives on the last stage: a rank of another stage poisons nothing
-                eng.module.loss_fn.scale = float("nan")
-            if self.guard is not None:
-                self.guard.arm(step, None)
-            batches = [(stage_inputs(mb, self.device), mb[1].to(self.device)) for mb in micro_batches]
-            loss = eng.train_batch(iter(batches)).float().mean()
-            if poison:
-                eng.module.loss_fn.scale = scale
-            return loss
-        total = torch.zeros((), device=self.device)
-        for mb in micro_batches:
-            x, y = mb[0].to(self.device, non_blocking=True), mb[1].to(self.device, non_blocking=True)
-            loss = eng(x, y, *(t.to(self.device, non_blocking=True) for t in mb[2:]))
-            if scale is not None:  # mean over this micro-batch's counted labels -> its share of the step's mean
-                loss = loss * (int((mb[1] != IGNORE_INDEX).sum()) * scale)
-            if poison:
-                loss = loss * float("nan")
-            eng.backward(loss)
-            total += loss.detach().float()
-            if eng.is_gradient_accumulation_boundary():
-                if self.clipper is not None:
-                    self.grad_norm = self.clipper()  # gradients are all-reduced by now
-                if self.guard is not None:
-                    self.guard.arm(step, total / len(micro_batches))
-            eng.step()
-        return total / len(micro_batches)
+        run_loop(self.batches.iterate(start, c.train.max_steps - start), step, saves, events, state)
+        return self.result(state)
 
     def client_state(self, step: int) -> dict[str, Any]:
         """What a checkpoint carries besides the engine's state: the step, the data position, the restarts."""
         return {"step": step, "data": self.batches.state_dict(), "restarts": self.state["restarts"]}
 
-    def lr(self) -> float:
-        return float(self.engine.optimizer.param_groups[0]["lr"]) if self.pipelined else float(self.engine.get_lr()[0])
-
-    def global_grad_norm(self) -> Optional[float]:
-        gn = self.grad_norm if self.clipper is not None else self.engine.get_global_grad_norm()
-        return None if gn is None else float(gn)
-
-    def _own_norm(self) -> Optional[torch.Tensor]:
-        """The step's global gradient norm where no DeepSpeed wrapper computes one (ZeRO-0 fp32): the clipper's, or
-        computed over this rank's gradients and summed over tensor- and pipeline-parallel ranks."""
-        if self.clipper is not None:
-            return self.grad_norm
-        from rayspeed.engine.clip import global_grad_norm
-
-        return global_grad_norm(self.engine.module.parameters(), self.groups.tp_group, self.groups.pp_group)
-
-    def _guarded(self, step: int) -> None:
-        """After the step: act on what the guard decided before its update (it was withheld unless ok)."""
-        decision = self.guard.settle() if self.guard is not None else None
-        if decision is None or decision.ok:
-            return
-        if decision.action == "skip":
-            self.reporter.set_tags({f"rayspeed.watchdog.step{step}": f"skipped: {decision.reason}"[:4000]})
-            return
-        chosen = self.checkpointer.rollback(self.engine)
-        if chosen is None:
-            log_rank(log, "watchdog: %s, but no verified checkpoint to roll back to; the update was not applied, "
-                     "continuing", decision.reason, level=logging.WARNING)
-            return
-        # Continue with the data after the bad window: replaying it would reproduce the same blow-up.
-        self.watchdog.reset()
-        name = manifest.name_of(chosen)
-        log_rank(log, "watchdog: %s -> rolled back to %s, skipping the data of steps %d..%d", decision.reason, name,
-                 (manifest.step_of(chosen) or 0) + 1, step, level=logging.WARNING)
-        self.reporter.set_tags({f"rayspeed.watchdog.step{step}": f"rollback to {name}: {decision.reason}"[:4000]})
-
     # ------------------------------------------------------------------ the end
-    def finish(self, val_loss: Optional[float]) -> RunResult:
-        from rayspeed.train.outputs import finish_outputs
-
-        c, last_loss = self.cfg, self.reporter.last_loss
-        version = finish_outputs(self, val_loss, last_loss)
+    def result(self, state: TrainState) -> RunResult:
+        c = self.cfg
         result = RunResult(
-            status="finished", steps=c.train.max_steps, final_loss=last_loss, val_loss=val_loss,
-            restarts=self.reporter.restarts, world_size=self.ctx.world_size,
-            global_batch_size=c.train.global_batch_size, recovery_s=self.reporter.recovery_s,
+            status="finished", steps=c.train.max_steps, final_loss=state.last_loss, val_loss=state.val_loss,
+            restarts=state.restarts_seen, world_size=self.ctx.world_size,
+            global_batch_size=c.train.global_batch_size, recovery_s=state.recovery_s,
             checkpoint_stall_s=self.checkpointer.median_stall(), checkpoint_write_s=self.checkpointer.median_write(),
-            checkpoint_bytes=self.checkpointer.last_bytes, model_state_bytes=self.reporter.model_state_bytes,
-            layout=Layout.from_parallel(c.parallel).record(), registered_model_version=version)
-        self.reporter.close("finished")
+            checkpoint_bytes=self.checkpointer.last_bytes, model_state_bytes=state.model_state_bytes,
+            layout=Layout.from_parallel(c.parallel).record(), registered_model_version=state.registered_model_version)
         result.mlflow_run_id = self.payload.mlflow_run_id  # after close: a deferred run exists once flushed
         if self.ctx.is_rank0:
             self._write_result(result)

@@ -1,8 +1,9 @@
 """The worker: the same function under Ray Train (one per worker) and in-process (--launcher local).
 
 At every (re)start each worker joins the process group, agrees with the others on the newest verified
-checkpoint, re-plans for the world size it actually got (tp and pp kept from the checkpoint, dp and
-accumulation recomputed, the batch policy applied), then hands over to the Trainer.
+checkpoint, plans the attempt once for the world size it actually got (rayspeed.train.attempt_plan: tp and pp
+kept from the checkpoint, dp and accumulation recomputed, the batch policy applied), then hands over to the
+Trainer.
 """
 
 from __future__ import annotations
@@ -10,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Optional
 
 from rayspeed import compat, paths
 from rayspeed.checkpoint.manager import choose
 from rayspeed.config.load import parse
-from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.logs import log_rank
-from rayspeed.train.batch_policy import apply_batch_policy
+from rayspeed.train.attempt_plan import plan_attempt
 from rayspeed.train.context import WorkerContext
 from rayspeed.train.payload import LaunchPayload, RunResult
 
@@ -32,40 +31,6 @@ def train_loop(payload: LaunchPayload) -> None:
     from rayspeed.train.context import ray_context
 
     run_worker(payload, ray_context())
-
-
-def pin_model_parallel(job: JobConfig, meta: Optional[dict[str, Any]],
-                       keys: tuple[str, ...] = ("tp", "pp", "zero_stage")) -> JobConfig:
-    """On resume, tp, pp (a model-parallel reshard is not a restart's job) and the ZeRO stage (its partitions are
-    what the checkpoint holds) stay what the checkpoint was written with, where the job leaves them auto; dp and
-    accumulation are re-planned for the new world."""
-    if not meta:
-        return job
-    old = meta.get("layout") or {}
-    par = job.parallel
-    pinned: dict[str, Any] = {k: int(old[k]) for k in keys if getattr(par, k) == AUTO and k in old}
-    if "pp" in pinned and old.get("stage_layers") and par.stage_layers is None:  # the pipeline's split too
-        pinned["stage_layers"] = [int(n) for n in old["stage_layers"]]
-    return dataclasses.replace(job, parallel=dataclasses.replace(par, **pinned)) if pinned else job
-
-
-def plan_for_world(job: JobConfig, meta: Optional[dict[str, Any]], world: int) -> tuple[JobConfig, Any]:
-    """Re-plan for the world this attempt got, with the checkpoint's layout pinned; when its ZeRO stage no longer
-    fits, say so and let the planner choose one (the checkpoint is then converted or, from ZeRO-0, its weights
-    carried over)."""
-    from rayspeed.errors import ConfigError
-    from rayspeed.planner import resolve
-
-    try:
-        return resolve(pin_model_parallel(job, meta), world_size=world)
-    except ConfigError:
-        if not meta or job.parallel.zero_stage != AUTO:
-            raise
-    cfg, plan = resolve(pin_model_parallel(job, meta, keys=("tp", "pp")), world_size=world)
-    old = (meta.get("layout") or {}).get("zero_stage")
-    log_rank(log, "resume: ZeRO-%s of the checkpoint does not fit %d workers; re-planned to ZeRO-%d",
-             old, world, cfg.parallel.zero_stage, level=logging.WARNING)
-    return cfg, plan
 
 
 def run_worker(payload: LaunchPayload, ctx: WorkerContext) -> RunResult:
@@ -90,8 +55,10 @@ def run_worker(payload: LaunchPayload, ctx: WorkerContext) -> RunResult:
         # Ray hands workers the path inside its filesystem (bucket/prefix/name); rayspeed keeps the URI form.
         ctx = dataclasses.replace(ctx, experiment_dir=payload.experiment_dir)
     chosen, meta = choose(ctx)
-    job, policy_line = apply_batch_policy(pin_model_parallel(job, meta, keys=("tp", "pp")), ctx.world_size)
-    # The user's job (with its "auto"s) is re-planned here, for the world this attempt actually got.
-    cfg, plan = plan_for_world(job, meta, ctx.world_size)
-    log_rank(log, policy_line)
-    return Trainer(cfg, plan, ctx, payload, chosen, meta, phases, t_start).run()
+    # The user's job (with its "auto"s) is planned here, once, for the world this attempt actually got.
+    attempt = plan_attempt(job, meta, ctx.world_size)
+    lay = attempt.layout
+    log_rank(log, "attempt plan for %d workers: dp %d, tp %d, pp %d, ZeRO-%d, micro-batch %d x %d; %s",
+             ctx.world_size, lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.micro_batch_size, lay.grad_accum,
+             "; ".join(attempt.notes))
+    return Trainer(attempt.cfg, attempt.plan, ctx, payload, chosen, meta, phases, t_start).run()

@@ -1,0 +1,97 @@
+"""What is done to the model of a rank, in one declared order, after it is built and its weights are in:
+
+    tensor_parallel -> expert_parallel -> pipeline_split -> adapters -> context_parallel
+        -> activation_checkpointing -> compile
+
+    applied = apply_transforms(model, cfg, groups, on_gpu)     # [(name, what it did)], logged as one line
+
+Tensor parallelism and the pipeline split happen at build (`at_build`): each rank constructs only its shards and
+its stage, seeded so that every layout starts from the single-worker weights (building the whole model to
+shard it afterwards would hold every weight on every rank). The others change a built model in place. expert
+parallelism, adapters and context parallelism are slots: their features put a transform there, in this order
+(adapters wrap the sharded linear layers after the weights are loaded; context parallelism replaces attention;
+recomputation and compile wrap whatever the model is by then).
+
+Each transform says what it changes in the checkpoint name map (rayspeed parameter name <-> saved tensor), which
+the checkpoint and the export read: nothing, today, but for tp/pp (shards and stages, undone by consolidation).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Apply = Callable[[torch.nn.Module, Any, Any, bool], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Transform:
+    name: str
+    name_map: str
+    """What it changes in the checkpoint name map."""
+    apply: Optional[Apply] = None
+    """(model, cfg, groups, on_gpu) -> what it did (None: nothing for this job); None: a slot, or at build."""
+    at_build: Optional[Callable[[Any], Optional[str]]] = None
+    """For a transform done by the construction: cfg -> what it did (None: not for this job)."""
+
+
+def _tensor_parallel(cfg: Any) -> Optional[str]:
+    p = cfg.parallel
+    return f"tp {p.tp}" + (", sequence parallel" if p.sequence_parallel else "") if p.tp > 1 else None
+
+
+def _pipeline_split(cfg: Any) -> Optional[str]:
+    p = cfg.parallel
+    return f"pp {p.pp}" + (f", stage layers {list(p.stage_layers)}" if p.stage_layers else "") if p.pp > 1 else None
+
+
+def _activation_checkpointing(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
+    from rayspeed.model.transformer import Block, check_mode
+
+    mode = check_mode(cfg.parallel.activation_checkpointing)
+    if mode == "none":
+        return None
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for b in blocks:
+        b.activation_checkpointing = mode
+    return f"{mode} on {len(blocks)} blocks"
+
+
+def _compile(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
+    from rayspeed.engine.build import compile_decision, compile_model
+
+    do_compile, why = compile_decision(cfg, on_gpu)
+    if not do_compile:
+        log.debug("torch.compile off: %s", why)
+        return None
+    compile_model(model, fallback_to_eager=True)
+    return why
+
+
+ORDER = (
+    Transform("tensor_parallel", "each rank holds its slice of the column/row-parallel weights and the vocabulary "
+              "(consolidation concatenates them on the family record's tp dims)", at_build=_tensor_parallel),
+    Transform("expert_parallel", "slot: each rank holds its experts"),
+    Transform("pipeline_split", "each stage holds its layers under their global names (layers.{i}.*)",
+              at_build=_pipeline_split),
+    Transform("adapters", "slot: adapter weights beside the frozen base names"),
+    Transform("context_parallel", "slot: none (attention over a sequence split)"),
+    Transform("activation_checkpointing", "none", apply=_activation_checkpointing),
+    Transform("compile", "none (nn.Module.compile keeps parameter names)", apply=_compile),
+)
+
+
+def apply_transforms(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> list[tuple[str, str]]:
+    """Apply every transform of ORDER that concerns this job, in order; returns what each did."""
+    done: list[tuple[str, str]] = []
+    for t in ORDER:
+        what = t.at_build(cfg) if t.at_build is not None else t.apply(model, cfg, groups, on_gpu) if t.apply else None
+        if what:
+            done.append((t.name, what + (" (at build)" if t.at_build is not None else "")))
+    log.info("model transforms: %s", "; ".join(f"{n}: {w}" for n, w in done) or "none")
+    return done
