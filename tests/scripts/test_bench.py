@@ -125,7 +125,7 @@ def test_gpu_script_bare_loop_on_cpu(bench_gpu, tmp_path):
 
 
 def test_compile_decision():
-    from rayspeed.engine.build import compile_decision
+    from rayspeed.engine.transforms import compile_decision
 
     def cfg(compile=None, pp=1, tp=1, zero=1):
         train = SimpleNamespace() if compile is None else SimpleNamespace(compile=compile)
