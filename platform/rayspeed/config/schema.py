@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final, Literal, Optional, Union
 
+from rayspeed import families
+
 Auto = Literal["auto"]
 AUTO: Final = "auto"
 
@@ -24,7 +26,7 @@ class ModelConfig:
     init: Literal["pretrained", "random"] = "pretrained"
     """With model.pretrained: start from its weights (pretrained) or from a fresh random initialisation of the
     same architecture (random). train.init_from, when set, overrides the weights either way."""
-    architecture: str = "LlamaForCausalLM"
+    architecture: str = families.DEFAULT.architecture
     """Hugging Face architecture of the model: LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (q/k/v
     biases). rayspeed's own model is Llama-style; the name goes into exported config.json files."""
     hidden_size: int = 64

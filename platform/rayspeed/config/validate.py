@@ -11,11 +11,10 @@ import os
 import re
 from typing import Any
 
+from rayspeed import families
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
-from rayspeed.config.shape import ROPE_TYPES, ModelShape
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from rayspeed.config.shape import ModelShape
 
 # File names are at most 255 bytes on every common filesystem; the job's folders add suffixes (.superseded-...).
 MAX_NAME_BYTES = 200
@@ -79,13 +78,15 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     if m.max_position_embeddings and m.seq_len > m.max_position_embeddings:
         p.append(f"model.seq_len ({m.seq_len}) exceeds the model's max_position_embeddings "
                  f"({m.max_position_embeddings}); lower model.seq_len")
-    if m.architecture not in SUPPORTED_ARCHITECTURES:
+    family = families.find(m.architecture)
+    if family is None:
         p.append(f"model.architecture: {m.architecture!r} is not supported; supported: "
-                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                 f"{', '.join(families.names())}")
     if m.rope_scaling:
         kind = str(m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default")))
-        if kind not in ROPE_TYPES:
-            p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        rope_types = (family or families.DEFAULT).rope_types
+        if kind not in rope_types:
+            p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
     if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
         p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
