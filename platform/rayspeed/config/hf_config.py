@@ -22,13 +22,14 @@ from rayspeed import families
 from rayspeed.config.examples import prepare_hint
 from rayspeed.config.shape import ModelShape, rope_fields
 from rayspeed.families import Family
-from rayspeed.families.family import SLIDING_FLAG_OFF, SLIDING_WINDOW_COVERS_SEQ
+from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, SLIDING_FLAG_OFF, SLIDING_WINDOW_COVERS_SEQ
 
 CONFIG_FILE = "config.json"
 
 # Keys of the job's model section that config.json decides (model key -> how it is compared).
-SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-              "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps", "max_position_embeddings")
+SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
+              "max_position_embeddings")
 
 
 class PretrainedError(ValueError):
@@ -197,6 +198,8 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "num_layers": int(hf["num_hidden_layers"]),
         "num_heads": heads,
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        # Only a family that reads config.json's head_dim carries it; for the others hidden / heads decides.
+        "head_dim": int(head_dim) if head_dim and family.head_dim_rule == HEAD_DIM_FROM_CONFIG else None,
         "ffn_hidden_size": int(hf["intermediate_size"]),
         "vocab_size": int(hf["vocab_size"]),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", family.tie_embeddings_default)),

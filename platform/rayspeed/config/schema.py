@@ -37,6 +37,9 @@ class ModelConfig:
     """Attention query heads (a); hidden_size must divide by it."""
     num_kv_heads: Optional[int] = None
     """Key/value heads; fewer than num_heads means grouped-query attention. null: same as num_heads."""
+    head_dim: Optional[int] = None
+    """Width of one attention head. null: hidden_size / num_heads; only a family whose config.json gives its own
+    head_dim (model.pretrained fills it) may differ from that."""
     ffn_hidden_size: Optional[int] = None
     """SwiGLU inner width. null: 8/3 * hidden_size rounded up to a multiple of 64."""
     vocab_size: int = 256

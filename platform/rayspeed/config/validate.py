@@ -23,6 +23,17 @@ _RESERVED_NAME_RE = re.compile(r"\.superseded-")
 _REGISTERED_RE = re.compile(r"[^/:]+")
 
 
+def head_dim_problems(m: Any, family: families.Family) -> list[str]:
+    """An explicit model.head_dim: positive, even for RoPE, and hidden_size / num_heads unless the family reads
+    its own."""
+    if m.head_dim < 1 or m.head_dim % 2:
+        return [f"model.head_dim: must be a positive even number (RoPE rotates pairs), got {m.head_dim}"]
+    if m.num_heads >= 1 and family.head_dim(m.hidden_size, m.num_heads, m.head_dim) != m.head_dim:
+        return [f"model.head_dim: {m.head_dim} differs from hidden_size / num_heads = {m.hidden_size // m.num_heads}, "
+                f"which {family.architecture} requires; drop model.head_dim"]
+    return []
+
+
 def sequence_parallel_problem(seq_len: int, tp: int) -> str | None:
     """Sequence parallelism splits each sequence over the tp ranks: seq_len must divide by tp."""
     if tp > 1 and seq_len % tp:
@@ -82,6 +93,8 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     if family is None:
         p.append(f"model.architecture: {m.architecture!r} is not supported; supported: "
                  f"{', '.join(families.names())}")
+    if m.head_dim is not None:
+        p += head_dim_problems(m, family or families.DEFAULT)
     if m.rope_scaling:
         kind = str(m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default")))
         rope_types = (family or families.DEFAULT).rope_types
