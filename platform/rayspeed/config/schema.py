@@ -22,13 +22,14 @@ class ModelConfig:
     """A Hugging Face causal LM: a local directory or a hub id (resolved and cached by huggingface_hub as
     transformers does). Its config.json sets the architecture and every shape key below that the job leaves
     unset (one set to a different value is an error naming both); its safetensors weights are the initial
-    weights (see model.init). Supported: Llama, Mistral (no sliding window) and Qwen2 causal LMs."""
+    weights (see model.init). Supported: the model families of rayspeed/families/ (docs/MODELS.md)."""
     init: Literal["pretrained", "random"] = "pretrained"
     """With model.pretrained: start from its weights (pretrained) or from a fresh random initialisation of the
     same architecture (random). train.init_from, when set, overrides the weights either way."""
     architecture: str = families.DEFAULT.architecture
-    """Hugging Face architecture of the model: LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (q/k/v
-    biases). rayspeed's own model is Llama-style; the name goes into exported config.json files."""
+    """Hugging Face architecture of the model, one of the families rayspeed runs (LlamaForCausalLM and the others
+    of rayspeed/families/; its record decides q/k/v biases and the rest). The name goes into exported config.json
+    files."""
     hidden_size: int = 64
     """Width of the residual stream (h)."""
     num_layers: int = 2

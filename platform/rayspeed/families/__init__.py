@@ -2,7 +2,7 @@
 
     by_architecture("Qwen2ForCausalLM").qkv_bias   # True
     by_model_type("mistral").architecture          # what a config.json without `architectures` names
-    names()                                        # every supported architecture, in order
+    names()                                        # every supported architecture, in module order
 
 Torch-free, below the config: the config's validation and Hugging Face reader/writer, the planner's shape, the
 weight loader, the export and the consolidation all read the record instead of comparing names.
@@ -10,16 +10,28 @@ weight loader, the export and the consolidation all read the record instead of c
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Optional
 
-from rayspeed.families import llama, mistral, qwen2
 from rayspeed.families.family import ROPE_TYPES, Family, TensorNames
 
 __all__ = ["DEFAULT", "FAMILIES", "ROPE_TYPES", "Family", "TensorNames", "by_architecture", "by_model_type",
            "find", "names"]
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY)
-DEFAULT: Family = llama.FAMILY
+
+def discover() -> tuple[Family, ...]:
+    """The FAMILY of every module of this package, by module name: adding a family is adding its module."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        record = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
+        if isinstance(record, Family):
+            found.append(record)
+    return tuple(found)
+
+
+FAMILIES: tuple[Family, ...] = discover()
+DEFAULT: Family = next(f for f in FAMILIES if f.model_type == "llama")
 """The family of a model section that names none."""
 
 

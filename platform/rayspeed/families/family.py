@@ -129,6 +129,9 @@ class Family:
     """What config.json may say about sliding-window attention (one of SLIDING_POLICIES)."""
     export_extras: Callable[[int], dict[str, Any]] = no_extras
     """The family's own config.json keys an export writes, given the number of layers."""
+    block_module: Optional[str] = None
+    """The module under rayspeed.model whose `Block` the family's blocks are; None: the decoder's own
+    (model/transformer.py). The pipeline's split counts blocks of that class."""
 
     @property
     def architecture(self) -> str:
