@@ -58,6 +58,18 @@ def test_the_records_say_what_differs_between_families():
         llama.tensor_names.in_layer["attn.wq.weight"] = ("x", 0)  # type: ignore[index]
 
 
+def test_a_record_the_decoder_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="sliding_window 'sometimes'"):
+        Family(architectures=("XForCausalLM",), model_type="x", sliding_window="sometimes")
+    with pytest.raises(ValueError, match="head_dim_rule"):
+        Family(architectures=("XForCausalLM",), model_type="x", head_dim_rule="guess")
+    with pytest.raises(ValueError, match="its own block module"):
+        Family(architectures=("XForCausalLM",), model_type="x", o_bias=True)
+    with pytest.raises(ValueError, match="layernorm norm needs its own block module"):
+        Family(architectures=("XForCausalLM",), model_type="x", norm="layernorm")
+    assert Family(architectures=("XForCausalLM",), model_type="x", o_bias=True, block_module="x_block").o_bias
+
+
 def test_the_checkpoint_name_map_round_trips_with_each_tensors_tp_dim():
     names = families.by_architecture("Qwen2ForCausalLM").tensor_names
     shape = ModelShape(architecture="Qwen2ForCausalLM", qkv_bias=True, **SMALL)
@@ -93,7 +105,7 @@ def test_todays_families_keep_the_query_width_at_hidden(arch):
 
 
 # A Qwen3-0.6B-like family: its config.json names head_dim 128 with hidden 1024 over 16 heads (not 64).
-WIDE = Family(architectures=("WideHeadForCausalLM",), model_type="wide_head", description="wide heads",
+WIDE = Family(architectures=("WideHeadForCausalLM",), model_type="wide_head",
               head_dim_rule=HEAD_DIM_FROM_CONFIG, sliding_window=SLIDING_FLAG_OFF)
 WIDE_CONFIG = {"architectures": ["WideHeadForCausalLM"], "model_type": "wide_head", "hidden_size": 1024,
                "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,

@@ -15,7 +15,7 @@ from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, Family
 from rayspeed.model import Transformer
 from rayspeed.model.transformer import Block, block_class
 
-WIDE = Family(architectures=("WideHeadForCausalLM",), model_type="wide_head", description="wide heads",
+WIDE = Family(architectures=("WideHeadForCausalLM",), model_type="wide_head",
               head_dim_rule=HEAD_DIM_FROM_CONFIG, qkv_bias=True)
 
 

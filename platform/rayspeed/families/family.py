@@ -26,6 +26,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
+LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
 def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
     """A read-only view, so a record's tables cannot be changed by whoever reads them."""
     return MappingProxyType(dict(mapping))
@@ -72,8 +75,6 @@ class TensorNames:
         return entry[1] if entry else None
 
 
-LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
-
 
 def llama_tensor_names() -> TensorNames:
     """transformers' Llama naming, which Mistral and Qwen2 share (the same as the layers in parallel/layers.py:
@@ -85,11 +86,11 @@ def llama_tensor_names() -> TensorNames:
         "mlp.w_up.weight": ("mlp.up_proj.weight", 0),
         "mlp.w_down.weight": ("mlp.down_proj.weight", 1),
     }
-    for p in "qkvo":
+    for p in "qkv":
         for kind in ("weight", "bias"):
-            row_parallel_weight = p == "o" and kind == "weight"
-            in_layer[f"attn.w{p}.{kind}"] = (f"self_attn.{p}_proj.{kind}",
-                                             1 if row_parallel_weight else (None if p == "o" else 0))
+            in_layer[f"attn.w{p}.{kind}"] = (f"self_attn.{p}_proj.{kind}", 0)
+    in_layer["attn.wo.weight"] = ("self_attn.o_proj.weight", 1)
+    in_layer["attn.wo.bias"] = ("self_attn.o_proj.bias", None)  # added after the row-parallel reduce: whole
     top = {"embed.weight": ("model.embed_tokens.weight", 0), "norm.weight": ("model.norm.weight", None),
            "head.weight": ("lm_head.weight", 0)}
     return TensorNames(top=frozen(top), in_layer=frozen(in_layer))
@@ -106,8 +107,6 @@ class Family:
     """Hugging Face architecture names (config.json's `architectures`); the first is the one an export writes."""
     model_type: str
     """config.json's `model_type`."""
-    description: str
-    """A few words for messages and docs."""
     tensor_names: TensorNames = field(default_factory=llama_tensor_names)
     """The checkpoint name map."""
     defaults: Mapping[str, Any] = field(default_factory=lambda: frozen(
@@ -132,6 +131,17 @@ class Family:
     block_module: Optional[str] = None
     """The module under rayspeed.model whose `Block` the family's blocks are; None: the decoder's own
     (model/transformer.py). The pipeline's split counts blocks of that class."""
+
+    def __post_init__(self) -> None:
+        # A record that the decoder cannot run is a mistake in the record, caught at import.
+        if self.sliding_window not in SLIDING_POLICIES:
+            raise ValueError(f"{self.model_type}: sliding_window {self.sliding_window!r} is not one of "
+                             f"{SLIDING_POLICIES}")
+        if self.head_dim_rule not in (HEAD_DIM_FROM_HIDDEN, HEAD_DIM_FROM_CONFIG):
+            raise ValueError(f"{self.model_type}: head_dim_rule {self.head_dim_rule!r} is unknown")
+        if (self.o_bias or self.norm != "rmsnorm") and self.block_module is None:
+            raise ValueError(f"{self.model_type}: an output-projection bias or a {self.norm} norm needs its own "
+                             "block module (model/transformer.py's Block has RMSNorm and no o bias)")
 
     @property
     def architecture(self) -> str:

@@ -11,5 +11,5 @@ def llama_extras(num_layers: int) -> dict[str, Any]:
     return {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
 
 
-FAMILY = Family(architectures=("LlamaForCausalLM",), model_type="llama", description="Llama",
+FAMILY = Family(architectures=("LlamaForCausalLM",), model_type="llama",
                 export_extras=llama_extras)

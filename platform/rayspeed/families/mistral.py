@@ -12,5 +12,5 @@ def mistral_extras(num_layers: int) -> dict[str, Any]:
     return {"sliding_window": None}
 
 
-FAMILY = Family(architectures=("MistralForCausalLM",), model_type="mistral", description="Mistral (no sliding window)",
+FAMILY = Family(architectures=("MistralForCausalLM",), model_type="mistral",
                 sliding_window=SLIDING_WINDOW_COVERS_SEQ, export_extras=mistral_extras)

@@ -13,5 +13,5 @@ def qwen2_extras(num_layers: int) -> dict[str, Any]:
             "layer_types": ["full_attention"] * num_layers}
 
 
-FAMILY = Family(architectures=("Qwen2ForCausalLM",), model_type="qwen2", description="Qwen2",
+FAMILY = Family(architectures=("Qwen2ForCausalLM",), model_type="qwen2",
                 qkv_bias=True, sliding_window=SLIDING_FLAG_OFF, export_extras=qwen2_extras)
