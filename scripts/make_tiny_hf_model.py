@@ -1,6 +1,6 @@
 """Save a tiny Llama-family causal LM with `save_pretrained`: random weights, no download.
 
-    python scripts/make_tiny_hf_model.py OUT [--arch llama|qwen2|mistral] [--vocab 256] [--hidden 64] [--layers 2]
+    python scripts/make_tiny_hf_model.py OUT [--arch llama|mistral|qwen2] [--vocab 256] [--hidden 64] [--layers 2]
         [--heads 4] [--kv-heads 2] [--ffn 128] [--tied] [--rope llama3|linear|default] [--max-positions 512]
         [--seed 0] [--shards N]
 
@@ -25,8 +25,8 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
               max_positions: int = 512, rope_theta: float = 10000.0) -> Any:
     import transformers
 
-    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}
+    from rayspeed import families
+
     scaling = {"default": None,
                "linear": {"rope_type": "linear", "factor": 2.0},
                "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -38,9 +38,9 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
                                   max_position_embeddings=max_positions, tie_word_embeddings=tied,
                                   rope_parameters=rope_parameters, rms_norm_eps=1e-6, bos_token_id=None,
                                   eos_token_id=None, pad_token_id=None)
-    if arch == "mistral":
-        kwargs["sliding_window"] = None
-    return classes[arch](**kwargs)
+    # The family's own keys as an export writes them (no sliding window, no extra biases).
+    kwargs.update(families.by_model_type(arch).export_extras(layers))
+    return transformers.AutoConfig.for_model(arch, **kwargs)
 
 
 def make_model(config: Any, seed: int = 0) -> Any:
@@ -72,10 +72,16 @@ def save(out: str, arch: str = "llama", seed: int = 0, shards: int = 1, tokenize
     return model
 
 
+def model_types() -> list[str]:
+    from rayspeed import families
+
+    return [f.model_type for f in families.FAMILIES]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="llama")
+    ap.add_argument("--arch", choices=model_types(), default="llama", help="the family's config.json model_type")
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)

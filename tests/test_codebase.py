@@ -183,6 +183,58 @@ def test_the_private_use_check_finds_each_kind(tmp_path):
         "P._partition_layers overrides a library class's own"]), kinds
 
 
+def family_name_uses(path: Path, architectures: tuple[str, ...], model_types: tuple[str, ...]) -> list[str]:
+    """Where code outside rayspeed/families/ names a model family itself. The rule: a string standing alone as a
+    statement (a module, class, function or attribute docstring) may mention a name; every other string constant
+    (f-string parts included) may neither contain an architecture name nor be exactly a family's model_type."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
+            continue
+        named = [a for a in architectures if a in node.value] + [t for t in model_types if node.value == t]
+        found += [f"{path.name}:{node.lineno}: {name!r}" for name in named]
+    return found
+
+
+def family_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from rayspeed import families
+
+    return families.names(), tuple(f.model_type for f in families.FAMILIES)
+
+
+def test_model_families_are_named_only_in_their_records():
+    """Architecture names and model_types live in rayspeed/families/ (one record per family); code elsewhere
+    asks the record (`families.by_architecture(...).qkv_bias`) instead of keeping a list or comparing names."""
+    archs, types = family_names()
+    found = [f"{p.relative_to(PACKAGE).parent}/{f}" for p in _modules()
+             if "families" not in p.relative_to(PACKAGE).parts for f in family_name_uses(p, archs, types)]
+    assert not found, "model families named outside rayspeed/families/ (read the family's record):\n" + "\n".join(found)
+
+
+def test_the_family_name_check_finds_each_kind(tmp_path):
+    probe = tmp_path / "probe_family_names.py"
+    probe.write_text(
+        '"""Runs LlamaForCausalLM and qwen2."""\n'
+        'ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")\n'
+        'def f(arch, m):\n'
+        '    """Qwen2ForCausalLM has biases."""\n'
+        '    if arch == "Qwen2ForCausalLM":\n'
+        '        return {"qwen2": 1}\n'
+        '    return f"{arch} is not a LlamaForCausalLM"\n'
+        'class C:\n'
+        '    kind: str = "llama3"\n'
+        '    """Not MistralForCausalLM: a note, not code."""\n'
+        '    mt = "mistral"\n')
+    found = family_name_uses(probe, *family_names())
+    assert sorted(found) == sorted([
+        "probe_family_names.py:2: 'LlamaForCausalLM'", "probe_family_names.py:2: 'MistralForCausalLM'",
+        "probe_family_names.py:5: 'Qwen2ForCausalLM'", "probe_family_names.py:6: 'qwen2'",
+        "probe_family_names.py:7: 'LlamaForCausalLM'", "probe_family_names.py:11: 'mistral'"]), found
+
+
 def test_pinned_ray_and_deepspeed_still_have_the_internals_compat_patches():
     from rayspeed import compat
 

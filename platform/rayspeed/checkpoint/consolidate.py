@@ -22,9 +22,10 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from rayspeed import families
 from rayspeed.checkpoint import manifest
 from rayspeed.checkpoint.resume import DS_TAG
-from rayspeed.config.hf_checkpoint import partition_dim
+from rayspeed.families import TensorNames
 
 
 class ConsolidateError(ValueError):
@@ -60,25 +61,25 @@ def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _merge_tp(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def _merge_tp(parts: list[dict[str, Any]], names: TensorNames) -> dict[str, Any]:
     import torch
 
     out = {}
     for name in parts[0]:
-        dim = partition_dim(name)
+        dim = names.partition_dim(name)
         tensors = [p[name].float() for p in parts]
         out[name] = torch.cat(tensors, dim=dim) if dim is not None and len(parts) > 1 else tensors[0]
     return out
 
 
-def _module_states(ds: Path, tp: int) -> dict[str, Any]:
+def _module_states(ds: Path, tp: int, names: TensorNames) -> dict[str, Any]:
     parts = []
     for r in range(tp):
         f = ds / f"mp_rank_{r:02d}_model_states.pt"
         if not f.is_file():
             raise ConsolidateError(f"{ds}: {f.name} is missing")
         parts.append(dict(_load(f)["module"]))
-    return _merge_tp(parts)
+    return _merge_tp(parts, names)
 
 
 def _layer_prefix(idx: int, num_layers: int) -> Optional[str]:
@@ -92,7 +93,7 @@ def _layer_prefix(idx: int, num_layers: int) -> Optional[str]:
     return "head."
 
 
-def _pipeline_states(ds: Path, tp: int, model: dict[str, Any]) -> dict[str, Any]:
+def _pipeline_states(ds: Path, tp: int, model: dict[str, Any], names: TensorNames) -> dict[str, Any]:
     by_rank: list[dict[str, Any]] = [{} for _ in range(tp)]
     files = sorted(ds.glob("layer_*-model_states.pt"))
     if not files:
@@ -107,7 +108,7 @@ def _pipeline_states(ds: Path, tp: int, model: dict[str, Any]) -> dict[str, Any]
             continue  # the tied head is the embedding, already read from layer 0
         for k, v in _load(f).items():
             by_rank[rank][prefix + k] = v
-    return _merge_tp(by_rank)
+    return _merge_tp(by_rank, names)
 
 
 def consolidate(ckpt_dir: str, model_section: Optional[dict[str, Any]] = None
@@ -136,7 +137,9 @@ def consolidate(ckpt_dir: str, model_section: Optional[dict[str, Any]] = None
         raise ConsolidateError(f"{path}: ZeRO-3 with tp={tp} pp={pp} cannot be consolidated here; export from the "
                                "MLflow run id (the job logs its full model at the end)")
     else:
-        state = _pipeline_states(ds, tp, model) if pp > 1 else _module_states(ds, tp)
+        # The family's name map says how each tensor was split; one rayspeed does not know splits as the default's.
+        names = (families.find(model.get("architecture")) or families.DEFAULT).tensor_names
+        state = _pipeline_states(ds, tp, model, names) if pp > 1 else _module_states(ds, tp, names)
         precision = meta.get("precision", "fp32")
         if precision not in ("fp32", None):
             notes.append(f"weights from the module states, i.e. the {precision} training copy")

@@ -4,87 +4,57 @@
     weight_problems("/models/qwen", shape)     # [] or one line per missing file / tensor / wrong shape
     tokenizer_problems("/models/qwen", 151936) # [] or "the tokenizer has 151 646 ids, the model 1000"
 
-The names map rayspeed's parameters (the Transformer's state_dict names) to transformers' Llama-family names;
-`partition_dim` says how a tensor-parallel rank slices each one (the same as the layers in parallel/layers.py).
+The names map rayspeed's parameters (the Transformer's state_dict names) to the family's checkpoint names (its
+record in rayspeed.families); `partition_dim` says how a tensor-parallel rank slices each one.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import struct
 from pathlib import Path
 from typing import Any, Optional
 
+from rayspeed import families
 from rayspeed.config.shape import ModelShape
+from rayspeed.families import Family, TensorNames
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_IN_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w_gate.weight": "mlp.gate_proj.weight",
-    "mlp.w_up.weight": "mlp.up_proj.weight",
-    "mlp.w_down.weight": "mlp.down_proj.weight",
-}
-for _p in "qkvo":
-    for _kind in ("weight", "bias"):
-        _IN_LAYER[f"attn.w{_p}.{_kind}"] = f"self_attn.{_p}_proj.{_kind}"
-_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "head.weight": "lm_head.weight"}
-_FROM_HF_IN_LAYER = {v: k for k, v in _IN_LAYER.items()}
-_FROM_HF_TOP = {v: k for k, v in _TOP.items()}
-# Column-parallel tensors are split along their rows (output features, or the vocabulary), row-parallel ones
-# along their columns; norms are replicated.
-_COLUMN = ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.w_gate.", "mlp.w_up.")
-_ROW = ("attn.wo.weight", "mlp.w_down.weight")
+def names_of(family: Optional[Family]) -> TensorNames:
+    return (family or families.DEFAULT).tensor_names
 
-def hf_name(name: str) -> str:
+
+def hf_name(name: str, family: Optional[Family] = None) -> str:
     """transformers' name of rayspeed parameter `name` (KeyError for a name with no counterpart)."""
-    if name in _TOP:
-        return _TOP[name]
-    m = _LAYER.match(name)
-    if not m:
-        raise KeyError(name)
-    return f"model.layers.{m.group(1)}.{_IN_LAYER[m.group(2)]}"
+    return names_of(family).hf_name(name)
 
 
-def rayspeed_name(hf: str) -> Optional[str]:
+def rayspeed_name(hf: str, family: Optional[Family] = None) -> Optional[str]:
     """rayspeed's name of transformers tensor `hf`, or None when rayspeed has no such parameter."""
-    if hf in _FROM_HF_TOP:
-        return _FROM_HF_TOP[hf]
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
-    if m and m.group(2) in _FROM_HF_IN_LAYER:
-        return f"layers.{m.group(1)}.{_FROM_HF_IN_LAYER[m.group(2)]}"
-    return None
+    return names_of(family).rayspeed_name(hf)
 
 
-def partition_dim(name: str) -> Optional[int]:
+def partition_dim(name: str, family: Optional[Family] = None) -> Optional[int]:
     """The dimension tensor parallelism splits rayspeed parameter `name` along (None: replicated)."""
-    if name in ("embed.weight", "head.weight"):
-        return 0
-    m = _LAYER.match(name)
-    rest = m.group(2) if m else ""
-    if rest.startswith(_COLUMN):
-        return 0
-    return 1 if rest in _ROW else None
+    return names_of(family).partition_dim(name)
+
 
 def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every parameter of the model under rayspeed's names with its full shape (a tied head is not listed)."""
-    h, f, v, kv = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size, shape.kv_dim
+    h, f, v, q, kv = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size, shape.q_dim, shape.kv_dim
     out: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
     if not shape.tie_embeddings:
         out["head.weight"] = (v, h)
     for i in range(shape.num_layers):
         p = f"layers.{i}."
         out.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,),
-                    p + "attn.wq.weight": (h, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
-                    p + "attn.wo.weight": (h, h), p + "mlp.w_gate.weight": (f, h), p + "mlp.w_up.weight": (f, h),
+                    p + "attn.wq.weight": (q, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
+                    p + "attn.wo.weight": (h, q), p + "mlp.w_gate.weight": (f, h), p + "mlp.w_up.weight": (f, h),
                     p + "mlp.w_down.weight": (h, f)})
         if shape.qkv_bias:
-            out.update({p + "attn.wq.bias": (h,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
+            out.update({p + "attn.wq.bias": (q,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
     return out
 
 
@@ -147,7 +117,7 @@ def weight_problems(model_dir: str | Path, shape: ModelShape) -> list[str]:
         return problems
     missing, wrong = [], []
     for name, want in param_shapes(shape).items():
-        hname = hf_name(name)
+        hname = hf_name(name, shape.family)
         f = files.get(hname)
         if f is None or (entry := headers[f].get(hname)) is None:
             missing.append(hname)

@@ -18,18 +18,18 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Optional
 
+from rayspeed import families
 from rayspeed.config.examples import prepare_hint
-from rayspeed.config.shape import QKV_BIAS_ARCHITECTURES, ROPE_TYPES, ModelShape, rope_fields
-from rayspeed.config.validate import SUPPORTED_ARCHITECTURES
+from rayspeed.config.shape import ModelShape, rope_fields
+from rayspeed.families import Family
+from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, SLIDING_FLAG_OFF, SLIDING_WINDOW_COVERS_SEQ
 
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 CONFIG_FILE = "config.json"
 
 # Keys of the job's model section that config.json decides (model key -> how it is compared).
-SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-              "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps", "max_position_embeddings")
-# config.json defaults of the three architectures' transformers config classes, for keys a file may omit.
-_DEFAULTS = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
+              "max_position_embeddings")
 
 
 class PretrainedError(ValueError):
@@ -121,11 +121,14 @@ def _architecture(hf: dict[str, Any]) -> Optional[str]:
     archs = hf.get("architectures") or []
     if archs:
         return str(archs[0])
-    by_type = {v: k for k, v in MODEL_TYPES.items()}
-    return by_type.get(str(hf.get("model_type")), f"model_type {hf.get('model_type')!r}")
+    try:
+        return families.by_model_type(str(hf.get("model_type"))).architecture
+    except KeyError:
+        return f"model_type {hf.get('model_type')!r}"
 
 
-def _rope(hf: dict[str, Any], where: str, problems: list[str]) -> tuple[float, Optional[dict[str, Any]]]:
+def _rope(hf: dict[str, Any], where: str, problems: list[str],
+          rope_types: tuple[str, ...]) -> tuple[float, Optional[dict[str, Any]]]:
     """(rope_theta, rope_scaling or None) from either form."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
@@ -142,8 +145,8 @@ def _rope(hf: dict[str, Any], where: str, problems: list[str]) -> tuple[float, O
     factor = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
         problems.append(f"{where}: partial_rotary_factor {factor} is not supported (RoPE over the whole head only)")
-    if kind not in ROPE_TYPES:
-        problems.append(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if kind not in rope_types:
+        problems.append(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
         return theta, None
     if kind == "default":
         return theta, None
@@ -165,34 +168,29 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
     """The job's model keys a config.json decides, and what in it rayspeed cannot run (each naming the file)."""
     problems: list[str] = []
     arch = _architecture(hf)
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family = families.find(arch)
+    if family is None:
         problems.append(f"{where}: architecture {arch} is not supported; "
-                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                        f"supported: {', '.join(families.names())}")
         return {}, problems
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-               if hf.get(k) is None]
+    missing = [k for k in family.required_keys if hf.get(k) is None]
     if missing:
         problems.append(f"{where}: lacks {', '.join(missing)}")
         return {}, problems
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    act = hf.get("hidden_act", _DEFAULTS["hidden_act"])
+    act = hf.get("hidden_act", family.defaults["hidden_act"])
     if act != "silu":
         problems.append(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
     head_dim = hf.get("head_dim")
-    if head_dim is not None and heads and int(head_dim) != h // heads:
+    if head_dim is not None and heads and int(head_dim) != family.head_dim(h, heads, int(head_dim)):
         problems.append(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = {h // heads}; "
                         "not supported")
-    if arch not in QKV_BIAS_ARCHITECTURES and hf.get("attention_bias"):
+    if not family.qkv_bias and hf.get("attention_bias"):
         problems.append(f"{where}: attention_bias true (biases on q, k, v and o) is not supported for {arch}")
     if hf.get("mlp_bias"):
         problems.append(f"{where}: mlp_bias true is not supported")
-    window = hf.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        problems.append(f"{where}: use_sliding_window true (sliding-window attention) is not supported")
-    elif arch == "MistralForCausalLM" and window is not None and (seq_len is None or int(window) < int(seq_len)):
-        problems.append(f"{where}: sliding_window {window} is shorter than model.seq_len {seq_len}: sliding-window "
-                        "attention is not supported (train with model.seq_len <= sliding_window)")
-    theta, scaling = _rope(hf, where, problems)
+    problems += sliding_window_problems(family, hf, where, seq_len)
+    theta, scaling = _rope(hf, where, problems, family.rope_types)
     max_pos = hf.get("max_position_embeddings")
     keys = {
         "architecture": arch,
@@ -200,15 +198,29 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "num_layers": int(hf["num_hidden_layers"]),
         "num_heads": heads,
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        # Only a family that reads config.json's head_dim carries it; for the others hidden / heads decides.
+        "head_dim": int(head_dim) if head_dim and family.head_dim_rule == HEAD_DIM_FROM_CONFIG else None,
         "ffn_hidden_size": int(hf["intermediate_size"]),
         "vocab_size": int(hf["vocab_size"]),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", family.tie_embeddings_default)),
         "rope_theta": theta,
         "rope_scaling": scaling,
-        "norm_eps": float(hf.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
+        "norm_eps": float(hf.get("rms_norm_eps", family.defaults["rms_norm_eps"])),
         "max_position_embeddings": int(max_pos) if max_pos else None,
     }
     return keys, problems
+
+
+def sliding_window_problems(family: Family, hf: dict[str, Any], where: str, seq_len: Optional[int]) -> list[str]:
+    """What config.json says about sliding-window attention that rayspeed cannot run, under the family's policy."""
+    window = hf.get("sliding_window")
+    if family.sliding_window == SLIDING_FLAG_OFF and hf.get("use_sliding_window"):
+        return [f"{where}: use_sliding_window true (sliding-window attention) is not supported"]
+    if (family.sliding_window == SLIDING_WINDOW_COVERS_SEQ and window is not None
+            and (seq_len is None or int(window) < int(seq_len))):
+        return [f"{where}: sliding_window {window} is shorter than model.seq_len {seq_len}: sliding-window "
+                "attention is not supported (train with model.seq_len <= sliding_window)"]
+    return []
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
@@ -244,12 +256,12 @@ def apply_pretrained(explicit: Collection[str], model: Any) -> list[str]:
 def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
                  dtype: str = "float32") -> dict[str, Any]:
     """config.json of `shape` in transformers 5's form, for the architecture the shape names."""
-    arch = shape.architecture if shape.architecture in SUPPORTED_ARCHITECTURES else "LlamaForCausalLM"
+    family = shape.family
     rope: dict[str, Any] = {"rope_theta": shape.rope_theta, "rope_type": shape.rope_type}
     rope.update({k: v for k, v in (shape.rope_scaling or {}).items() if k != "rope_type"})
     cfg: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": MODEL_TYPES[arch],
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.ffn_hidden_size,
         "num_hidden_layers": shape.num_layers,
@@ -270,13 +282,7 @@ def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_toke
         "use_cache": True,
         "dtype": dtype,
     }
-    if arch == "LlamaForCausalLM":
-        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif arch == "MistralForCausalLM":
-        cfg["sliding_window"] = None
-    else:
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.num_layers,
-                   layer_types=["full_attention"] * shape.num_layers)
+    cfg.update(family.export_extras(shape.num_layers))
     return cfg
 
 

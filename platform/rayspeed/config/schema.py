@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final, Literal, Optional, Union
 
+from rayspeed import families
+
 Auto = Literal["auto"]
 AUTO: Final = "auto"
 
@@ -20,13 +22,14 @@ class ModelConfig:
     """A Hugging Face causal LM: a local directory or a hub id (resolved and cached by huggingface_hub as
     transformers does). Its config.json sets the architecture and every shape key below that the job leaves
     unset (one set to a different value is an error naming both); its safetensors weights are the initial
-    weights (see model.init). Supported: Llama, Mistral (no sliding window) and Qwen2 causal LMs."""
+    weights (see model.init). Supported: the model families of rayspeed/families/ (docs/MODELS.md)."""
     init: Literal["pretrained", "random"] = "pretrained"
     """With model.pretrained: start from its weights (pretrained) or from a fresh random initialisation of the
     same architecture (random). train.init_from, when set, overrides the weights either way."""
-    architecture: str = "LlamaForCausalLM"
-    """Hugging Face architecture of the model: LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (q/k/v
-    biases). rayspeed's own model is Llama-style; the name goes into exported config.json files."""
+    architecture: str = families.DEFAULT.architecture
+    """Hugging Face architecture of the model, one of the families rayspeed runs (LlamaForCausalLM and the others
+    of rayspeed/families/; its record decides q/k/v biases and the rest). The name goes into exported config.json
+    files."""
     hidden_size: int = 64
     """Width of the residual stream (h)."""
     num_layers: int = 2
@@ -35,6 +38,9 @@ class ModelConfig:
     """Attention query heads (a); hidden_size must divide by it."""
     num_kv_heads: Optional[int] = None
     """Key/value heads; fewer than num_heads means grouped-query attention. null: same as num_heads."""
+    head_dim: Optional[int] = None
+    """Width of one attention head. null: hidden_size / num_heads; only a family whose config.json gives its own
+    head_dim (model.pretrained fills it) may differ from that."""
     ffn_hidden_size: Optional[int] = None
     """SwiGLU inner width. null: 8/3 * hidden_size rounded up to a multiple of 64."""
     vocab_size: int = 256

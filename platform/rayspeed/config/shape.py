@@ -2,7 +2,8 @@
 checkpoint and the exporter read. Torch-free.
 
 Parameter counts and FLOPs follow the platform's decoder (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention,
-no biases except the optional q/k/v biases of Qwen2-style models).
+no biases except the optional q/k/v biases of Qwen2-style models). What differs between model families (q/k/v
+biases, the head width) comes from the family's record in rayspeed.families.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
-# Architectures whose attention carries q/k/v biases (and no output-projection bias).
-QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM",)
-ROPE_TYPES = ("default", "linear", "llama3")
+from rayspeed import families
+from rayspeed.families import Family
 
 
 def default_ffn(hidden_size: int) -> int:
@@ -46,10 +45,10 @@ class ModelShape:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
-    architecture: str = DEFAULT_ARCHITECTURE
+    architecture: str = families.DEFAULT.architecture
     """Hugging Face architecture this model is (what an export's config.json names)."""
     qkv_bias: bool = False
-    """q, k and v projections carry biases (derived from the architecture: Qwen2)."""
+    """q, k and v projections carry biases (derived from the architecture's family)."""
     rope_type: str = "default"
     """RoPE frequency scaling: default (none), linear or llama3."""
     rope_factor: float = 1.0
@@ -62,6 +61,12 @@ class ModelShape:
     """llama3: the context length the model was pretrained with."""
     max_position_embeddings: Optional[int] = None
     """Longest sequence the model supports (config.json's max_position_embeddings); None: no stated limit."""
+    head_dim: int = 0
+    """Width of one attention head (the family's rule; 0 when built directly: hidden_size / num_heads)."""
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.family.head_dim(self.hidden_size, self.num_heads))
 
     @classmethod
     def from_config(cls, m: Any) -> "ModelShape":
@@ -71,7 +76,8 @@ class ModelShape:
         heads = int(m.num_heads)
         kv = getattr(m, "num_kv_heads", None)
         ffn = getattr(m, "ffn_hidden_size", None)
-        arch = getattr(m, "architecture", None) or DEFAULT_ARCHITECTURE
+        arch = getattr(m, "architecture", None) or families.DEFAULT.architecture
+        family = families.find(str(arch)) or families.DEFAULT
         rope = rope_fields(getattr(m, "rope_scaling", None))
         # A shape-like object (a namespace rebuilt from asdict) carries the resolved fields themselves.
         for key in rope:
@@ -84,8 +90,14 @@ class ModelShape:
                    vocab_size=int(m.vocab_size), seq_len=int(m.seq_len), tie_embeddings=bool(m.tie_embeddings),
                    rope_theta=float(getattr(m, "rope_theta", 10000.0)), norm_eps=float(getattr(m, "norm_eps", 1e-5)),
                    init_std=float(getattr(m, "init_std", 0.02)), architecture=str(arch),
-                   qkv_bias=arch in QKV_BIAS_ARCHITECTURES, max_position_embeddings=int(max_pos) if max_pos else None,
-                   **rope)
+                   qkv_bias=family.qkv_bias,
+                   max_position_embeddings=int(max_pos) if max_pos else None,
+                   head_dim=family.head_dim(int(m.hidden_size), heads, getattr(m, "head_dim", None)), **rope)
+
+    @property
+    def family(self) -> Family:
+        """The model family of the architecture (the default family's for a name rayspeed does not run)."""
+        return families.find(self.architecture) or families.DEFAULT
 
     @property
     def rope_scaling(self) -> Optional[dict[str, Any]]:
@@ -101,8 +113,9 @@ class ModelShape:
     # ---- derived sizes
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def q_dim(self) -> int:
+        """Width of q and of the output projection's input: heads * head_dim (hidden only where they agree)."""
+        return self.family.query_width(self.num_heads, self.head_dim)
 
     @property
     def kv_dim(self) -> int:
@@ -118,11 +131,11 @@ class ModelShape:
 
     @property
     def layer_matrix_params(self) -> int:
-        """q and o (h x h), k and v (h x kv_dim each), gate/up/down (h x f each), and the q/k/v biases when
+        """q and o (h x q_dim), k and v (h x kv_dim each), gate/up/down (h x f each), and the q/k/v biases when
         present: all split by tp."""
-        h = self.hidden_size
-        bias = (h + 2 * self.kv_dim) if self.qkv_bias else 0
-        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size + bias
+        h, q = self.hidden_size, self.q_dim
+        bias = (q + 2 * self.kv_dim) if self.qkv_bias else 0
+        return 2 * h * q + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size + bias
 
     @property
     def layer_norm_params(self) -> int:
@@ -159,9 +172,10 @@ class ModelShape:
         """Model FLOPs per token, forward + backward, PaLM's definition (Chowdhery et al. 2022, appendix B):
         6 N + 12 L h s, N = non_embedding_params (the matmul weights: 2 FLOPs per weight forward, 4 backward) and
         12 L h s the attention scores and their weighted sum (QK^T and AV, forward + backward, causal mask not
-        discounted). Recomputation is hardware work, not model work, so it is not counted. The one definition of
-        MFU everywhere: the training metric perf/mfu, the planner and scripts/bench_gpu.py."""
-        return 6.0 * self.non_embedding_params + 12.0 * self.num_layers * self.hidden_size * self.seq_len
+        discounted; h there is the query width q_dim, hidden for most families). Recomputation is hardware work,
+        not model work, so it is not counted. The one definition of MFU everywhere: the training metric perf/mfu,
+        the planner and scripts/bench_gpu.py."""
+        return 6.0 * self.non_embedding_params + 12.0 * self.num_layers * self.q_dim * self.seq_len
 
 
 def rope_fields(scaling: Optional[dict[str, Any]]) -> dict[str, Any]:

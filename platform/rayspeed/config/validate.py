@@ -11,18 +11,29 @@ import os
 import re
 from typing import Any
 
+from rayspeed import families
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
-from rayspeed.config.shape import ROPE_TYPES, ModelShape
+from rayspeed.config.shape import ModelShape
 
 CALLBACK_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 # File names are at most 255 bytes on every common filesystem; the job's folders add suffixes (.superseded-...).
 MAX_NAME_BYTES = 200
 _RESERVED_NAME_RE = re.compile(r"\.superseded-")
 # MLflow's rule for registered model names (they appear in models:/<name>/<version> URIs).
 _REGISTERED_RE = re.compile(r"[^/:]+")
+
+
+def head_dim_problems(m: Any, family: families.Family) -> list[str]:
+    """An explicit model.head_dim: positive, even for RoPE, and hidden_size / num_heads unless the family reads
+    its own."""
+    if m.head_dim < 1 or m.head_dim % 2:
+        return [f"model.head_dim: must be a positive even number (RoPE rotates pairs), got {m.head_dim}"]
+    if m.num_heads >= 1 and family.head_dim(m.hidden_size, m.num_heads, m.head_dim) != m.head_dim:
+        return [f"model.head_dim: {m.head_dim} differs from hidden_size / num_heads = {m.hidden_size // m.num_heads}, "
+                f"which {family.architecture} requires; drop model.head_dim"]
+    return []
 
 
 def sequence_parallel_problem(seq_len: int, tp: int) -> str | None:
@@ -80,13 +91,17 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     if m.max_position_embeddings and m.seq_len > m.max_position_embeddings:
         p.append(f"model.seq_len ({m.seq_len}) exceeds the model's max_position_embeddings "
                  f"({m.max_position_embeddings}); lower model.seq_len")
-    if m.architecture not in SUPPORTED_ARCHITECTURES:
+    family = families.find(m.architecture)
+    if family is None:
         p.append(f"model.architecture: {m.architecture!r} is not supported; supported: "
-                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                 f"{', '.join(families.names())}")
+    if m.head_dim is not None:
+        p += head_dim_problems(m, family or families.DEFAULT)
     if m.rope_scaling:
         kind = str(m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default")))
-        if kind not in ROPE_TYPES:
-            p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        rope_types = (family or families.DEFAULT).rope_types
+        if kind not in rope_types:
+            p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
     if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
         p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from rayspeed.config.hf_checkpoint import hf_name, param_shapes, partition_dim, weight_files, weight_problems
+from rayspeed.config.hf_checkpoint import param_shapes, weight_files, weight_problems
 from rayspeed.config.hf_config import is_local_ref
 from rayspeed.config.shape import ModelShape
 
@@ -83,18 +83,19 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
         raise HFWeightsError(f"{what}: " + "; ".join(problems))
     files, _ = weight_files(Path(model_dir))
     expected = param_shapes(shape)
+    names = shape.family.tensor_names
     by_file: dict[Path, list[tuple[str, str, torch.nn.Parameter]]] = {}
     for name, p in named_parameters(model):
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
-        by_file.setdefault(files[hf_name(name)], []).append((name, hf_name(name), p))
+        by_file.setdefault(files[names.hf_name(name)], []).append((name, names.hf_name(name), p))
     elements = nbytes = 0
     with torch.no_grad():
         for f, entries in sorted(by_file.items()):
             with safe_open(str(f), framework="pt") as fh:
                 for name, hname, p in entries:
-                    value = _rank_slice(fh.get_slice(hname), partition_dim(name), tp)
+                    value = _rank_slice(fh.get_slice(hname), names.partition_dim(name), tp)
                     if tuple(value.shape) != tuple(p.shape):
                         raise HFWeightsError(f"{what}: {hname} in {f.name}: this rank's slice is "
                                              f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
@@ -117,7 +118,7 @@ def hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, t
         value = state[name]
         if tuple(value.shape) != want:
             raise ValueError(f"{name}: weights hold {tuple(value.shape)}, the shape says {want}")
-        out[hf_name(name)] = value.detach().to("cpu").contiguous()
+        out[shape.family.tensor_names.hf_name(name)] = value.detach().to("cpu").contiguous()
     return out
 
 

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
-from rayspeed.model.transformer import Block, OutputHead, RMSNorm, check_mode, check_split
+from rayspeed.model.transformer import OutputHead, RMSNorm, block_class, check_mode, check_split
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
 from rayspeed.parallel.groups import ParallelGroups, TensorParallel
 from rayspeed.parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
@@ -213,7 +213,7 @@ def build_pipeline_module(
     else:
         specs.append(LayerSpec(EmbeddingPipe, *embed_args))
     specs += [
-        LayerSpec(Block, dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
+        LayerSpec(block_class(dims), dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
         for i in range(dims.num_layers)
     ]
     specs.append(LayerSpec(FinalNormPipe, dims, tp, sp))

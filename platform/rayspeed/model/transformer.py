@@ -12,6 +12,7 @@ same loss (see parallel/layers.py).
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Optional
 
@@ -279,6 +280,15 @@ class Block(nn.Module):
         return self._block(x, segment_ids)
 
 
+def block_class(dims: ModelShape) -> type:
+    """The block of the shape's family: `Block` above, or the `Block` of the module under rayspeed.model its record
+    names (a family whose block differs brings that one module; the Transformer and the pipeline build it)."""
+    module = dims.family.block_module
+    if module is None:
+        return Block
+    return importlib.import_module(f"rayspeed.model.{module}").Block
+
+
 class OutputHead(nn.Module):
     """Logits over the (tp-split) vocabulary, optionally reusing the embedding matrix.
 
@@ -346,7 +356,8 @@ class Transformer(nn.Module):
             dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sp, init_std=dims.init_std, seed=seed, name="embed"
         )
         self.layers = nn.ModuleList(
-            Block(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed) for i in range(dims.num_layers)
+            block_class(dims)(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
+            for i in range(dims.num_layers)
         )
         self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,

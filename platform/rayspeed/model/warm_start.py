@@ -38,7 +38,7 @@ COMPLETE = ".rayspeed-complete"
 # champion and its warm-started successor (RoPE tables are built per call, the init is overwritten).
 ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
              "tie_embeddings", "rope_theta", "norm_eps", "qkv_bias", "rope_type", "rope_factor",
-             "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
+             "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions", "head_dim")
 
 
 class WarmStartError(ValueError):

@@ -49,12 +49,13 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool) -> tuple[float, float, float]
     eager autograd) keeps for backward without recomputation: (total, attention sub-block, MLP sub-block).
     Outside the tp region (split only by sequence parallel), per RMSNorm: its fp32 upcast (2 elements' worth),
     the normalised bf16 tensor and the weighted output that feeds the projections: 4h, so 8h for two.
-    Inside (split by tp): q, k, v after RoPE (h + 2 kv_dim), the SDPA output and its reshaped copy feeding
-    wo (2h), the fp32 log-sum-exp (2 per head), SwiGLU's gate, silu(gate), up and product (4f).
+    Inside (split by tp): q, k, v after RoPE (q_dim + 2 kv_dim), the SDPA output and its reshaped copy feeding
+    wo (2 q_dim; q_dim = heads * head_dim, h for most families), the fp32 log-sum-exp (2 per head), SwiGLU's
+    gate, silu(gate), up and product (4f).
     Flash/SDPA attention keeps no s x s matrix (the playbook's 5as/h term is gone). For Llama-7B this is
     about 47h bytes against the playbook's 34h for a GPT-3 block: fp32 norms and unfused SwiGLU cost more."""
     out_div = tp if sp else 1
-    attn = 4 * sh.hidden_size / out_div + (3 * sh.hidden_size + 2 * sh.kv_dim + 2 * sh.num_heads) / tp
+    attn = 4 * sh.hidden_size / out_div + (3 * sh.q_dim + 2 * sh.kv_dim + 2 * sh.num_heads) / tp
     mlp = 4 * sh.hidden_size / out_div + 4 * sh.ffn_hidden_size / tp
     return attn + mlp, attn, mlp
 

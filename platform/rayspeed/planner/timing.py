@@ -113,7 +113,7 @@ def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     sh, hw = ctx.shape, ctx.hw
     T = lay.micro_batch_size * sh.seq_len
     g, ew, _ = layer_fwd(ctx, lay)
-    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / lay.tp
+    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.q_dim / lay.tp
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
     return g + ew, 2 * g + attn_bwd_extra + 2 * ew
 
@@ -121,18 +121,19 @@ def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """One block's forward for one micro-batch: (gemm+attention s, element-wise s, host launch s)."""
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
-    h, f, kv = sh.hidden_size, sh.ffn_hidden_size, sh.kv_dim
+    # q/o widths are heads * head_dim (q), k/v kv_heads * head_dim: hidden only where the family's rule says so.
+    h, q, f, kv = sh.hidden_size, sh.q_dim, sh.ffn_hidden_size, sh.kv_dim
     T = lay.micro_batch_size * sh.seq_len
-    g = (gemm_s(ctx, T, h, (h + 2 * kv) / t) + gemm_s(ctx, T, h / t, h)
+    g = (gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h)
          + gemm_s(ctx, T, h, 2 * f / t) + gemm_s(ctx, T, f / t, h))
-    attn_flops = 2.0 * T * sh.seq_len * h / t  # causal: half of QK^T and AV
+    attn_flops = 2.0 * T * sh.seq_len * q / t  # causal: half of QK^T and AV
     g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor
     out_div = t if lay.sequence_parallel else 1
     # Element-wise traffic in working-dtype elements per token, forward. Outside the tp region: two RMSNorms
     # computed in fp32 (~6h each: read, fp32 statistics, scaled write) and two residual adds (3h each).
-    # Inside: RoPE on q and k in fp32 (~3 passes), the attention-output reshape (2h), SwiGLU silu and
+    # Inside: RoPE on q and k in fp32 (~3 passes), the attention-output reshape (2 q), SwiGLU silu and
     # product (5f). Backward moves about twice as much.
-    elems = T * (18 * h / out_div + (3 * (h + kv) + 2 * h + 5 * f) / t)
+    elems = T * (18 * h / out_div + (3 * (q + kv) + 2 * q + 5 * f) / t)
     return g, _mem_s(ctx, elems * ctx.w_bytes), engine_overheads(ctx, lay)[0]
 
 
@@ -161,7 +162,7 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
     T = lay.micro_batch_size * sh.seq_len
     g, ew, host = layer_fwd(ctx, lay)
-    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.hidden_size / t
+    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.q_dim / t
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
     # A calibrated profile anchors the block at the real block it measured (work_scale_*: measured / modelled
     # at its reference layout); elsewhere the model's ratio to that reference carries it.

@@ -1,0 +1,162 @@
+"""What makes a model family itself, in one frozen record: the Hugging Face names, what its config.json holds and
+what rayspeed accepts of it, the checkpoint's tensor names, and the shape rules. Pure Python, below the config.
+
+Everything that differs between families is read from a `Family`; code elsewhere asks the record instead of
+comparing architecture names, so a new family is a new record (and a block module only if its block differs).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
+
+# Sliding-window policies: what a config.json may say about sliding-window attention, which rayspeed lacks.
+SLIDING_NONE = "none"  # the family has no sliding window
+SLIDING_WINDOW_COVERS_SEQ = "window_covers_seq"  # `sliding_window` must be null or >= model.seq_len
+SLIDING_FLAG_OFF = "flag_off"  # `use_sliding_window` must be false
+SLIDING_POLICIES = (SLIDING_NONE, SLIDING_WINDOW_COVERS_SEQ, SLIDING_FLAG_OFF)
+
+# Head-dim rules: how the attention head width follows from config.json.
+HEAD_DIM_FROM_HIDDEN = "hidden/heads"
+HEAD_DIM_FROM_CONFIG = "config"  # config.json's head_dim when it gives one, else hidden/heads
+
+ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A read-only view, so a record's tables cannot be changed by whoever reads them."""
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """rayspeed parameter name <-> checkpoint tensor name, with the dimension tensor parallelism splits each
+    along (0: rows, column-parallel and the vocabulary; 1: columns, row-parallel; None: replicated)."""
+    top: Mapping[str, tuple[str, Optional[int]]]
+    """Parameters outside the blocks: rayspeed name -> (checkpoint name, tp dim)."""
+    in_layer: Mapping[str, tuple[str, Optional[int]]]
+    """Parameters of block i, without the `layers.<i>.` prefix: rayspeed suffix -> (checkpoint suffix, tp dim)."""
+    layer_prefix: str = "model.layers."
+    """The checkpoint's prefix of block i's tensors (followed by `<i>.`)."""
+
+    def hf_name(self, name: str) -> str:
+        """The checkpoint's name of rayspeed parameter `name` (KeyError for a name with no counterpart)."""
+        if name in self.top:
+            return self.top[name][0]
+        m = LAYER_NAME.match(name)
+        if not m:
+            raise KeyError(name)
+        return f"{self.layer_prefix}{m.group(1)}.{self.in_layer[m.group(2)][0]}"
+
+    def rayspeed_name(self, hf: str) -> Optional[str]:
+        """rayspeed's name of checkpoint tensor `hf`, or None when rayspeed has no such parameter."""
+        for name, (hf_top, _) in self.top.items():
+            if hf == hf_top:
+                return name
+        if hf.startswith(self.layer_prefix):
+            index, _, rest = hf[len(self.layer_prefix):].partition(".")
+            for suffix, (hf_suffix, _) in self.in_layer.items():
+                if index.isdigit() and rest == hf_suffix:
+                    return f"layers.{index}.{suffix}"
+        return None
+
+    def partition_dim(self, name: str) -> Optional[int]:
+        """The dimension tensor parallelism splits rayspeed parameter `name` along (None: replicated)."""
+        if name in self.top:
+            return self.top[name][1]
+        m = LAYER_NAME.match(name)
+        entry = self.in_layer.get(m.group(2)) if m else None
+        return entry[1] if entry else None
+
+
+
+def llama_tensor_names() -> TensorNames:
+    """transformers' Llama naming, which Mistral and Qwen2 share (the same as the layers in parallel/layers.py:
+    q/k/v, gate and up column-parallel, o and down row-parallel, norms replicated)."""
+    in_layer: dict[str, tuple[str, Optional[int]]] = {
+        "attn_norm.weight": ("input_layernorm.weight", None),
+        "mlp_norm.weight": ("post_attention_layernorm.weight", None),
+        "mlp.w_gate.weight": ("mlp.gate_proj.weight", 0),
+        "mlp.w_up.weight": ("mlp.up_proj.weight", 0),
+        "mlp.w_down.weight": ("mlp.down_proj.weight", 1),
+    }
+    for p in "qkv":
+        for kind in ("weight", "bias"):
+            in_layer[f"attn.w{p}.{kind}"] = (f"self_attn.{p}_proj.{kind}", 0)
+    in_layer["attn.wo.weight"] = ("self_attn.o_proj.weight", 1)
+    in_layer["attn.wo.bias"] = ("self_attn.o_proj.bias", None)  # added after the row-parallel reduce: whole
+    top = {"embed.weight": ("model.embed_tokens.weight", 0), "norm.weight": ("model.norm.weight", None),
+           "head.weight": ("lm_head.weight", 0)}
+    return TensorNames(top=frozen(top), in_layer=frozen(in_layer))
+
+
+def no_extras(num_layers: int) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family as rayspeed runs it."""
+    architectures: tuple[str, ...]
+    """Hugging Face architecture names (config.json's `architectures`); the first is the one an export writes."""
+    model_type: str
+    """config.json's `model_type`."""
+    tensor_names: TensorNames = field(default_factory=llama_tensor_names)
+    """The checkpoint name map."""
+    defaults: Mapping[str, Any] = field(default_factory=lambda: frozen(
+        {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}))
+    """config.json defaults of the family's transformers config class, for keys a file may omit."""
+    required_keys: tuple[str, ...] = REQUIRED_KEYS
+    """config.json keys without which the shape is unknown."""
+    qkv_bias: bool = False
+    """q, k and v projections carry biases (config.json's attention_bias then does not apply)."""
+    o_bias: bool = False
+    """The attention output projection carries a bias (no current family; the model has none)."""
+    norm: str = "rmsnorm"
+    """Normalisation of the blocks."""
+    head_dim_rule: str = HEAD_DIM_FROM_HIDDEN
+    """hidden/heads, or config: config.json's head_dim (the query width is then heads * head_dim, not hidden)."""
+    rope_types: tuple[str, ...] = ROPE_TYPES
+    """RoPE scalings the family accepts."""
+    sliding_window: str = SLIDING_NONE
+    """What config.json may say about sliding-window attention (one of SLIDING_POLICIES)."""
+    export_extras: Callable[[int], dict[str, Any]] = no_extras
+    """The family's own config.json keys an export writes, given the number of layers."""
+    block_module: Optional[str] = None
+    """The module under rayspeed.model whose `Block` the family's blocks are; None: the decoder's own
+    (model/transformer.py). The pipeline's split counts blocks of that class."""
+
+    def __post_init__(self) -> None:
+        # A record that the decoder cannot run is a mistake in the record, caught at import.
+        if self.sliding_window not in SLIDING_POLICIES:
+            raise ValueError(f"{self.model_type}: sliding_window {self.sliding_window!r} is not one of "
+                             f"{SLIDING_POLICIES}")
+        if self.head_dim_rule not in (HEAD_DIM_FROM_HIDDEN, HEAD_DIM_FROM_CONFIG):
+            raise ValueError(f"{self.model_type}: head_dim_rule {self.head_dim_rule!r} is unknown")
+        if (self.o_bias or self.norm != "rmsnorm") and self.block_module is None:
+            raise ValueError(f"{self.model_type}: an output-projection bias or a {self.norm} norm needs its own "
+                             "block module (model/transformer.py's Block has RMSNorm and no o bias)")
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0]
+
+    @property
+    def tie_embeddings_default(self) -> bool:
+        return bool(self.defaults["tie_word_embeddings"])
+
+    def head_dim(self, hidden_size: int, num_heads: int, given: Optional[int] = None) -> int:
+        """The attention head width: hidden/heads, or `given` (config.json's head_dim) where the family reads it."""
+        if self.head_dim_rule == HEAD_DIM_FROM_CONFIG and given:
+            return int(given)
+        return hidden_size // num_heads if num_heads else 0
+
+    def query_width(self, num_heads: int, head_dim: int) -> int:
+        """Width of q and of the output projection's input (the planner's q/o width)."""
+        return num_heads * head_dim
