@@ -12,7 +12,7 @@ of reaching into the trainer.
     ckpt.drain()                                              # at the end: the save in flight commits
 
 Saving is synchronous or asynchronous (resilience.checkpoint_mode, decided at the first save: `mode`). An async
-save stops training only for a host snapshot of what DeepSpeed would write (compat.capture_checkpoint_writes,
+save stops training only for a host snapshot of what the engine would write (engine_state.EngineState.capture,
 host_copy.HostCopy); async_save.run writes, makes durable and commits it on a background thread, one in flight.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from rayspeed import compat, paths, storage
+from rayspeed import paths, storage
 from rayspeed.checkpoint import async_save, manifest, resume, rng, staging
 from rayspeed.checkpoint.consolidate import manifest_model_meta
 from rayspeed.checkpoint.host_copy import HostCopy
@@ -34,6 +34,7 @@ from rayspeed.checkpoint.placement import placement_for
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import to_dict
 from rayspeed.config.schema import JobConfig
+from rayspeed.engine.engine_state import as_engine_state
 from rayspeed.logs import log_rank
 from rayspeed.parallel.objects import barrier, broadcast_object, gather_objects
 from rayspeed.planner.checkpoint_memory import HOST_FRACTION, choose_mode
@@ -80,7 +81,7 @@ class CheckpointManager:
         self.placement = placement_for(self.exp, self.stage)
         self.every = cfg.resilience.checkpoint_every_steps
         self._local: Optional[str] = None  # the chosen checkpoint as a local folder (staged when remote)
-        self._tag = resume.DS_TAG
+        self._universal = False  # the chosen checkpoint was converted for this layout
         self._module_only = False
         self.stalls: list[float] = []
         self.writes: list[float] = []
@@ -114,7 +115,7 @@ class CheckpointManager:
                 resume.convert_to_universal(self._local)
             else:  # bounded polling of the converter's markers, never a collective under the group's timeout
                 resume.wait_converted(self._local, self.cfg.resilience.conversion_timeout_s)
-            self._tag = resume.UNIVERSAL_TAG
+            self._universal = True
             ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
         return ds_config
 
@@ -124,10 +125,10 @@ class CheckpointManager:
             return None
         path = self._local
         full = not self._module_only
-        _, client = engine.load_checkpoint(path, tag=self._tag, load_optimizer_states=full,
-                                           load_lr_scheduler_states=full, load_module_only=not full)
+        client = as_engine_state(engine).load(Path(path), universal=self._universal, module_only=not full)
         if client is None:
-            raise RuntimeError(f"DeepSpeed could not load {path} (tag {self._tag})")
+            kind = "universal" if self._universal else "saved"
+            raise RuntimeError(f"the engine could not load {path} (its {kind} state)")
         if (self.meta or {}).get("world_size") == self.ctx.world_size:
             rng.load(Path(path), self.ctx.rank)
         self.placement.release(path, self.ctx)
@@ -157,7 +158,8 @@ class CheckpointManager:
         self._drill(step, "before_shards")
         d = where.fresh_folder(step, self.ctx)
         barrier()
-        engine.save_checkpoint(str(d), tag=resume.DS_TAG, client_state=self._client(client), save_latest=False)
+        state = as_engine_state(engine)
+        state.save(d, self._client(client))
         self._drill(step, "between_shards")
         rng.save(d, self.ctx.rank)
         mine = where.durable_share(d, self.ctx)
@@ -166,7 +168,7 @@ class CheckpointManager:
         self._drill(step, "before_manifest")
         barrier()  # the manifest commits only while every rank is alive past its shards
         if self.ctx.is_rank0:
-            where.commit(d, name, step, self._meta(), files)
+            where.commit(d, name, step, self._meta(state), files)
         barrier()
         self._drill(step, "after_manifest")
         if self.ctx.under_ray:
@@ -190,23 +192,21 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.drain()  # at most one save in flight: this wait is stall
         self._drill(step, "before_shards")
-        exp, name, rank0 = self.exp, manifest.dir_name(step), self.ctx.is_rank0
+        exp, name, rank0, state = self.exp, manifest.dir_name(step), self.ctx.is_rank0, as_engine_state(engine)
         d = self.placement.fresh_folder(step, self.ctx)
         if rank0:
             async_save.clear_markers(exp, name)  # a crashed earlier save of the same step
         save_id = broadcast_object(uuid.uuid4().hex if rank0 else None)  # also the barrier: the folder exists
         self._host.begin()
         try:
-            with compat.capture_checkpoint_writes(engine, self._host.copy) as captured:
-                engine.save_checkpoint(str(d), tag=resume.DS_TAG, client_state=self._client(client),
-                                       save_latest=False)
+            captured = state.capture(d, self._client(client), self._host.copy)
         finally:
             self._host.end()
         claimed = self.placement.claimed(d, rank0)
         job = async_save.AsyncJob(
             step=step, name=name, save_id=save_id, rank=self.ctx.rank, world=self.ctx.world_size, exp=exp, folder=d,
-            captured=list(captured), write=compat.checkpoint_writer(engine), rng_state=rng.state(), claimed=claimed,
-            meta=self._meta() if rank0 else None, keep=self.cfg.resilience.keep_checkpoints,
+            captured=captured, write=state.writer(), rng_state=rng.state(), claimed=claimed,
+            meta=self._meta(state) if rank0 else None, keep=self.cfg.resilience.keep_checkpoints,
             timeout_s=self.cfg.resilience.collective_timeout_s, drill=self._drill, poll_s=self.placement.poll_s,
             placement=self.placement)
         job.stall_s = stall = time.perf_counter() - t0
@@ -266,16 +266,14 @@ class CheckpointManager:
         ray.train.report({"step": int(manifest.step_of(name) or 0)}, checkpoint=ck, checkpoint_dir_name=name,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
-    def _meta(self) -> dict[str, Any]:
-        import deepspeed
-
+    def _meta(self, state: Any) -> dict[str, Any]:
         c = self.cfg
         return {
             "job": c.name,
             "world_size": self.ctx.world_size,
             "layout": Layout.from_parallel(c.parallel).record(),
             "global_batch_size": c.train.global_batch_size,
-            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
+            "versions": {"torch": torch.__version__, **state.versions()},
             "config_hash": config_hash(c),
             "run_identity": self.identity,
             **manifest_model_meta(c),  # lets `rayspeed export <checkpoint dir>` rebuild the model on its own
@@ -300,7 +298,7 @@ class CheckpointManager:
         if chosen is None:
             return None
         local = self.placement.local_copy(chosen, self.ctx)
-        engine.load_checkpoint(local, tag=resume.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        as_engine_state(engine).load(Path(local))
         self.placement.release(local, self.ctx)
         return chosen
 
@@ -311,7 +309,7 @@ def checkpoint_mode(requested: str, ctx: Any, engine: Any, plan: Optional[dict[s
     fullest node; one line says which and why."""
     if requested == "sync":
         return "sync"
-    problem = compat.async_checkpoint_problem(engine)
+    problem = as_engine_state(engine).async_problem()
     seen = gather_objects((ctx.node_id, HOST_FRACTION * host_available_bytes(), problem))
     problems = [p for _, _, p in seen if p]
     plan = plan or {}
