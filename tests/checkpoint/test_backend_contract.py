@@ -49,21 +49,22 @@ def exp_dir(request, tmp_path):
 class TensorState:
     """An engine state of plain tensors: one file per rank, written with torch.save (the EngineState interface)."""
 
-    def __init__(self, n: int = 256, value: float = 0.0):
+    def __init__(self, n: int = 256, value: float = 0.0, rank: int = 0):
         self.w = torch.full((n,), value)
+        self.file = f"state/rank{rank}.pt"
 
     def save(self, folder, client_state):
         for path, state in self.capture(folder, client_state, lambda s: s):
             torch.save(state, path)
 
     def load(self, folder, *, universal=False, module_only=False):
-        state = torch.load(Path(folder) / "state" / "weights.pt", weights_only=False)
+        state = torch.load(Path(folder) / self.file, weights_only=False)
         self.w = state.pop("w")
         return state
 
     def capture(self, folder, client_state, copy):
         (Path(folder) / "state").mkdir(parents=True, exist_ok=True)
-        return [(str(Path(folder) / "state" / "weights.pt"), copy({"w": self.w.clone(), **client_state}))]
+        return [(str(Path(folder) / self.file), copy({"w": self.w.clone(), **client_state}))]
 
     def writer(self):
         return lambda state, path: torch.save(state, path)
@@ -138,14 +139,14 @@ def test_a_commit_writes_a_sha256_manifest_that_catches_a_changed_byte(exp_dir, 
     d = _commit(exp_dir, 10, tmp_path)
     m = manifest.read_manifest(d)
     assert m["step"] == 10 and m["format"] == manifest.FORMAT_VERSION and m["world_size"] == 1
-    assert sorted(m["files"]) == ["rng_rank0.pt", "state/weights.pt"]
+    assert sorted(m["files"]) == ["rng_rank0.pt", "state/rank0.pt"]
     loc = storage.locate(d)
     for rel, e in m["files"].items():
         assert e == {"bytes": loc.size(rel), "sha256": hashlib.sha256(loc.read_bytes(rel)).hexdigest()}
     assert manifest.verify(d).ok and not loc.exists(manifest.MANIFEST + ".tmp")
-    data = bytearray(loc.read_bytes("state/weights.pt"))
+    data = bytearray(loc.read_bytes("state/rank0.pt"))
     data[-1] ^= 1
-    loc.write_bytes("state/weights.pt", bytes(data))
+    loc.write_bytes("state/rank0.pt", bytes(data))
     assert manifest.verify(d, deep=False).ok  # same size: only the hash can tell
     assert "does not match its sha256" in manifest.verify(d).reason
     loc.delete("rng_rank0.pt")
@@ -217,3 +218,33 @@ def test_the_manager_saves_and_resumes_through_the_interfaces(exp_dir, tmp_path,
 @pytest.fixture(autouse=True)
 def _quiet():
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def _two_ranks_save(rank, world_size, exp_dir, tmp):
+    """Each rank of a gloo world saves its TensorState through the manager (sync: every barrier is real here)."""
+    from rayspeed.planner import resolve
+
+    cfg, _ = resolve(parse({"name": "job", "resilience": {"checkpoint_mode": "sync", "checkpoint_every_steps": 2},
+                            "storage": {"staging_dir": str(Path(tmp) / "staging")}, "cluster": {"num_workers": 2}}),
+                     world_size=2)
+    ctx = _ctx(exp_dir, rank, world_size)
+    ckpt = CheckpointManager(cfg, ctx, run_id="run")
+    state = TensorState(value=float(rank), rank=rank)
+    ckpt.save(2, state, {"step": 2})
+    chosen, meta = manager.choose(ctx)
+    again = CheckpointManager(cfg, ctx, chosen, meta, run_id="run")
+    again.prepare({})
+    fresh = TensorState(rank=rank)
+    client = again.load(fresh)
+    return {"chosen": chosen, "files": sorted(meta["files"]), "step": client["step"], "w": float(fresh.w[0])}
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])  # memory:// is one process's: not shared by two ranks
+def test_two_ranks_commit_one_checkpoint_and_resume_it(kind, tmp_path, request):
+    from _dist import run_distributed
+
+    exp_dir = LOCATIONS[kind](tmp_path, request)
+    r0, r1 = run_distributed(_two_ranks_save, 2, exp_dir, str(tmp_path), timeout_s=120)
+    assert r0["chosen"] == r1["chosen"] and manifest.step_of(r0["chosen"]) == 2
+    assert r0["files"] == ["rng_rank0.pt", "rng_rank1.pt", "state/rank0.pt", "state/rank1.pt"]
+    assert r0["step"] == r1["step"] == 2 and (r0["w"], r1["w"]) == (0.0, 1.0) and manifest.verify(r0["chosen"]).ok
