@@ -34,6 +34,7 @@ from rayspeed.checkpoint.placement import placement_for
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import to_dict
 from rayspeed.config.schema import JobConfig
+from rayspeed.engine.deepspeed_state import with_universal_load
 from rayspeed.engine.engine_state import as_engine_state
 from rayspeed.logs import log_rank
 from rayspeed.parallel.objects import barrier, broadcast_object, gather_objects
@@ -116,7 +117,7 @@ class CheckpointManager:
             else:  # bounded polling of the converter's markers, never a collective under the group's timeout
                 resume.wait_converted(self._local, self.cfg.resilience.conversion_timeout_s)
             self._universal = True
-            ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
+            ds_config = with_universal_load(ds_config)
         return ds_config
 
     def load(self, engine: Any) -> Optional[dict[str, Any]]:

@@ -53,6 +53,11 @@ def universal_command(ckpt_dir: Path, workers: int) -> list[str]:
             "--inject_missing_state", "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
 
 
+def with_universal_load(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed config that loads a universal checkpoint (what the engine must be built with)."""
+    return {**ds_config, "checkpoint": {"load_universal": True}}
+
+
 class DeepSpeedState:
     def __init__(self, engine: Any):
         self.engine = engine
