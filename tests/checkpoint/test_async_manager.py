@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rayspeed import storage
+from rayspeed import compat, storage
 from rayspeed.checkpoint import async_save, manager, manifest, staging
 from rayspeed.checkpoint.manager import CheckpointManager
 from rayspeed.config import parse
@@ -61,7 +61,7 @@ def test_one_save_in_flight_and_the_wait_is_stall(tmp_path, monkeypatch):
     ckpt = _manager(tmp_path, str(tmp_path / "exp"))
     monkeypatch.setattr(manager, "host_available_bytes", lambda: 64 << 30)
     active, most = [0], [0]
-    real = manager.compat.checkpoint_writer
+    real = compat.checkpoint_writer
 
     def slow_writer(eng):
         write = real(eng)
@@ -74,7 +74,7 @@ def test_one_save_in_flight_and_the_wait_is_stall(tmp_path, monkeypatch):
             active[0] -= 1
         return w
 
-    monkeypatch.setattr(manager.compat, "checkpoint_writer", slow_writer)
+    monkeypatch.setattr(compat, "checkpoint_writer", slow_writer)
     first = ckpt.save(2, engine, {"step": 2})
     assert ckpt.mode == "async" and first < 0.5  # training stopped only for the snapshot
     engine.step()  # the next steps change the live state while the write runs

@@ -12,6 +12,7 @@ from pyarrow import fs as pafs
 
 from rayspeed import paths, storage
 from rayspeed.checkpoint import manifest
+from rayspeed.storage import object_store
 
 
 class Backend:
@@ -144,16 +145,16 @@ def test_candidates_newest_first_in_the_callers_form(backend):
 def test_object_store_commit_is_one_put(monkeypatch, tmp_path):
     """On S3/GCS/Azure (no rename) the manifest is written in one PUT; no temporary object is ever created."""
     b = Backend("mock", tmp_path)
-    monkeypatch.setattr(storage, "OBJECT_STORES", storage.OBJECT_STORES + (b.fs.type_name,))
+    monkeypatch.setattr(object_store, "OBJECT_STORES", object_store.OBJECT_STORES + (b.fs.type_name,))
     writes = []
     d = make(b, 10, commit=False)
-    real = storage.Location.put
+    real = object_store.ObjectStoreLocation.put
 
     def spy(loc, data):
         writes.append(loc.fs_path)
         return real(loc, data)
 
-    monkeypatch.setattr(storage.Location, "put", spy)
+    monkeypatch.setattr(object_store.ObjectStoreLocation, "put", spy)
     manifest.write_manifest(d, 10, {"world_size": 1})
     assert writes == [f"{b.base}/{manifest.dir_name(10)}/manifest.json"]
     assert not b.exists(f"{manifest.dir_name(10)}/manifest.json.tmp")

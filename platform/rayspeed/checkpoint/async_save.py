@@ -22,7 +22,6 @@ and the manifest is written only after every rank's files are durable.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayspeed.checkpoint import manifest, rng
+from rayspeed.checkpoint.placement import placement_for
 from rayspeed.storage import Location
 
 log = logging.getLogger("rayspeed.checkpoint")
@@ -63,6 +63,13 @@ class AsyncJob:
     drill: Callable[[int, str], None] = lambda step, point: None
     stall_s: float = 0.0
     poll_s: float = 0.2
+    placement: Any = None
+    """How this experiment's files are made durable and committed (rayspeed.checkpoint.placement); by its kind
+    when not given."""
+
+    def __post_init__(self) -> None:
+        if self.placement is None:
+            self.placement = placement_for(self.exp)
 
 
 @dataclass
@@ -111,8 +118,7 @@ def run(job: AsyncJob) -> AsyncResult:
         clear_markers(job.exp)
         for p in manifest.prune(str(job.exp), job.keep):
             log.info("deleted old checkpoint %s", manifest.name_of(p))
-        if job.exp.is_local:
-            manifest.clean_stale_saves(job.exp.local)
+        job.placement.after_commit()
     else:
         _wait_committed(job, markers)
         nbytes = sum(int(v["bytes"]) for v in mine.values())
@@ -128,19 +134,8 @@ def _write_own(job: AsyncJob) -> dict[str, dict[str, Any]]:
     job.captured = []  # the snapshot's views go; its buffers stay with HostCopy for the next save
     job.drill(job.step, "between_shards")
     rng.save(job.folder, job.rank, job.rng_state)
-    if job.exp.is_local:
-        rels = sorted({str(Path(p).relative_to(job.folder)) for p in [*written, *job.claimed]}
-                      | {rng.file_name(job.rank)})
-        return manifest.durable_entries(job.folder, [Path(r) for r in rels])
-    entries = manifest.file_entries(job.folder, manifest.list_files(job.folder))
-    job.exp.upload_dir(job.folder, job.name)
-    stored = dict(job.exp.child(job.name).files())
-    wrong = [f"{rel} ({stored.get(rel)} bytes stored, {e['bytes']} written)" for rel, e in entries.items()
-             if stored.get(rel) != e["bytes"]]
-    if wrong:
-        raise RuntimeError(f"upload of {job.name} to {job.exp} did not verify: " + ", ".join(wrong[:5]))
-    shutil.rmtree(job.folder, ignore_errors=True)  # the staging copy goes only once the store holds it
-    return entries
+    own = [*written, *job.claimed, str(job.folder / rng.file_name(job.rank))]
+    return job.placement.durable_own(job.folder, job.name, own)
 
 
 def _collect(job: AsyncJob, markers: Location) -> dict[str, dict[str, Any]]:
@@ -170,32 +165,21 @@ def _collect(job: AsyncJob, markers: Location) -> dict[str, dict[str, Any]]:
 
 def _check_present(job: AsyncJob, files: dict[str, dict[str, Any]]) -> None:
     """Every file a rank reported is in the checkpoint folder with the size it reported."""
-    if job.exp.is_local:
-        def size(rel: str) -> Optional[int]:
-            p = job.folder / rel
-            return p.stat().st_size if p.is_file() else None
-    else:
-        stored = dict(job.exp.child(job.name).files())
-
-        def size(rel: str) -> Optional[int]:
-            return stored.get(rel)
-    wrong = [rel for rel, e in files.items() if size(rel) != int(e["bytes"])]
+    rels = list(files)
+    sizes = dict(zip(rels, job.placement.stored(job.folder, job.name).sizes(rels)))
+    wrong = [rel for rel, e in files.items() if sizes[rel] != int(e["bytes"])]
     if wrong:
         raise RuntimeError(f"{job.name}: {len(wrong)} reported file(s) missing or of another size, e.g. {wrong[:3]}")
 
 
 def _commit(job: AsyncJob, files: dict[str, dict[str, Any]]) -> None:
     meta = {**(job.meta or {}), "save_id": job.save_id}
-    if job.exp.is_local:
-        manifest.write_manifest(job.folder, job.step, meta, files)
-        manifest.commit_dir(job.folder, job.exp.local / job.name)
-    else:
-        manifest.write_manifest(str(job.exp.child(job.name)), job.step, meta, files)
+    job.placement.commit(job.folder, job.name, job.step, meta, files)
 
 
 def _wait_committed(job: AsyncJob, markers: Location) -> None:
     """The other ranks: until rank 0's manifest for this save is there (or rank 0 gave up, or a timeout)."""
-    where: Any = job.exp.local / job.name if job.exp.is_local else str(job.exp.child(job.name))
+    where = job.exp.child(job.name)
     deadline = time.monotonic() + 2 * job.timeout_s
     while True:
         m = manifest.read_manifest(where)

@@ -16,15 +16,12 @@ The model section comes from the manifest (`model`, written since checkpoints ca
 
 from __future__ import annotations
 
-import contextlib
-import io
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 from rayspeed import families
 from rayspeed.checkpoint import manifest
-from rayspeed.checkpoint.resume import DS_TAG
+from rayspeed.engine import deepspeed_state
 from rayspeed.families import TensorNames
 
 
@@ -75,7 +72,7 @@ def _merge_tp(parts: list[dict[str, Any]], names: TensorNames) -> dict[str, Any]
 def _module_states(ds: Path, tp: int, names: TensorNames) -> dict[str, Any]:
     parts = []
     for r in range(tp):
-        f = ds / f"mp_rank_{r:02d}_model_states.pt"
+        f = ds / deepspeed_state.model_states_file(r)
         if not f.is_file():
             raise ConsolidateError(f"{ds}: {f.name} is missing")
         parts.append(dict(_load(f)["module"]))
@@ -95,14 +92,10 @@ def _layer_prefix(idx: int, num_layers: int) -> Optional[str]:
 
 def _pipeline_states(ds: Path, tp: int, model: dict[str, Any], names: TensorNames) -> dict[str, Any]:
     by_rank: list[dict[str, Any]] = [{} for _ in range(tp)]
-    files = sorted(ds.glob("layer_*-model_states.pt"))
+    files = deepspeed_state.layer_files(ds)
     if not files:
         raise ConsolidateError(f"{ds}: no layer_XX-*-model_states.pt files (not a pipeline checkpoint)")
-    for f in files:
-        m = re.match(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt$", f.name)
-        if not m:
-            continue
-        idx, rank = int(m.group(1)), int(m.group(2) or 0)
+    for f, idx, rank in files:
         prefix = _layer_prefix(idx, int(model["num_layers"]))
         if prefix == "head." and model.get("tie_embeddings"):
             continue  # the tied head is the embedding, already read from layer 0
@@ -125,13 +118,10 @@ def consolidate(ckpt_dir: str, model_section: Optional[dict[str, Any]] = None
                                "carried one): pass the job file with --config, or export from the MLflow run id")
     layout = meta.get("layout") or {}
     tp, pp, zero = int(layout.get("tp", 1)), int(layout.get("pp", 1)), int(layout.get("zero_stage", 0))
-    ds = path / DS_TAG
+    ds = path / deepspeed_state.TAG
     notes = [f"{path.name}: step {meta.get('step')}, layout dp={layout.get('dp')} tp={tp} pp={pp} ZeRO-{zero}"]
     if zero >= 1 and tp == 1 and pp == 1:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)
+        state = deepspeed_state.fp32_from_zero(path)
         notes.append("fp32 master weights consolidated by deepspeed.utils.zero_to_fp32")
     elif zero == 3:
         raise ConsolidateError(f"{path}: ZeRO-3 with tp={tp} pp={pp} cannot be consolidated here; export from the "

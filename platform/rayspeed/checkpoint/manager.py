@@ -12,31 +12,32 @@ of reaching into the trainer.
     ckpt.drain()                                              # at the end: the save in flight commits
 
 Saving is synchronous or asynchronous (resilience.checkpoint_mode, decided at the first save: `mode`). An async
-save stops training only for a host snapshot of what DeepSpeed would write (compat.capture_checkpoint_writes,
+save stops training only for a host snapshot of what the engine would write (engine_state.EngineState.capture,
 host_copy.HostCopy); async_save.run writes, makes durable and commits it on a background thread, one in flight.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from rayspeed import compat, paths, storage
+from rayspeed import paths, storage
 from rayspeed.checkpoint import async_save, manifest, resume, rng, staging
 from rayspeed.checkpoint.consolidate import manifest_model_meta
 from rayspeed.checkpoint.host_copy import HostCopy
+from rayspeed.checkpoint.placement import placement_for
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import to_dict
 from rayspeed.config.schema import JobConfig
+from rayspeed.engine.deepspeed_state import with_universal_load
+from rayspeed.engine.engine_state import as_engine_state
 from rayspeed.logs import log_rank
-from rayspeed.parallel.objects import barrier, broadcast_object, gather_objects, raise_first_error
+from rayspeed.parallel.objects import barrier, broadcast_object, gather_objects
 from rayspeed.planner.checkpoint_memory import HOST_FRACTION, choose_mode
 
 log = logging.getLogger("rayspeed.checkpoint")
@@ -45,7 +46,7 @@ log = logging.getLogger("rayspeed.checkpoint")
 def choose(ctx: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """The checkpoint this attempt resumes from and its manifest (None, None: a fresh start). A collective: rank 0
     picks the newest verified checkpoint (Ray Train's latest when it verifies) and every rank gets its choice."""
-    exp = storage.locate(ctx.experiment_dir)
+    where = placement_for(storage.locate(ctx.experiment_dir))
     chosen = None
     if ctx.is_rank0:
         preferred = None
@@ -53,10 +54,8 @@ def choose(ctx: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
             import ray.train
 
             ck = ray.train.get_checkpoint()
-            preferred = ck.path if ck is not None else None
-            if preferred and not exp.is_local:
-                preferred = str(exp.child(preferred.rstrip("/").rsplit("/", 1)[-1]))
-        found = resume.choose(ctx.experiment_dir, preferred, deep=exp.is_local)
+            preferred = where.ray_path(ck.path) if ck is not None and ck.path else None
+        found = resume.choose(ctx.experiment_dir, preferred, deep=where.deep_verify)
         chosen = str(found) if found else None
     chosen = broadcast_object(chosen)
     return chosen, (manifest.read_manifest(chosen) if chosen else None)
@@ -80,9 +79,10 @@ class CheckpointManager:
         self.exp = storage.locate(ctx.experiment_dir)
         # Node-local staging, used only when the experiment lives on an object store.
         self.stage = staging.node_dir(paths.staging_root(cfg.storage.staging_dir), cfg.name, ctx.node_id)
+        self.placement = placement_for(self.exp, self.stage)
         self.every = cfg.resilience.checkpoint_every_steps
         self._local: Optional[str] = None  # the chosen checkpoint as a local folder (staged when remote)
-        self._tag = resume.DS_TAG
+        self._universal = False  # the chosen checkpoint was converted for this layout
         self._module_only = False
         self.stalls: list[float] = []
         self.writes: list[float] = []
@@ -100,7 +100,7 @@ class CheckpointManager:
         partitions were written for another layout; returns the DeepSpeed config to build the engine with."""
         if not self.chosen:
             return ds_config
-        self._local = self.chosen if self.exp.is_local else self._stage(self.chosen)
+        self._local = self.placement.local_copy(self.chosen, self.ctx)
         now = Layout.from_parallel(self.cfg.parallel).partition()
         old_zero = int(((self.meta or {}).get("layout") or {}).get("zero_stage", 0))
         if old_zero == 0 and now["zero_stage"] > 0:
@@ -110,17 +110,14 @@ class CheckpointManager:
             log_rank(log, "resume: the checkpoint is ZeRO-0 and this world runs ZeRO-%d (the pinned stage does not "
                      "fit): weights restored, optimizer state restarts", now["zero_stage"], level=logging.WARNING)
         elif resume.needs_universal(self.meta or {}, now):
-            # Local storage: rank 0 converts the shared copy once. Object storage: every node converts its own
-            # staged copy (the same input, so the same output), in parallel.
-            converter = self.ctx.is_rank0 if self.exp.is_local else self.ctx.local_rank == 0
-            if converter:
+            if self.placement.converts(self.ctx):
                 log.info("layout changed %s -> %s: converting %s to a universal checkpoint",
                          (self.meta or {}).get("layout"), now, manifest.name_of(self.chosen))
                 resume.convert_to_universal(self._local)
             else:  # bounded polling of the converter's markers, never a collective under the group's timeout
                 resume.wait_converted(self._local, self.cfg.resilience.conversion_timeout_s)
-            self._tag = resume.UNIVERSAL_TAG
-            ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
+            self._universal = True
+            ds_config = with_universal_load(ds_config)
         return ds_config
 
     def load(self, engine: Any) -> Optional[dict[str, Any]]:
@@ -129,41 +126,17 @@ class CheckpointManager:
             return None
         path = self._local
         full = not self._module_only
-        _, client = engine.load_checkpoint(path, tag=self._tag, load_optimizer_states=full,
-                                           load_lr_scheduler_states=full, load_module_only=not full)
+        client = as_engine_state(engine).load(Path(path), universal=self._universal, module_only=not full)
         if client is None:
-            raise RuntimeError(f"DeepSpeed could not load {path} (tag {self._tag})")
+            kind = "universal" if self._universal else "saved"
+            raise RuntimeError(f"the engine could not load {path} (its {kind} state)")
         if (self.meta or {}).get("world_size") == self.ctx.world_size:
             rng.load(Path(path), self.ctx.rank)
-        self._release_staged(path)
+        self.placement.release(path, self.ctx)
         log_rank(log, "resumed from %s at step %d (restart %d, world %s -> %d)", manifest.name_of(self.chosen),
                  int(client["step"]), int(client.get("restarts", 0)) + 1, (self.meta or {}).get("world_size"),
                  self.ctx.world_size)
         return client
-
-    def _stage(self, chosen: str) -> str:
-        """Object storage: local rank 0 of each node downloads and verifies `chosen`; the node's other ranks wait.
-        Returns the staged local folder (the same path on every rank of a node)."""
-        name = manifest.name_of(chosen)
-        err = None
-        local = self.stage / "load" / name
-        if self.ctx.local_rank == 0:
-            t0 = time.perf_counter()
-            try:
-                staging.fetch(self.exp, name, self.stage)
-                log.info("staged %s from %s into %s in %.1f s", name, self.exp, local, time.perf_counter() - t0)
-            except Exception as e:
-                err = f"{type(e).__name__}: {e}"
-        # Also the barrier the node's other ranks wait at.
-        raise_first_error(gather_objects(err), f"could not stage checkpoint {name}: ")
-        return str(local)
-
-    def _release_staged(self, path: str) -> None:
-        if self.exp.is_local:
-            return
-        dist.barrier()  # every rank on this node has loaded the staged copy
-        if self.ctx.local_rank == 0:
-            staging.clean(Path(path))
 
     # ------------------------------------------------------------------ saving
     def should_save(self, step: int) -> bool:
@@ -182,60 +155,33 @@ class CheckpointManager:
         """Commit protocol (rayspeed.checkpoint.manifest): shards into a fresh folder, each rank fsyncs and hashes
         its share, then one manifest and (local storage) the rename that commits. Returns (stall, bytes)."""
         t0 = time.perf_counter()
-        exp, name = self.exp, manifest.dir_name(step)
+        exp, name, where = self.exp, manifest.dir_name(step), self.placement
         self._drill(step, "before_shards")
-        d = self._fresh_folder(step)
-        dist.barrier()
-        engine.save_checkpoint(str(d), tag=resume.DS_TAG, client_state=self._client(client), save_latest=False)
+        d = where.fresh_folder(step, self.ctx)
+        barrier()
+        state = as_engine_state(engine)
+        state.save(d, self._client(client))
         self._drill(step, "between_shards")
         rng.save(d, self.ctx.rank)
-        if exp.is_local:
-            dist.barrier()  # every rank's files are written: each now makes its share durable and hashes it
-            rels = manifest.list_files(d)
-            mine = manifest.durable_entries(d, rels[self.ctx.rank::self.ctx.world_size])
-        else:
-            mine = staging.publish(exp, d)  # hashed on local disk, then uploaded
+        mine = where.durable_share(d, self.ctx)
         self._drill(step, "after_shards")
         files = {k: v for part in gather_objects(mine) for k, v in part.items()}  # every rank's part is done
         self._drill(step, "before_manifest")
-        dist.barrier()  # the manifest commits only while every rank is alive past its shards
+        barrier()  # the manifest commits only while every rank is alive past its shards
         if self.ctx.is_rank0:
-            if exp.is_local:
-                manifest.write_manifest(d, step, self._meta(), files)
-                manifest.commit_dir(d, exp.local / name)
-            else:
-                manifest.write_manifest(str(exp.child(name)), step, self._meta(), files)
-        dist.barrier()
+            where.commit(d, name, step, self._meta(state), files)
+        barrier()
         self._drill(step, "after_manifest")
         if self.ctx.under_ray:
             self._report(name)
         if self.ctx.is_rank0:
             for p in manifest.prune(str(exp), self.cfg.resilience.keep_checkpoints):
                 log.info("deleted old checkpoint %s", manifest.name_of(p))
-            if exp.is_local:
-                manifest.clean_stale_saves(exp.local)
+            where.after_commit()
         stall = time.perf_counter() - t0
         self.stalls.append(stall)
         self.last_bytes = sum(int(v["bytes"]) for v in files.values())
         return stall, self.last_bytes
-
-    def _fresh_folder(self, step: int) -> Path:
-        """Where this rank's files of checkpoint `step` go: the hidden .saving folder (made by rank 0: every rank
-        waits at a barrier after this) or, for an object store, this rank's node-local staging folder."""
-        exp, name = self.exp, manifest.dir_name(step)
-        if exp.is_local:
-            # Never into an existing folder: a torn save at another world size must not leave files behind.
-            d = manifest.saving_dir(exp.local, step)
-            if self.ctx.is_rank0:
-                shutil.rmtree(d, ignore_errors=True)
-                d.mkdir(parents=True)
-            return d
-        d = staging.save_dir(self.stage, self.ctx.rank, step)
-        if self.ctx.is_rank0 and exp.exists(name):
-            # The same step saved again after a rollback or a resume from an older checkpoint: the old objects (a
-            # manifest, a rejected.json) must not mix with the new ones.
-            exp.delete(name)
-        return d
 
     def _client(self, client: dict[str, Any]) -> dict[str, Any]:
         return {**client, "mlflow_run_id": self.run_id}
@@ -247,27 +193,23 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.drain()  # at most one save in flight: this wait is stall
         self._drill(step, "before_shards")
-        exp, name, rank0 = self.exp, manifest.dir_name(step), self.ctx.is_rank0
-        d = self._fresh_folder(step)
+        exp, name, rank0, state = self.exp, manifest.dir_name(step), self.ctx.is_rank0, as_engine_state(engine)
+        d = self.placement.fresh_folder(step, self.ctx)
         if rank0:
             async_save.clear_markers(exp, name)  # a crashed earlier save of the same step
         save_id = broadcast_object(uuid.uuid4().hex if rank0 else None)  # also the barrier: the folder exists
         self._host.begin()
         try:
-            with compat.capture_checkpoint_writes(engine, self._host.copy) as captured:
-                engine.save_checkpoint(str(d), tag=resume.DS_TAG, client_state=self._client(client),
-                                       save_latest=False)
+            captured = state.capture(d, self._client(client), self._host.copy)
         finally:
             self._host.end()
-        claimed: list[str] = []
-        if exp.is_local:  # what DeepSpeed copied in directly (zero_to_fp32.py), before any rank writes a shard
-            claimed = [str(d / r) for r in manifest.list_files(d)] if rank0 else []
-            barrier()
+        claimed = self.placement.claimed(d, rank0)
         job = async_save.AsyncJob(
             step=step, name=name, save_id=save_id, rank=self.ctx.rank, world=self.ctx.world_size, exp=exp, folder=d,
-            captured=list(captured), write=compat.checkpoint_writer(engine), rng_state=rng.state(), claimed=claimed,
-            meta=self._meta() if rank0 else None, keep=self.cfg.resilience.keep_checkpoints,
-            timeout_s=self.cfg.resilience.collective_timeout_s, drill=self._drill, poll_s=0.2 if exp.is_local else 1.0)
+            captured=captured, write=state.writer(), rng_state=rng.state(), claimed=claimed,
+            meta=self._meta(state) if rank0 else None, keep=self.cfg.resilience.keep_checkpoints,
+            timeout_s=self.cfg.resilience.collective_timeout_s, drill=self._drill, poll_s=self.placement.poll_s,
+            placement=self.placement)
         job.stall_s = stall = time.perf_counter() - t0
         self._overlap = 0
         self._writer.start(lambda: async_save.run(job))
@@ -319,26 +261,20 @@ class CheckpointManager:
     def _report(self, name: str) -> None:
         """Tell Ray Train about the committed checkpoint (it restarts attempts from the latest it knows)."""
         import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
+        from ray.train import CheckpointUploadMode
 
-        if self.exp.is_local:
-            ck = Checkpoint.from_directory(str(self.exp.local / name))
-        else:  # a pointer into the store, on the filesystem Ray Train itself uses for the run
-            sc = ray.train.get_context().get_storage()
-            ck = Checkpoint(path=f"{sc.experiment_fs_path.rstrip('/')}/{name}", filesystem=sc.storage_filesystem)
+        ck = self.placement.ray_checkpoint(name)
         ray.train.report({"step": int(manifest.step_of(name) or 0)}, checkpoint=ck, checkpoint_dir_name=name,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
-    def _meta(self) -> dict[str, Any]:
-        import deepspeed
-
+    def _meta(self, state: Any) -> dict[str, Any]:
         c = self.cfg
         return {
             "job": c.name,
             "world_size": self.ctx.world_size,
             "layout": Layout.from_parallel(c.parallel).record(),
             "global_batch_size": c.train.global_batch_size,
-            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
+            "versions": {"torch": torch.__version__, **state.versions()},
             "config_hash": config_hash(c),
             "run_identity": self.identity,
             **manifest_model_meta(c),  # lets `rayspeed export <checkpoint dir>` rebuild the model on its own
@@ -357,14 +293,14 @@ class CheckpointManager:
         self.drain()  # the save in flight commits first: it may be the newest verified one
         chosen = None
         if self.ctx.is_rank0:
-            found, _ = manifest.latest_verified(self.ctx.experiment_dir, deep=self.exp.is_local)
+            found, _ = manifest.latest_verified(self.ctx.experiment_dir, deep=self.placement.deep_verify)
             chosen = str(found) if found else None
         chosen = broadcast_object(chosen)
         if chosen is None:
             return None
-        local = chosen if self.exp.is_local else self._stage(chosen)
-        engine.load_checkpoint(local, tag=resume.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
-        self._release_staged(local)
+        local = self.placement.local_copy(chosen, self.ctx)
+        as_engine_state(engine).load(Path(local))
+        self.placement.release(local, self.ctx)
         return chosen
 
 
@@ -374,7 +310,7 @@ def checkpoint_mode(requested: str, ctx: Any, engine: Any, plan: Optional[dict[s
     fullest node; one line says which and why."""
     if requested == "sync":
         return "sync"
-    problem = compat.async_checkpoint_problem(engine)
+    problem = as_engine_state(engine).async_problem()
     seen = gather_objects((ctx.node_id, HOST_FRACTION * host_available_bytes(), problem))
     problems = [p for _, _, p in seen if p]
     plan = plan or {}

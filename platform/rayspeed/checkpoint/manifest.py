@@ -9,15 +9,13 @@ resumed from, and older checkpoints are deleted only after a newer one committed
 can write to the storage can write a matching manifest. DeepSpeed unpickles what it loads, so keep the storage
 writable by the job's own identity only.
 
-Where checkpoints live: a local (or NFS) path, as a str or Path, takes the plain filesystem code path below
-(unchanged). A URI that Ray Train's storage accepts (s3://bucket/prefix, gs://..., any scheme pyarrow's
-`FileSystem.from_uri` resolves, e.g. mock:// in tests) goes through a pyarrow filesystem, resolved once per
-root and reused for everything under it; every function also takes `filesystem=` (a pyarrow FileSystem, e.g.
-Ray Train's `storage_filesystem`) with a path inside it (`experiment_fs_path`). On such storage the functions
-return str paths in the form they were given (URIs stay URIs), where local calls return Path. The commit is
-the same protocol: shards first, the manifest last. Object stores (S3, GCS, Azure) have no rename, but a
-single object PUT is atomic (readers see the whole manifest or none), so the manifest is written in one PUT;
-other filesystems write manifest.json.tmp and move it into place.
+Where checkpoints live: every function reads and writes through a `rayspeed.storage.Location` (a local or NFS
+path, as a str or Path; a URI: s3://bucket/prefix, gs://..., any scheme pyarrow's `FileSystem.from_uri` resolves,
+e.g. mock:// in tests; memory://); every function also takes a Location itself, or `filesystem=` (a pyarrow
+FileSystem, e.g. Ray Train's `storage_filesystem`) with a path inside it (`experiment_fs_path`). Paths come back in
+the form they were given: Path for a local folder, str otherwise (URIs stay URIs). The commit is the same protocol
+everywhere: shards first, the manifest last, written with the location's `commit` (on a disk: temporary name,
+fsync, rename; on an object store, which has no rename, one PUT: readers see the whole manifest or none).
 """
 
 from __future__ import annotations
@@ -34,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from rayspeed.paths import is_uri
-from rayspeed.storage import Location, local_path, resolve
+from rayspeed.storage import Location, at
+from rayspeed.storage.local_disk import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -69,51 +68,17 @@ def _sha256(path: Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def list_files(ckpt_dir: str | Path | Location, *, filesystem: Any = None) -> list[Path]:
+    """The checkpoint's files (relative paths), without its manifest, marker and temporaries."""
+    return [Path(rel) for rel, _ in at(ckpt_dir, filesystem).files()
+            if rel not in (MANIFEST, REJECTED) and not rel.rsplit("/", 1)[-1].endswith(".tmp")]
 
 
-def list_files(ckpt_dir: Path, *, filesystem: Any = None) -> list[Path]:
-    r = resolve(ckpt_dir, filesystem)
-    if r is not None:  # relative paths as str (posix)
-        return [rel for rel, _ in r.files()  # type: ignore[misc]
-                if rel not in (MANIFEST, REJECTED) and not rel.rsplit("/", 1)[-1].endswith(".tmp")]
-    ckpt_dir = local_path(ckpt_dir)
-    out = []
-    for root, _, files in os.walk(ckpt_dir):
-        for f in files:
-            p = Path(root) / f
-            rel = p.relative_to(ckpt_dir)
-            if str(rel) in (MANIFEST, REJECTED) or rel.name.endswith(".tmp"):
-                continue
-            out.append(rel)
-    return sorted(out)
-
-
-def file_entries(ckpt_dir: Path, rels: list[Path], *, filesystem: Any = None) -> dict[str, dict[str, Any]]:
+def file_entries(ckpt_dir: str | Path | Location, rels: list[Path], *,
+                 filesystem: Any = None) -> dict[str, dict[str, Any]]:
     """Size and sha256 of files (each rank hashes the files it wrote, in parallel across ranks)."""
-    r = resolve(ckpt_dir, filesystem)
-    if r is not None:
-        out = {}
-        for rel in rels:
-            f = r.child(str(rel))
-            out[str(rel)] = {"bytes": int(f.fs.get_file_info(f.fs_path).size), "sha256": f.sha256()}
-        return out
-    ckpt_dir = local_path(ckpt_dir)
-    entries = {}
-    for rel in rels:
-        p = ckpt_dir / rel
-        entries[str(rel)] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-    return entries
+    loc = at(ckpt_dir, filesystem)
+    return {str(rel): {"bytes": loc.size(str(rel)), "sha256": loc.sha256(str(rel))} for rel in rels}
 
 
 def durable_entries(ckpt_dir: Path, rels: list[Path]) -> dict[str, dict[str, Any]]:
@@ -142,7 +107,7 @@ def commit_dir(saving: Path, final: Path) -> None:
         aside = final.with_name(f".{final.name}.replaced-{os.getpid()}-{time.time_ns()}")
         os.replace(final, aside)
     os.replace(saving, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -162,62 +127,27 @@ def clean_stale_saves(root: Path, keep: Path | None = None) -> list[Path]:
     return removed
 
 
-def write_manifest(ckpt_dir: str | Path, step: int, meta: dict[str, Any],
-                   files: dict[str, dict[str, Any]] | None = None, *, filesystem: Any = None) -> Path:
-    """Commit: hash every file (unless given), write manifest.json.tmp, fsync, rename, fsync the folder.
-    (On a pyarrow filesystem: the manifest in one PUT on object stores, tmp + move elsewhere; returns a str.)"""
-    r = resolve(ckpt_dir, filesystem)
-    if r is not None:
-        return _remote_write_manifest(r, step, meta, files)  # type: ignore[return-value]
-    ckpt_dir = local_path(ckpt_dir)
-    if files is None:
-        files = file_entries(ckpt_dir, list_files(ckpt_dir))
-    missing = [f for f in list_files(ckpt_dir) if str(f) not in files]
-    if missing:
-        files.update(file_entries(ckpt_dir, missing))
-    manifest = {
-        "format": FORMAT_VERSION,
-        "step": step,
-        "written_at": time.time(),
-        "files": files,
-        **meta,
-    }
-    tmp = ckpt_dir / (MANIFEST + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, ckpt_dir / MANIFEST)
-    _fsync_dir(ckpt_dir)
-    return ckpt_dir / MANIFEST
-
-
-def _remote_write_manifest(r: Location, step: int, meta: dict[str, Any],
-                           files: dict[str, dict[str, Any]] | None) -> str:
-    listed = list_files(r.fs_path, filesystem=r.fs)
-    files = dict(files) if files is not None else file_entries(r.fs_path, listed, filesystem=r.fs)
+def write_manifest(ckpt_dir: str | Path | Location, step: int, meta: dict[str, Any],
+                   files: dict[str, dict[str, Any]] | None = None, *, filesystem: Any = None) -> Any:
+    """Commit: hash every file (unless given) and write the manifest with the location's commit (on a disk:
+    manifest.json.tmp, fsync, rename, fsync the folder; on an object store: one PUT). Returns the manifest's path
+    in the caller's form (a Path for a local folder, a str otherwise)."""
+    loc = at(ckpt_dir, filesystem)
+    listed = list_files(loc)
+    files = dict(files) if files is not None else file_entries(loc, listed)
     missing = [f for f in listed if str(f) not in files]
     if missing:
-        files.update(file_entries(r.fs_path, missing, filesystem=r.fs))
+        files.update(file_entries(loc, missing))
     manifest = {"format": FORMAT_VERSION, "step": step, "written_at": time.time(), "files": files, **meta}
-    target = r.child(MANIFEST)
-    target.put(json.dumps(manifest, indent=1, sort_keys=True).encode())
-    return target.uri
+    loc.commit(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return loc.child(MANIFEST).handle
 
 
-def read_manifest(ckpt_dir: str | Path, *, filesystem: Any = None) -> dict[str, Any] | None:
-    r = resolve(ckpt_dir, filesystem)
-    if r is not None:
-        try:
-            with r.fs.open_input_stream(r.child(MANIFEST).fs_path) as fh:
-                return json.loads(fh.read())
-        except (OSError, ValueError):  # FileNotFoundError is an OSError
-            return None
-    p = local_path(ckpt_dir) / MANIFEST
+def read_manifest(ckpt_dir: str | Path | Location, *, filesystem: Any = None) -> dict[str, Any] | None:
+    data = at(ckpt_dir, filesystem).read_bytes(MANIFEST)
     try:
-        with open(p) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        return json.loads(data) if data is not None else None
+    except ValueError:
         return None
 
 
@@ -227,28 +157,25 @@ class Verdict:
     reason: str = ""
 
 
-def verify(ckpt_dir: str | Path, deep: bool = True, *, filesystem: Any = None) -> Verdict:
+def verify(ckpt_dir: str | Path | Location, deep: bool = True, *, filesystem: Any = None) -> Verdict:
     """A checkpoint is valid when its manifest parses and every file it lists exists with the recorded
     size and (deep) sha256."""
-    r = resolve(ckpt_dir, filesystem)
-    if r is not None:
-        return _remote_verify(r, deep)
-    ckpt_dir = local_path(ckpt_dir)
-    m = read_manifest(ckpt_dir)
+    loc = at(ckpt_dir, filesystem)
+    m = read_manifest(loc)
     bad = _manifest_problem(m)
     if bad:
         return Verdict(False, bad)
-    marker = ckpt_dir / REJECTED
-    if marker.exists():
-        return _rejected(marker.read_bytes)
+    if loc.size(REJECTED) is not None:
+        return _rejected(lambda: loc.read_bytes(REJECTED))
     files = m["files"]
-    for rel, e in files.items():
-        p = ckpt_dir / rel
-        if not p.is_file():
+    rels = list(files)
+    for rel, size in zip(rels, loc.sizes(rels)):
+        e = files[rel]
+        if size is None:
             return Verdict(False, f"{rel} is missing")
-        if p.stat().st_size != e["bytes"]:
-            return Verdict(False, f"{rel} has {p.stat().st_size} bytes, manifest says {e['bytes']}")
-        if deep and _sha256(p) != e["sha256"]:
+        if size != e["bytes"]:
+            return Verdict(False, f"{rel} has {size} bytes, manifest says {e['bytes']}")
+        if deep and loc.sha256(rel) != e["sha256"]:
             return Verdict(False, f"{rel} does not match its sha256")
     return Verdict(True)
 
@@ -272,52 +199,11 @@ def _rejected(read: Any) -> Verdict:
     return Verdict(False, f"rejected earlier ({why})")
 
 
-def _remote_verify(r: Location, deep: bool) -> Verdict:
-    from pyarrow import fs as pafs
-
-    m = read_manifest(r.fs_path, filesystem=r.fs)
-    bad = _manifest_problem(m)
-    if bad:
-        return Verdict(False, bad)
-    marker = r.child(REJECTED).fs_path
-    if r.fs.get_file_info(marker).type == pafs.FileType.File:
-        def read() -> bytes:
-            with r.fs.open_input_stream(marker) as fh:
-                return fh.read()
-
-        return _rejected(read)
-    files = m["files"]
-    rels = list(files)
-    infos = r.fs.get_file_info([r.child(rel).fs_path for rel in rels])
-    for rel, info in zip(rels, infos):
-        e = files[rel]
-        if info.type != pafs.FileType.File:
-            return Verdict(False, f"{rel} is missing")
-        if int(info.size) != e["bytes"]:
-            return Verdict(False, f"{rel} has {info.size} bytes, manifest says {e['bytes']}")
-        if deep and r.child(rel).sha256() != e["sha256"]:
-            return Verdict(False, f"{rel} does not match its sha256")
-    return Verdict(True)
-
-
-def candidates(root: str | Path, *, filesystem: Any = None) -> list[Path]:
-    """Checkpoint folders under root, newest step first."""
-    r = resolve(root, filesystem)
-    if r is not None:
-        from pyarrow import fs as pafs
-
-        found = []
-        for info in r.fs.get_file_info(pafs.FileSelector(r.fs_path, allow_not_found=True)):
-            name = info.path.rstrip("/").rsplit("/", 1)[-1]
-            m = _DIR_RE.match(name)
-            if info.type == pafs.FileType.Directory and m:
-                found.append((int(m.group(1)), r.child(name).uri))
-        return [p for _, p in sorted(found, reverse=True)]  # type: ignore[misc]
-    root = local_path(root)
-    if not root.is_dir():
-        return []
-    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
-    return [p for _, p in sorted(found, reverse=True)]
+def candidates(root: str | Path | Location, *, filesystem: Any = None) -> list[Any]:
+    """Checkpoint folders under root, newest step first, in the caller's form (Paths for a local root)."""
+    loc = at(root, filesystem)
+    found = [(int(m.group(1)), name) for name in loc.subdirs() if (m := _DIR_RE.match(name))]
+    return [loc.child(name).handle for _, name in sorted(found, reverse=True)]
 
 
 def latest_verified(root: str | Path, deep: bool = True, *, filesystem: Any = None) -> tuple[Path | None, list[str]]:
@@ -354,14 +240,10 @@ def prune(root: str | Path, keep: int, *, filesystem: Any = None) -> list[Path]:
             verified_seen += 1
             if verified_seen <= keep:
                 continue
-        r = resolve(p, filesystem)
-        if r is None:
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            try:
-                r.fs.delete_dir(r.fs_path)
-            except OSError as e:
-                log.warning("could not delete %s: %s", p, e)
-                continue
+        try:
+            at(p, filesystem).delete()
+        except OSError as e:
+            log.warning("could not delete %s: %s", p, e)
+            continue
         removed.append(p)
     return removed

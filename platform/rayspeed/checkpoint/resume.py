@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,10 @@ from typing import Any
 from rayspeed import paths
 from rayspeed.checkpoint import manifest
 from rayspeed.config.layout import PARTITION_KEYS, Layout
+from rayspeed.engine.deepspeed_state import UNIVERSAL_TAG, universal_command
 
 log = logging.getLogger(__name__)
 
-DS_TAG = "ds"
-UNIVERSAL_TAG = "ds_universal"
 _DONE = ".converted"
 _FAILED = ".conversion_failed"
 
@@ -87,15 +85,8 @@ def convert_to_universal(ckpt_dir: str | Path) -> str:
     if (out / _DONE).exists():
         return UNIVERSAL_TAG
     (ckpt_dir / _FAILED).unlink(missing_ok=True)
-    workers = str(conversion_workers())
-    cmd = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder", str(ckpt_dir / DS_TAG),
-        "--output_folder", str(out),
-        "--inject_missing_state",
-        "--num_extract_workers", workers,
-        "--num_merge_workers", workers,
-    ]
+    workers = conversion_workers()
+    cmd = universal_command(ckpt_dir, workers)
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if r.returncode != 0:
         tail = (r.stdout + r.stderr)[-3000:]
