@@ -52,12 +52,15 @@ def _pipeline_split(cfg: Any) -> Optional[str]:
 
 
 def _activation_checkpointing(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
-    from rayspeed.model.transformer import Block, check_mode
+    from rayspeed.model.transformer import check_mode
 
     mode = check_mode(cfg.parallel.activation_checkpointing)
     if mode == "none":
         return None
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    # A family's own block (model/<family>_block.py) recomputes through the same attribute.
+    blocks = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "activation_checkpointing")]
+    if not blocks:
+        raise ValueError(f"parallel.activation_checkpointing {mode}: the model has no block to recompute")
     for b in blocks:
         b.activation_checkpointing = mode
     return f"{mode} on {len(blocks)} blocks"

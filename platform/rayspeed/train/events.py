@@ -16,9 +16,12 @@ callback that writes checks `state.is_rank0`.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
+
+log = logging.getLogger("rayspeed.worker")
 
 
 @dataclass
@@ -125,8 +128,8 @@ class Callbacks:
         for cb in reversed(self.items):
             try:
                 cb.on_failure(state, error)
-            except Exception:  # the original error is what the job must report
-                pass
+            except Exception as e:  # the original error is what the job must report
+                log.warning("%s.on_failure failed too: %s", type(cb).__name__, e)
 
 
 def load_callback(name: str) -> Callback:

@@ -12,14 +12,15 @@ from rayspeed.train.events import Callbacks, TrainState
 def run_loop(batches: Iterable[tuple[int, list]], step: Any, checkpointer: Any, callbacks: Callbacks,
              state: TrainState) -> None:
     """Train over `batches` ((index, micro-batches) pairs); `step(state, index, micro)` runs one optimizer step and
-    sets state.step and state.loss. A failure reaches every callback, then propagates."""
+    sets state.step and state.loss. A failure (in a step, a save or a callback, the end's included) reaches every
+    callback, then propagates."""
     try:
         for index, micro in batches:
             step(state, index, micro)
             callbacks.step_end(state)
             checkpointer.maybe_save(state)
         checkpointer.finish_saves(state)  # the last save commits before the end's outputs
+        callbacks.end(state)
     except BaseException as e:
         callbacks.failure(state, e)
         raise
-    callbacks.end(state)

@@ -27,9 +27,9 @@ class LaunchPayload:
     resume: str = "auto"
     """auto | fresh | anyway: what the launcher decided about an existing checkpoint's config (--fresh,
     --resume-anyway)."""
-    run_identity: dict[str, Any] = field(default_factory=dict)
+    run_identity: Optional[dict[str, Any]] = None
     """What the run computes, as submitted (rayspeed.train.resume_guard.run_identity), computed once by the
-    launcher: every checkpoint records it."""
+    launcher: every checkpoint records it (None: the worker computes it from `job`)."""
 
 
 @dataclass

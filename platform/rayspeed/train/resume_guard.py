@@ -20,7 +20,7 @@ from rayspeed.errors import ConfigError
 log = logging.getLogger("rayspeed")
 
 # train.* keys that only decide how often something is measured, or how the model is compiled.
-_TRAIN_EXEMPT = ("eval_every_steps", "eval_batches", "compile")
+_TRAIN_EXEMPT = ("eval_every_steps", "eval_batches", "compile", "callbacks")
 # data.* keys that only decide where or how the same data is fetched and cached.
 _DATA_EXEMPT = ("cache_dir", "hf_cache_dir")
 MODES = ("auto", "fresh", "anyway")

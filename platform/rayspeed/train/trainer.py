@@ -15,6 +15,7 @@ from rayspeed.checkpoint import rng
 from rayspeed.checkpoint.cadence import Cadence
 from rayspeed.checkpoint.manager import CheckpointManager
 from rayspeed.config.layout import Layout
+from rayspeed.config.load import parse
 from rayspeed.config.schema import JobConfig
 from rayspeed.logs import log_rank
 from rayspeed.parallel.groups import ParallelGroups
@@ -28,6 +29,7 @@ from rayspeed.train.mlflow_callback import MlflowCallback
 from rayspeed.train.outputs import OutputsCallback
 from rayspeed.train.payload import LaunchPayload, RunResult
 from rayspeed.train.recovery import RecoveryCallback
+from rayspeed.train.resume_guard import run_identity
 from rayspeed.train.step import TrainStep
 
 log = logging.getLogger("rayspeed.worker")
@@ -44,7 +46,7 @@ class Trainer:
         self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp)
         self.chaos = ChaosDrills(c.chaos, ctx.rank, ctx.experiment_dir)
         self.checkpointer = CheckpointManager(c, ctx, chosen, meta, payload.mlflow_run_id, self.chaos,
-                                              identity=payload.run_identity,
+                                              identity=payload.run_identity or run_identity(parse(payload.job)),
                                               snapshot_plan=plan.best.get("checkpoint"))
         self.attempt_started = attempt_started
         self.mlflow = MlflowCallback(c, plan, ctx, payload)
@@ -172,17 +174,18 @@ class Trainer:
 
     def callbacks(self, step: TrainStep) -> Callbacks:
         """The listeners, in the order step_end reaches them (end and failure: reversed, so the tracker closes
-        last): the tracker, recovery accounting, the outputs, the job's own (train.callbacks), then the producers
-        of the log and validation events (after every step_end listener: a step ends before what it produces)."""
+        last): the tracker, recovery accounting, the job's own (train.callbacks: at the end they see the
+        registered model), the outputs, then the producers of the log and validation events (after every step_end
+        listener: a step ends before what it produces)."""
         c, ctx, events = self.cfg, self.ctx, Callbacks()
         tracker = self.mlflow.tracker
         metrics = MetricsCallback(c, self.plan, ctx, self.groups, self.device, events, tracker, step.lr,
                                   step.global_grad_norm, engine=self.engine)
         step.timing = metrics
         for cb in (self.mlflow, RecoveryCallback(ctx, tracker, self.attempt_started),
+                   *(load_callback(name) for name in c.train.callbacks),
                    OutputsCallback(c, ctx, self.payload, self.engine, self.groups, self.device, self.checkpointer,
                                    self.validator_batches, self.mlflow),
-                   *(load_callback(name) for name in c.train.callbacks),
                    metrics, ValidationCallback(self.validator, self.engine, events)):
             events.add(cb)
         return events
@@ -196,7 +199,11 @@ class Trainer:
                          self.clipper, self.watchdog, self.checkpointer, self.mlflow.set_tags)
         events = self.callbacks(step)
         saves = Cadence(self.checkpointer, self.engine, self.client_state, events)
-        events.start(state)
+        try:
+            events.start(state)
+        except BaseException as e:
+            events.failure(state, e)
+            raise
         self.engine.train()
         run_loop(self.batches.iterate(start, c.train.max_steps - start), step, saves, events, state)
         return self.result(state)

@@ -61,4 +61,7 @@ def run_worker(payload: LaunchPayload, ctx: WorkerContext) -> RunResult:
     log_rank(log, "attempt plan for %d workers: dp %d, tp %d, pp %d, ZeRO-%d, micro-batch %d x %d; %s",
              ctx.world_size, lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.micro_batch_size, lay.grad_accum,
              "; ".join(attempt.notes))
+    for note in attempt.notes:
+        if "does not fit" in note:  # the checkpoint's layout could not be kept
+            log_rank(log, note, level=logging.WARNING)
     return Trainer(attempt.cfg, attempt.plan, ctx, payload, chosen, meta, phases, t_start).run()
