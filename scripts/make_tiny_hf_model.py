@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
               kv_heads: int = 2, ffn: int = 128, tied: bool = False, rope: str = "default",
-              max_positions: int = 512, rope_theta: float = 10000.0) -> Any:
+              max_positions: int = 512, rope_theta: float = 10000.0, head_dim: int | None = None) -> Any:
     import transformers
 
     from rayspeed import families
@@ -38,6 +38,8 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
                                   max_position_embeddings=max_positions, tie_word_embeddings=tied,
                                   rope_parameters=rope_parameters, rms_norm_eps=1e-6, bos_token_id=None,
                                   eos_token_id=None, pad_token_id=None)
+    if head_dim is not None:  # a family that reads config.json's head_dim (Qwen3): a width other than hidden/heads
+        kwargs["head_dim"] = head_dim
     # The family's own keys as an export writes them (no sliding window, no extra biases).
     kwargs.update(families.by_model_type(arch).export_extras(layers))
     return transformers.AutoConfig.for_model(arch, **kwargs)

@@ -17,6 +17,10 @@ QWEN = dict(arch="qwen2", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, f
 LLAMA_TIED = dict(arch="llama", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=True,
                   rope="llama3", max_positions=512)
 
+# Qwen3: per-head q/k norms, a head width (16) other than hidden / heads (8), tied embeddings.
+QWEN3 = dict(arch="qwen3", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=True, rope="default",
+             max_positions=64, head_dim=16)
+
 
 def save(out, spec, seed=0, shards=1, tokenizer=False):
     spec = dict(spec)

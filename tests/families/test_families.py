@@ -24,26 +24,30 @@ SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidd
 
 
 def test_registry_finds_each_family_by_architecture_and_model_type():
-    assert families.names() == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    assert families.names() == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     for fam in families.FAMILIES:
         assert families.by_architecture(fam.architecture) is fam
         assert families.by_model_type(fam.model_type) is fam
-    assert [f.model_type for f in families.FAMILIES] == ["llama", "mistral", "qwen2"]
+    assert [f.model_type for f in families.FAMILIES] == ["llama", "mistral", "qwen2", "qwen3"]
     assert families.DEFAULT is families.by_architecture("LlamaForCausalLM")
     assert families.find("GPT2LMHeadModel") is None
-    with pytest.raises(KeyError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(KeyError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                      "Qwen3ForCausalLM"):
         families.by_architecture("GPT2LMHeadModel")
     with pytest.raises(KeyError, match="gpt2"):
         families.by_model_type("gpt2")
 
 
 def test_the_records_say_what_differs_between_families():
-    llama, mistral, qwen2 = families.FAMILIES
-    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, True]
+    llama, mistral, qwen2, qwen3 = families.FAMILIES
+    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, True, False]
+    assert [f.qk_norm for f in families.FAMILIES] == [False, False, False, True]
     assert not any(f.o_bias for f in families.FAMILIES)
     assert {f.norm for f in families.FAMILIES} == {"rmsnorm"}
-    assert [f.sliding_window for f in families.FAMILIES] == ["none", "window_covers_seq", "flag_off"]
-    for fam in families.FAMILIES:
+    assert [f.sliding_window for f in families.FAMILIES] == ["none", "window_covers_seq", "flag_off", "flag_off"]
+    assert [f.block_module for f in families.FAMILIES] == [None, None, None, "qwen3_block"]
+    assert qwen3.head_dim(1024, 16, given=128) == 128 and qwen3.query_width(16, 128) == 2048  # config.json's
+    for fam in (llama, mistral, qwen2):
         assert fam.rope_types == ("default", "linear", "llama3")
         assert dict(fam.defaults) == {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
         assert fam.head_dim(4096, 32, given=256) == 128  # hidden / heads: config.json's head_dim is not read
@@ -65,6 +69,8 @@ def test_a_record_the_decoder_cannot_run_is_refused():
         Family(architectures=("XForCausalLM",), model_type="x", head_dim_rule="guess")
     with pytest.raises(ValueError, match="its own block module"):
         Family(architectures=("XForCausalLM",), model_type="x", o_bias=True)
+    with pytest.raises(ValueError, match="q/k norms"):
+        Family(architectures=("XForCausalLM",), model_type="x", qk_norm=True)
     with pytest.raises(ValueError, match="layernorm norm needs its own block module"):
         Family(architectures=("XForCausalLM",), model_type="x", norm="layernorm")
     assert Family(architectures=("XForCausalLM",), model_type="x", o_bias=True, block_module="x_block").o_bias

@@ -55,6 +55,8 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
                     p + "mlp.w_down.weight": (h, f)})
         if shape.qkv_bias:
             out.update({p + "attn.wq.bias": (q,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
+        if shape.family.qk_norm:
+            out.update({p + "attn.q_norm.weight": (shape.head_dim,), p + "attn.k_norm.weight": (shape.head_dim,)})
     return out
 
 

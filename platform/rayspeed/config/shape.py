@@ -139,8 +139,8 @@ class ModelShape:
 
     @property
     def layer_norm_params(self) -> int:
-        """Two RMSNorm weights, replicated on every tp rank."""
-        return 2 * self.hidden_size
+        """Two RMSNorm weights (and a family's per-head q/k norms), replicated on every tp rank."""
+        return 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)
 
     @property
     def layer_params(self) -> int:

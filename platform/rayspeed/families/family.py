@@ -118,6 +118,8 @@ class Family:
     """q, k and v projections carry biases (config.json's attention_bias then does not apply)."""
     o_bias: bool = False
     """The attention output projection carries a bias (no current family; the model has none)."""
+    qk_norm: bool = False
+    """q and k are RMS-normalised per head (a weight of head_dim each) before RoPE (Qwen3, OLMo 2-style)."""
     norm: str = "rmsnorm"
     """Normalisation of the blocks."""
     head_dim_rule: str = HEAD_DIM_FROM_HIDDEN
@@ -139,9 +141,10 @@ class Family:
                              f"{SLIDING_POLICIES}")
         if self.head_dim_rule not in (HEAD_DIM_FROM_HIDDEN, HEAD_DIM_FROM_CONFIG):
             raise ValueError(f"{self.model_type}: head_dim_rule {self.head_dim_rule!r} is unknown")
-        if (self.o_bias or self.norm != "rmsnorm") and self.block_module is None:
-            raise ValueError(f"{self.model_type}: an output-projection bias or a {self.norm} norm needs its own "
-                             "block module (model/transformer.py's Block has RMSNorm and no o bias)")
+        if (self.o_bias or self.qk_norm or self.norm != "rmsnorm") and self.block_module is None:
+            raise ValueError(f"{self.model_type}: an output-projection bias, q/k norms or a {self.norm} norm needs "
+                             "its own block module (model/transformer.py's Block has RMSNorm, no o bias, no q/k "
+                             "norms)")
 
     @property
     def architecture(self) -> str:

@@ -184,6 +184,10 @@ class Attention(nn.Module):
             init_std=dims.residual_init_std, seed=seed, name=f"{name}.wo",
         )
 
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [b, heads, s, head_dim] before RoPE: as they are here; a family's block may normalise them."""
+        return q, k
+
     def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """segment_ids [b, s] (the full sequence, also under sequence parallelism): attention stays within a
         document and positions restart at each one."""
@@ -192,6 +196,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.normed(q, k)
         positions = None if segment_ids is None else segment_positions(segment_ids)
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device, dims=self.dims,
                                positions=positions)

@@ -1,0 +1,138 @@
+"""Qwen3 parity with transformers (Qwen3ForCausalLM made locally: per-head q/k norms, head_dim 16 where hidden /
+heads is 8, tied embeddings), fp32, rtol = atol = 1e-5: logits, loss and every parameter's gradient at tp1; at tp2
+with sequence parallelism each rank's logits and loss, and the q/k-norm gradients (each rank normalises only its
+own heads: the weight's gradient is summed over the tp group) equal transformers' whole ones."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _dist import run_distributed
+from _hf_models import QWEN3, save, shape_of
+
+SEQ, BATCH = 16, 2
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _tokens(vocab, seed=5):
+    return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("qwen3") / "m"
+    save(d, QWEN3, seed=13)
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 16
+    tokens = _tokens(model.config.vocab_size)
+    logits = model(tokens[:, :-1]).logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"dir": str(d), "logits": logits.detach(), "loss": loss.detach(), "grads": grads}
+
+
+def _build(shape, model_dir, tp=None, sp=False):
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.transformer import Transformer
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():
+        model = Transformer(shape, tp=tp, sequence_parallel=sp)
+    load_hf_weights(model, model_dir, shape, tp=tp)
+    return model
+
+
+def test_the_shape_is_qwen3s(qwen3):
+    shape = shape_of(qwen3["dir"], SEQ)
+    assert (shape.architecture, shape.head_dim, shape.q_dim, shape.tie_embeddings) == ("Qwen3ForCausalLM", 16, 64,
+                                                                                        True)
+    model = _build(shape, qwen3["dir"])
+    assert sum(p.numel() for p in model.parameters()) == shape.params  # the q/k norms are counted
+
+
+def test_tp1_logits_loss_and_gradients_match_transformers(qwen3):
+    shape = shape_of(qwen3["dir"], SEQ)
+    model = _build(shape, qwen3["dir"])
+    tokens = _tokens(shape.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens[:, :-1]), qwen3["logits"], **TOL)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(loss.detach(), qwen3["loss"], **TOL)
+    loss.backward()
+    names = shape.family.tensor_names
+    for name, p in model.named_parameters():
+        ref = qwen3["grads"][names.hf_name(name)]
+        torch.testing.assert_close(p.grad, ref, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _ranks(rank, world_size, model_dir):
+    import deepspeed
+
+    from rayspeed.parallel.groups import ParallelGroups
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    comm = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(comm, "build_shm_op"):
+        comm.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    shape = shape_of(model_dir, SEQ)
+    groups = ParallelGroups(dp=1, tp=2, pp=1)
+    model = _build(shape, model_dir, groups.tp, sp=True)
+    tokens = _tokens(shape.vocab_size)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    norms = {n: p.grad.detach().clone() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
+    return logits, loss.detach(), norms
+
+
+def test_tp2_sequence_parallel_matches_transformers(qwen3):
+    shape = shape_of(qwen3["dir"], SEQ)
+    names = shape.family.tensor_names
+    for rank, (logits, loss, norms) in enumerate(run_distributed(_ranks, 2, qwen3["dir"], timeout_s=90)):
+        torch.testing.assert_close(logits, qwen3["logits"], **TOL, msg=lambda m: f"rank {rank} logits: {m}")
+        torch.testing.assert_close(loss, qwen3["loss"], **TOL, msg=lambda m: f"rank {rank} loss: {m}")
+        assert len(norms) == 2 * shape.num_layers
+        for name, g in norms.items():
+            torch.testing.assert_close(g, qwen3["grads"][names.hf_name(name)], **TOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_a_qwen3_written_as_hf_loads_in_transformers_with_the_same_logits(tmp_path):
+    """Out again: a rayspeed Qwen3 with random q/k norms, written in Hugging Face format, is a Qwen3ForCausalLM
+    with rayspeed's logits."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.config.load import parse
+    from rayspeed.config.shape import ModelShape
+    from rayspeed.model.hf_export import write_hf_dir
+    from rayspeed.model.transformer import Transformer
+
+    m = parse({"model": {"architecture": "Qwen3ForCausalLM", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                         "num_kv_heads": 2, "head_dim": 16, "ffn_hidden_size": 64, "seq_len": SEQ,
+                         "tie_embeddings": False}}).model
+    shape = ModelShape.from_config(m)
+    model = Transformer(shape, seed=4).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms away from 1, so a q/k norm left out shows
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+        ids = _tokens(256)[:, :-1]
+        expected = model(ids)
+    write_hf_dir(model.full_state_dict(), shape, str(tmp_path / "hf"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"], cfg["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3", 16)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.float(), expected, **TOL)
