@@ -196,3 +196,14 @@ def test_train_cli_bad_input_exits_2_without_traceback_or_writes(tmp_path, args,
     assert "Traceback" not in r.stderr and needle in r.stderr
     assert "config error" in r.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written: no mlflow.db, no runs/
+
+
+def test_a_bare_off_is_off(tmp_path):
+    """YAML 1.1 reads `watchdog: off` as false: a key whose values include off takes it as off; a key that does
+    not still names the values."""
+    job = tmp_path / "job.yaml"
+    job.write_text("name: bare-off\nhealth:\n  watchdog: off\n")
+    assert load(str(job)).health.watchdog == "off"
+    with pytest.raises(ConfigError) as e:
+        parse({"resilience": {"checkpoint_mode": False}})
+    assert "resilience.checkpoint_mode: expected auto | sync | async, got False" in str(e.value)

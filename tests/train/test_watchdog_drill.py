@@ -24,7 +24,7 @@ def home(tmp_path_factory):
 def _run(home, policy, *extra):
     sets = [f"name=wd-{policy}", f"train.max_steps={STEPS}", "tracking.log_every_steps=1", "train.eval_every_steps=0",
             "train.warmup_steps=1", "cluster.num_workers=1", "parallel.zero_stage=0",
-            "tracking.charts_every_checkpoints=0", f"health.watchdog='{policy}'",
+            "tracking.charts_every_checkpoints=0", f"health.watchdog={policy}",
             f"chaos.nan_loss_at_step={{rank: 0, step: {BAD}}}", *extra]
     summary = run_inprocess(home, TINY, sets, workers=1)
     assert summary["status"] == "finished", summary

@@ -100,6 +100,8 @@ def _coerce(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) is type(typing.get_args(tp)[0]):
             return value
+        if value is False and "off" in typing.get_args(tp):  # YAML 1.1 reads a bare `off` as false
+            return "off"
         raise _Bad
     if tp is type(None):
         if value is None:
