@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from rayspeed.logs import log_rank
+
 log = logging.getLogger(__name__)
 
 Apply = Callable[[torch.nn.Module, Any, Any, bool], Optional[str]]
@@ -134,5 +136,5 @@ def apply_transforms(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool
         what = t.at_build(cfg) if t.at_build is not None else t.apply(model, cfg, groups, on_gpu) if t.apply else None
         if what:
             done.append((t.name, what + (" (at build)" if t.at_build is not None else "")))
-    log.info("model transforms: %s", "; ".join(f"{n}: {w}" for n, w in done) or "none")
+    log_rank(log, "model transforms: %s", "; ".join(f"{n}: {w}" for n, w in done) or "none")  # the same on every rank
     return done
