@@ -1,7 +1,9 @@
 """Qwen3 parity with transformers (Qwen3ForCausalLM made locally: per-head q/k norms, head_dim 16 where hidden /
 heads is 8, tied embeddings), fp32, rtol = atol = 1e-5: logits, loss and every parameter's gradient at tp1; at tp2
 with sequence parallelism each rank's logits and loss, and the q/k-norm gradients (each rank normalises only its
-own heads: the weight's gradient is summed over the tp group) equal transformers' whole ones."""
+own heads: the weight's gradient is summed over the tp group) equal transformers' whole ones; at pp2 (DeepSpeed's
+pipeline, Qwen3's blocks split by type) the last stage's logits and every stage's loss; and the export loads back
+as a Qwen3ForCausalLM with rayspeed's logits."""
 
 from __future__ import annotations
 
@@ -73,8 +75,39 @@ def test_tp1_logits_loss_and_gradients_match_transformers(qwen3):
         torch.testing.assert_close(p.grad, ref, **TOL, msg=lambda m: f"{name}: {m}")
 
 
+def _pipeline(shape, model_dir, groups, tokens, rank):
+    """pp2: the stages by hand for the logits (the engine never materialises them), DeepSpeed's eval_batch for the
+    loss."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.pipeline import build_pipeline_module
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():
+        module = build_pipeline_module(shape, groups, num_stages=2, partition_method="type:Block")
+    load_hf_weights(module, model_dir, shape)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    logits = None
+    with torch.no_grad():
+        if groups.pp_rank == 0:
+            dist.send(module(ids).contiguous(), dst=1)
+        else:
+            full = torch.empty(BATCH, SEQ, shape.hidden_size)
+            dist.recv(full, src=0)
+            hidden, weight = module(full)
+            logits = F.linear(hidden, weight)
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
+                                           config=config)
+    return logits, engine.eval_batch(iter([(ids, labels)])).detach().float().reshape(())
+
+
 def _ranks(rank, world_size, model_dir):
     import deepspeed
+    import torch.distributed as dist
 
     from rayspeed.parallel.groups import ParallelGroups
 
@@ -92,13 +125,19 @@ def _ranks(rank, world_size, model_dir):
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     norms = {n: p.grad.detach().clone() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
-    return logits, loss.detach(), norms
+    dist.barrier()
+    pipeline = _pipeline(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), tokens, rank)
+    return logits, loss.detach(), norms, pipeline
 
 
-def test_tp2_sequence_parallel_matches_transformers(qwen3):
+def test_tp2_sequence_parallel_and_pp2_match_transformers(qwen3):
     shape = shape_of(qwen3["dir"], SEQ)
     names = shape.family.tensor_names
-    for rank, (logits, loss, norms) in enumerate(run_distributed(_ranks, 2, qwen3["dir"], timeout_s=90)):
+    for rank, (logits, loss, norms, (pp_logits, pp_loss)) in enumerate(run_distributed(_ranks, 2, qwen3["dir"],
+                                                                                         timeout_s=120)):
+        torch.testing.assert_close(pp_loss, qwen3["loss"], **TOL, msg=lambda m: f"pp2 rank {rank} loss: {m}")
+        if rank == 1:  # the last stage holds the head
+            torch.testing.assert_close(pp_logits, qwen3["logits"], **TOL, msg=lambda m: f"pp2 logits: {m}")
         torch.testing.assert_close(logits, qwen3["logits"], **TOL, msg=lambda m: f"rank {rank} logits: {m}")
         torch.testing.assert_close(loss, qwen3["loss"], **TOL, msg=lambda m: f"rank {rank} loss: {m}")
         assert len(norms) == 2 * shape.num_layers
