@@ -1,8 +1,8 @@
 """Save a tiny Llama-family causal LM with `save_pretrained`: random weights, no download.
 
-    python scripts/make_tiny_hf_model.py OUT [--arch llama|mistral|qwen2] [--vocab 256] [--hidden 64] [--layers 2]
+    python scripts/make_tiny_hf_model.py OUT [--arch llama|mistral|qwen2|qwen3] [--vocab 256] [--hidden 64] [--layers 2]
         [--heads 4] [--kv-heads 2] [--ffn 128] [--tied] [--rope llama3|linear|default] [--max-positions 512]
-        [--seed 0] [--shards N]
+        [--seed 0] [--shards N] [--head-dim N]
 
 Every weight is drawn from N(0, 0.2) (norm weights around 1) rather than transformers' initialisation, whose
 zero biases and unit norms would let a wrong bias or norm mapping go unnoticed in parity tests. A vocabulary of
@@ -96,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--tokenizer", action="store_true", help="also save the byte-level tokenizer")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="attention head width, for a family that reads config.json's head_dim (qwen3)")
     a = ap.parse_args(argv)
     save(a.out, a.arch, a.seed, a.shards, a.tokenizer, vocab=a.vocab, hidden=a.hidden, layers=a.layers,
-         heads=a.heads, kv_heads=a.kv_heads, ffn=a.ffn, tied=a.tied, rope=a.rope, max_positions=a.max_positions)
+         heads=a.heads, kv_heads=a.kv_heads, ffn=a.ffn, tied=a.tied, rope=a.rope, max_positions=a.max_positions,
+         head_dim=a.head_dim)
     print(a.out)
     return 0
 

@@ -175,3 +175,43 @@ def test_a_qwen3_written_as_hf_loads_in_transformers_with_the_same_logits(tmp_pa
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits.float(), expected, **TOL)
+
+
+def test_a_qwen3_job_starts_from_the_checkpoint_and_registers_a_qwen3(tmp_path):
+    """The worker path end to end (tests/_inprocess.py: the launcher's steps here, two gloo workers at tp2):
+    model.pretrained names a Qwen3 checkpoint; the first logged loss is transformers' own on step 1's batch, and
+    the registered version loads in transformers as a Qwen3ForCausalLM."""
+    import mlflow
+    from transformers import AutoModelForCausalLM
+
+    from _cluster import ROOT, metric_history
+    from _inprocess import run_inprocess
+    from rayspeed.data import build_token_file, make_schedule
+
+    model_dir = tmp_path / "tiny-qwen3"
+    save(model_dir, {**QWEN3, "max_positions": 256}, seed=3, tokenizer=True)
+    seq, batch, seed = 128, 8, 1234
+    sets = [f"model.pretrained={model_dir}", "name=tiny-qwen3", "train.max_steps=2", "tracking.log_every_steps=1",
+            "cluster.num_workers=2", "parallel.tp=2", "parallel.zero_stage=0", "tracking.charts_every_checkpoints=0",
+            "tracking.loss_landscape=false", "resilience.checkpoint_every_steps=0"]
+    summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
+    assert summary["status"] == "finished" and summary["layout"]["tp"] == 2, summary
+
+    tf = build_token_file("python-stdlib", None, "bytes", str(tmp_path / "runs" / ".cache" / "data"))
+    train, _ = tf.split(0.01, seq)
+    windows = torch.from_numpy(train.windows(make_schedule(train, seq, batch, seed).indices(0), seq))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item()
+    (step, first), *_ = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
+    assert step == 1 and first == pytest.approx(expected, rel=1e-5)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    from rayspeed.compat import mlflow_process_store
+
+    with mlflow_process_store(uri):
+        local = mlflow.artifacts.download_artifacts(
+            f"models:/rayspeed-tiny-qwen3/{summary['registered_model_version']}", dst_path=str(tmp_path / "dl"))
+    registered = AutoModelForCausalLM.from_pretrained(f"{local}/model", dtype=torch.float32)
+    assert type(registered).__name__ == "Qwen3ForCausalLM" and registered.config.head_dim == 16
