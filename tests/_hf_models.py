@@ -36,3 +36,21 @@ def shape_of(model_dir, seq_len):
     cfg = parse({"model": {"seq_len": seq_len}},
                 [f"model.pretrained={model_dir}"])
     return ModelShape.from_config(cfg.model)
+
+
+def first_batch_loss(home, model_dir, seq, batch, seed):
+    """(transformers' mean next-token loss on step 1's global batch, that batch), rebuilt from the job's own data
+    cache (a job on configs/tiny-pretrained-cpu.yaml: python-stdlib, byte tokenizer)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.data import build_token_file, make_schedule
+
+    tf = build_token_file("python-stdlib", None, "bytes", str(Path(home) / "runs" / ".cache" / "data"))
+    train, _ = tf.split(0.01, seq)
+    windows = torch.from_numpy(train.windows(make_schedule(train, seq, batch, seed).indices(0), seq))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item(), windows

@@ -10,29 +10,13 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _cluster import ROOT, metric_history, run_job
-from _hf_models import tiny
+from _hf_models import first_batch_loss, tiny
 
 pytestmark = pytest.mark.ray
 CONFIG = str(ROOT / "configs" / "tiny-pretrained-cpu.yaml")
 SEQ, BATCH, SEED = 128, 8, 1234
-
-
-def _first_batch_loss(home, model_dir):
-    """transformers' mean next-token loss on step 1's global batch, rebuilt from the job's own data cache."""
-    from transformers import AutoModelForCausalLM
-
-    from rayspeed.data import build_token_file, make_schedule
-
-    tf = build_token_file("python-stdlib", None, "bytes", str(home / "runs" / ".cache" / "data"))
-    train, _ = tf.split(0.01, SEQ)
-    windows = torch.from_numpy(train.windows(make_schedule(train, SEQ, BATCH, SEED).indices(0), SEQ))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(windows[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item(), windows
 
 
 def test_pretrained_job_starts_from_the_checkpoint_and_registers_a_transformers_model(ray_head, tmp_path):
@@ -46,7 +30,7 @@ def test_pretrained_job_starts_from_the_checkpoint_and_registers_a_transformers_
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert summary["status"] == "finished" and summary["world_size"] == 2 and summary["layout"]["zero_stage"] == 2
 
-    expected, windows = _first_batch_loss(tmp_path, model_dir)
+    expected, windows = first_batch_loss(tmp_path, model_dir, SEQ, BATCH, SEED)
     (step, first), *_ = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
     print(f"\nfirst logged train/loss {first:.6f} (step {step}); transformers on the same batch {expected:.6f}; "
           f"ln(256) {math.log(256):.4f}")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import run_distributed
-from _hf_models import QWEN3, save, shape_of
+from _hf_models import QWEN3, first_batch_loss, save, shape_of
 
 SEQ, BATCH = 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -186,7 +186,6 @@ def test_a_qwen3_job_starts_from_the_checkpoint_and_registers_a_qwen3(tmp_path):
 
     from _cluster import ROOT, metric_history
     from _inprocess import run_inprocess
-    from rayspeed.data import build_token_file, make_schedule
 
     model_dir = tmp_path / "tiny-qwen3"
     save(model_dir, {**QWEN3, "max_positions": 256}, seed=3, tokenizer=True)
@@ -197,13 +196,7 @@ def test_a_qwen3_job_starts_from_the_checkpoint_and_registers_a_qwen3(tmp_path):
     summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
     assert summary["status"] == "finished" and summary["layout"]["tp"] == 2, summary
 
-    tf = build_token_file("python-stdlib", None, "bytes", str(tmp_path / "runs" / ".cache" / "data"))
-    train, _ = tf.split(0.01, seq)
-    windows = torch.from_numpy(train.windows(make_schedule(train, seq, batch, seed).indices(0), seq))
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(windows[:, :-1]).logits
-    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item()
+    expected, _ = first_batch_loss(tmp_path, model_dir, seq, batch, seed)
     (step, first), *_ = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
     assert step == 1 and first == pytest.approx(expected, rel=1e-5)
 
