@@ -1,7 +1,8 @@
 """`make bench`: one JSON line per benchmark, each side by side within the same run.
 
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
-                            [--platform-set KEY=VALUE]... [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy]
+                            [--platform-set KEY=VALUE]...
+                            [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory]
                             [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -29,6 +30,11 @@ Lines (in this order; "bench" names each):
                 job with cluster.profile set (60 steps): the plan's step time against the measured steady-state
                 one (plan/predicted_step_time_s vs plan/measured_step_time_s, median of the windows after 10
                 warm-up steps), and the error. Not in the default --only: it is a measurement, ~3 minutes.
+  activation_memory  scripts/saved_activations.py: per shape (4), dtype (fp32, bf16) and activation_checkpointing
+                mode, the bytes per token one block keeps for backward, measured on CPU with saved_tensors_hooks,
+                against the planner's (planner.memory activation_bytes' kept term): predicted_bytes_per_token_per_block,
+                measured, ratio (measured / predicted), and the proposed correction's (proposed, proposed_ratio).
+                Not in the default --only; a few seconds.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
@@ -515,6 +521,16 @@ def bench_plan_accuracy(args, home: Path) -> dict[str, Any]:
                 pred and meas and abs(pred / meas - 1.0) <= 0.25), "loadavg": os.getloadavg()[0]}
 
 
+def bench_activation_memory(args) -> list[dict[str, Any]]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("saved_activations", ROOT / "scripts" / "saved_activations.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.all_cases()
+
+
 def bench_gpu(args) -> list[dict[str, Any]]:
     try:
         import torch
@@ -551,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
     ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint",
-                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, plan_accuracy (not in the "
-                    "default)")
+                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, plan_accuracy, "
+                    "activation_memory (the last two not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -578,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.insert(1 if cpu is not None else 0, resil)
         if "plan_accuracy" in only:
             lines.append(bench_plan_accuracy(args, home))
+        if "activation_memory" in only:
+            lines += bench_activation_memory(args)
         if "gpu" in only:
             lines += bench_gpu(args)
         if "checkpoint" in only:
