@@ -33,7 +33,7 @@ Lines (in this order; "bench" names each):
   activation_memory  scripts/saved_activations.py: per shape (4), dtype (fp32, bf16) and activation_checkpointing
                 mode, the bytes per token one block keeps for backward, measured on CPU with saved_tensors_hooks,
                 against the planner's (planner.memory activation_bytes' kept term): predicted_bytes_per_token_per_block,
-                measured, ratio (measured / predicted), and the proposed correction's (proposed, proposed_ratio).
+                measured, ratio (measured / predicted).
                 Not in the default --only; a few seconds.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and

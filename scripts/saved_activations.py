@@ -12,8 +12,7 @@ through its own, so what is seen is exactly what stays alive until backward.
 
 `predicted` is the planner's kept term (rayspeed.planner.memory.activation_bytes) per token per block, in bytes:
 the difference between the activations of a 2-block and a 1-block model at pp = 1, so the mode's arithmetic is the
-planner's own, not a copy of it (or layer_saved's attention / MLP term, for a sub-block). `proposed_saved` is the
-correction these measurements suggest for layer_saved; it accounts for every byte measured here.
+planner's own, not a copy of it (or layer_saved's attention / MLP term, for a sub-block, through block_saved).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from rayspeed.config.layout import Layout  # noqa: E402
 from rayspeed.config.load import load  # noqa: E402
 from rayspeed.config.shape import ModelShape  # noqa: E402
 from rayspeed.model.transformer import CHECKPOINTING_MODES, block_class  # noqa: E402
-from rayspeed.planner.memory import activation_bytes, layer_saved  # noqa: E402
+from rayspeed.planner.memory import activation_bytes, block_saved  # noqa: E402
 from rayspeed.planner.search import build_ctx  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -129,63 +128,27 @@ def predicted(cfg, mode: str, precision: str, micro_batch: int, part: str = "blo
     """The planner's bytes per token per block. block: activation_bytes' kept term (the difference between a
     2-block and a 1-block model at pp = 1, tp = 1); attn / mlp: layer_saved's sub-block terms (mode none)."""
     ctx = planner_ctx(cfg, precision)
-    if part != "block":
-        return layer_saved(ctx.shape, 1, False)[PARTS.index(part)] * ctx.w_bytes
     lay = Layout(1, 1, 1, 0, micro_batch, 1, False, mode)
+    if part != "block":
+        return block_saved(ctx, lay)[PARTS.index(part)] * ctx.w_bytes
     two = dataclasses.replace(ctx, shape=dataclasses.replace(ctx.shape, num_layers=2))
     one = dataclasses.replace(ctx, shape=dataclasses.replace(ctx.shape, num_layers=1))
     return (activation_bytes(two, lay, 0) - activation_bytes(one, lay, 0)) / (micro_batch * ctx.shape.seq_len)
 
 
-def proposed_saved(sh: ModelShape, w_bytes: int, micro_batch: int, flash_gqa: bool = False,
-                   tp: int = 1, sp: bool = False) -> tuple[float, float, float]:
-    """The correction this measurement suggests for planner.memory.layer_saved (working-dtype elements per token
-    per block: total, attention, MLP). r = 4 / w_bytes: an fp32 element in working elements.
-    Per RMSNorm (r + 2) n + r: the fp32 upcast (at fp32 x.float() is the input itself: r n either way), the
-    normalised tensor, the weighted output (the projections' input) and the fp32 rsqrt per row.
-    Attention: q after RoPE, k and v as SDPA gets them (repeat_interleave'd to q's width unless the CUDA flash
-    kernel takes the kv heads itself: flash_gqa), the SDPA output, which is wo's input too (the transpose back
-    is contiguous: the reshape is a view), the fp32 log-sum-exp (r per head), RoPE's fp32 cos and sin tables
-    ([s, head_dim] each, per block, shared by the micro-batch: 2 r head_dim / micro_batch per token), and for
-    qk-norm families the q and k norms ((r + 1) width + r per head each: upcast, normalised).
-    MLP: its norm, gate, silu(gate), up and their product (4f)."""
-    r = 4 / w_bytes
-    out_div = tp if sp else 1
-    kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
-    norm = ((r + 2) * sh.hidden_size + r) / out_div
-    attn = norm + (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp + 2 * r * sh.head_dim / micro_batch
-    if sh.family.qk_norm:
-        attn += ((r + 1) * (sh.q_dim + sh.kv_dim) + r * (sh.num_heads + sh.num_kv_heads)) / tp
-    mlp = norm + 4 * sh.ffn_hidden_size / tp
-    return attn + mlp, attn, mlp
-
-
-def proposed(cfg, mode: str, precision: str, micro_batch: int, part: str = "block") -> float:
-    """proposed_saved in bytes per token per block, with the modes' kept terms of activation_bytes (unchanged:
-    they match): selective keeps both sub-blocks' inputs (2h), full the block's input (h)."""
-    ctx = planner_ctx(cfg, precision)
-    sh = ctx.shape
-    if part == "block" and mode != "none":
-        return (2 if mode == "selective" else 1) * sh.hidden_size * ctx.w_bytes
-    return proposed_saved(sh, ctx.w_bytes, micro_batch)[PARTS.index(part)] * ctx.w_bytes
-
-
 def compare(model: dict, micro_batch: int, mode: str, precision: str, part: str = "block",
             by_op: bool = False) -> dict[str, Any]:
-    """One case: the shape, mode and dtype, the planner's prediction, the measurement and their ratio (and the
-    proposed correction's prediction and ratio)."""
+    """One case: the shape, mode and dtype, the planner's prediction, the measurement and their ratio."""
     cfg = case_config(model, micro_batch, precision)
     dims = ModelShape.from_config(cfg.model)
     res = measure_block(cfg, mode, DTYPES[precision], micro_batch, part, by_op=by_op)
     got = res["bytes_per_token"]
     pred = predicted(cfg, mode, precision, micro_batch, part)
-    prop = proposed(cfg, mode, precision, micro_batch, part)
     line = {"bench": "activation_memory", "architecture": dims.architecture, "hidden_size": dims.hidden_size,
             "num_heads": dims.num_heads, "num_kv_heads": dims.num_kv_heads, "head_dim": dims.head_dim,
             "ffn_hidden_size": dims.ffn_hidden_size, "seq_len": dims.seq_len, "micro_batch_size": micro_batch,
             "mode": mode, "dtype": precision, "predicted_bytes_per_token_per_block": round(pred, 2),
-            "measured": round(got, 2), "ratio": round(got / pred, 4),
-            "proposed": round(float(prop), 2), "proposed_ratio": round(got / prop, 4)}
+            "measured": round(got, 2), "ratio": round(got / pred, 4)}
     if part != "block":
         line["part"] = part
     if by_op:

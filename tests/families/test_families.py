@@ -150,8 +150,12 @@ def test_the_planner_plans_a_head_width_other_than_hidden_over_heads(wide_family
     wide = build_ctx(parse(job))
     narrow = build_ctx(parse({**job, "model": {**job["model"], "head_dim": None}}))
     assert (wide.shape.q_dim, narrow.shape.q_dim) == (2048, 1024)
-    # q after RoPE and the SDPA output with its copy (3 q_dim), k and v (2 kv_dim): 3 * 1024 + 2 * 512 more.
-    assert layer_saved(wide.shape, 1, False)[1] - layer_saved(narrow.shape, 1, False)[1] == 3 * 1024 + 2 * 512
+    # q after RoPE and the SDPA output (2 q_dim), k and v as SDPA gets them (2 kv_dim on the flash path, else
+    # expanded to 2 q_dim), RoPE's fp32 tables (2 x 2 x head_dim): per token, this much more.
+    wide_a, narrow_a = (layer_saved(c.shape, 1, False, 2, 1, flash_gqa=True)[1] for c in (wide, narrow))
+    assert wide_a - narrow_a == 2 * 1024 + 2 * 512 + 4 * 64
+    wide_a, narrow_a = (layer_saved(c.shape, 1, False)[1] for c in (wide, narrow))
+    assert wide_a - narrow_a == 2 * 1024 + 2 * 1024 + 4 * 64
     assert wide.shape.params - narrow.shape.params == 4 * (2 * 1024 * 1024 + 2 * 1024 * 512)
     assert wide.shape.flops_per_token > narrow.shape.flops_per_token
     lay = Layout(2, 1, 1, 1, 4, 1, False, "none")

@@ -103,12 +103,14 @@ def test_activations_by_checkpointing_mode_and_sequence_parallel():
 
     none, sel, full = acts(1, False, "none"), acts(1, False, "selective"), acts(1, False, "full")
     assert none > sel > full
-    # Per layer, without recomputation: the block keeps ~47h bytes per token (playbook GPT-3: 34h).
+    # Per layer, without recomputation: the block keeps ~45h bytes per token (playbook GPT-3: 34h).
     total, _, _ = layer_saved(ctx.shape, 1, False)
     assert 20 < total / ctx.shape.hidden_size < 26
-    # Sequence parallel divides everything by tp; tp alone leaves the norm region replicated.
+    # Sequence parallel divides everything by tp but RoPE's [s, head_dim] tables; tp alone leaves the norm region
+    # replicated.
+    rope = 2 * 2 * ctx.shape.head_dim
     t_sp, t_nosp = layer_saved(ctx.shape, 4, True)[0], layer_saved(ctx.shape, 4, False)[0]
-    assert t_sp == pytest.approx(total / 4)
+    assert t_sp == pytest.approx((total - rope) / 4 + rope)
     assert total / 4 < t_nosp < total
     # 1F1B: the first stage holds pp micro-batches in flight, the last one.
     lay = Layout(2, 1, 4, 1, 1, 8, False, "none")
@@ -161,12 +163,18 @@ def test_collective_cost_grows_with_bytes_and_ranks():
 
 
 @pytest.mark.parametrize("gpus,algo,async_eh",
-                         [(8, None, False), (64, "Tree", False), (256, None, True), (512, None, True)])
+                         [(8, None, False), (64, None, False), (256, None, True), (512, None, True)])
 def test_comm_profile_by_cluster_size(gpus, algo, async_eh):
     cfg = parse({"train": {"global_batch_size": 1024}, "cluster": {"num_workers": gpus, "use_gpu": True}})
     ctx = build_ctx(cfg)
     prof = comm_profile(ctx, Layout(gpus, 1, 1, 1, 1, 1024 // gpus, False, "none"), 600)
+    # The field guide's Tree for 9-64 GPUs is a hypothesis: tested with every all-reduce forced to a tree against
+    # NCCL's own per-call choice, which already takes trees where its cost model prefers them.
     assert prof["env"].get("NCCL_ALGO") == algo
+    test = prof.get("nccl_algo_test")
+    assert (test is not None) is (8 < gpus <= 64)
+    if test:
+        assert not test["applied"] and test["step_time_s_tree_forced"] >= test["step_time_s_nccl_choice"]
     assert (prof["env"].get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1") is async_eh
     for bad in ("NCCL_SOCKET_TIMEOUT", "NCCL_TIMEOUT", "NCCL_MAX_NTHREADS", "NCCL_ASYNC_ERROR_HANDLING"):
         assert bad not in prof["env"]

@@ -8,6 +8,7 @@ biases, the head width) comes from the family's record in rayspeed.families.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -129,7 +130,7 @@ class ModelShape:
 
     # ---- parameters
 
-    @property
+    @functools.cached_property  # read for every stage of every layout a search costs
     def layer_matrix_params(self) -> int:
         """q and o (h x q_dim), k and v (h x kv_dim each), gate/up/down (h x f each), and the q/k/v biases when
         present: all split by tp."""
@@ -137,7 +138,7 @@ class ModelShape:
         bias = (q + 2 * self.kv_dim) if self.qkv_bias else 0
         return 2 * h * q + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size + bias
 
-    @property
+    @functools.cached_property  # read for every stage of every layout a search costs
     def layer_norm_params(self) -> int:
         """Two RMSNorm weights (and a family's per-head q/k norms), replicated on every tp rank."""
         return 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)

@@ -51,6 +51,10 @@ class Group:
     # LL128 is on by default only inside an NVLink node (tuning.cc protoEnable: not over the network)
     ll128: bool = True
     latency_scale: float = 1.0  # a calibrated profile's measured / modelled latency
+    # "" = NCCL's tuner picks per call (the cheapest below); "tree" = NCCL_ALGO=Tree: all-reduces run as trees, inside
+    # a node too (a chain), while the other collectives have no tree and fall back to rings (NVIDIA/nccl#317,
+    # #1304; before NCCL 2.22 the fallback could fail with "no algorithm/protocol available").
+    algo: str = ""
 
 
 @functools.lru_cache(maxsize=65536)
@@ -66,6 +70,8 @@ def nccl_s(kind: str, nbytes: float, g: Group) -> float:
     ninter = 0 if nodes == 1 else (2 * (nodes - 1) if ar else nodes - 1)
     best = math.inf
     algos = ("ring", "tree") if (ar and nodes > 1) else ("ring",)
+    if g.algo == "tree" and ar:
+        algos = ("tree",)
     for algo in algos:
         for p in PROTOCOLS:
             if p == LL128 and not g.ll128:

@@ -3,7 +3,6 @@ why they lost, the field guide's rules."""
 
 from __future__ import annotations
 
-from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import COMPONENTS
@@ -29,8 +28,9 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     k = max(diffs, key=diffs.__getitem__)
     slower = 100 * (e.step_s / best.step_s - 1)
     if slower < -0.05:
-        return (f"{-slower:.1f}% faster by the model, within its error; the chosen layout leaves more memory free "
-                f"({100 * headroom(best):.0f}% vs {100 * headroom(e):.0f}% of usable)")
+        return (f"{-slower:.1f}% faster by the model, but {e.memory_text()} leaves less than its memory margin "
+                f"(the chosen: {best.memory_text()})" if not e.safe else
+                f"{-slower:.1f}% faster by the model, within {100 * NEAR_TIE:.0f}%: the chosen layout is simpler")
     if slower <= 0.05:
         return ("a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, "
                 "less recomputation)")
@@ -38,54 +38,6 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     if k == "compute_s" and a["recompute_s"] - b["recompute_s"] > 0.5 * diffs[k]:
         what = "recomputation"
     return f"{slower:.1f}% slower: more {what} (+{diffs[k]:.3g} s)"
-
-
-def key_alternatives(best: Estimate, estimates: list[Estimate], fixed: dict) -> list[str]:
-    """One line per layout key: the chosen value and what the best layout with another value would cost."""
-    lines = []
-    for key in LAYOUT_KEYS:
-        chosen = getattr(best.layout, key)
-        if key in fixed:
-            lines.append(f"{key} = {chosen}: fixed in the job file")
-            continue
-        others: dict = {}
-        for e in estimates:
-            v = getattr(e.layout, key)
-            if v == chosen:
-                continue
-            cur = others.get(v)
-            if cur is None or (e.fits and (not cur.fits or e.step_s < cur.step_s)) or (
-                    not e.fits and not cur.fits and e.memory_gib < cur.memory_gib):
-                others[v] = e
-        parts = []
-        for v in sorted(others, key=lambda x: (str(type(x)),
-                                               x if not isinstance(x, str) else CHECKPOINT_MODES.index(x))):
-            e = others[v]
-            if e.fits:
-                parts.append(f"{v}: {100 * (e.step_s / best.step_s - 1):+.1f}%")
-            else:
-                parts.append(f"{v}: does not fit (>= {e.memory_gib:.1f} GiB)")
-        extra = _key_reason(key, best)
-        tail = f" (best with {key} = " + "; ".join(parts) + ")" if parts else " (the only valid value)"
-        lines.append(f"{key} = {chosen}{extra}{tail}")
-    return lines
-
-
-def _key_reason(key: str, best: Estimate) -> str:
-    lay, ctx = best.layout, best.ctx
-    if key == "tp" and lay.tp > 1:
-        return f": within one node ({ctx.node_size} ranks, {ctx.hw.intra_node_gbps:.0f} GB/s links)"
-    if key == "sequence_parallel":
-        if lay.tp > 1 and not lay.sequence_parallel and ctx.shape.seq_len % lay.tp:
-            return (f": off, model.seq_len ({ctx.shape.seq_len}) does not divide by tp ({lay.tp}); auto is true "
-                    "iff tp > 1 and tp divides model.seq_len")
-        return ": auto is true iff tp > 1 and tp divides model.seq_len"
-    if key == "activation_checkpointing":
-        return ": the cheapest mode that fits and is fastest"
-    if key == "grad_accum":
-        return (f": global batch {ctx.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch_size} "
-                f"x {lay.grad_accum}")
-    return ""
 
 
 def _gib(v: float) -> str:
@@ -99,8 +51,8 @@ def memory_table(e: Estimate) -> list[str]:
         v = e.memory.get(k, 0.0) / GIB
         if v > 0:
             lines.append(f"  {k:<18} {_gib(v)}")
-    lines.append(f"  {'total':<18} {_gib(e.memory_gib)}   of {e.ctx.usable_gib:.2f} usable "
-                 f"({e.ctx.memory_gib:.1f} x {e.ctx.usable_fraction:.2f}: headroom for what the model does not see)")
+    lines.append(f"  {'total':<18} {_gib(e.memory_gib)}   +- {e.margin_gib:.2f} (the memory model's margin) of "
+                 f"{e.ctx.usable_gib:.2f} usable ({e.ctx.memory_gib:.1f} x {e.ctx.usable_fraction:.2f})")
     return lines
 
 
@@ -122,7 +74,7 @@ def time_table(e: Estimate) -> list[str]:
 
 
 def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: list[Estimate], rules: dict,
-           fixed: dict, notes: list[str], job_name: str, counts: dict) -> str:
+           fixed: dict, notes: list[str], job_name: str, counts: dict, claims: list[dict]) -> str:
     sh = ctx.shape
     err = model_error(ctx)
     lay = best.layout
@@ -139,26 +91,33 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
                                 f"{'%.1f%%' % (100 * ctx.model_error) if ctx.model_error else 'not fitted'})"
                 or "built-in table (no profile: `rayspeed calibrate --out FILE`, then --profile FILE)"))
     L.append("")
-    L.append(f"chosen layout: {lay.short()}")
-    L.append(f"  fastest of {counts['fitting']} fitting layouts ({counts['evaluated']} evaluated, "
-             f"{counts['evaluated'] - counts['fitting']} do not fit in memory; "
-             f"{counts['beyond_cap']} more excluded by the accumulation cap of "
-             f"{rules['accumulation_cap']['max_grad_accum']})")
-    for line in key_alternatives(best, estimates, fixed):
-        L.append(f"  - {line}")
+    chosen = next(c for c in claims if c["kind"] == "chosen")
+    L.append(f"chosen layout: {lay.short()}: {chosen['text']}")
+    excluded = (f"; {counts['excluded_by_cap']} excluded by the accumulation cap, with their numbers below"
+                if counts["excluded_by_cap"] else "")
+    L.append(f"  {counts['evaluated']} layouts evaluated, {counts['fitting']} fit in memory"
+             f"{excluded}; {best.memory_text()} of {ctx.usable_gib:.1f} GiB usable")
+    for c in claims:
+        if c["kind"] == "key":
+            L.append(f"  - {c['text']}")
     L.append("")
     L += memory_table(best)
     L.append("")
     L += time_table(best)
     L.append("")
+    faster = [c for c in claims if c["kind"] == "faster_not_chosen"]
+    if faster:
+        L.append(f"faster layouts not chosen ({len(faster)}{'+' if len(faster) >= 50 else ''}):")
+        for c in faster[:8]:
+            L.append(f"  - {c['text']}")
+        L.append("")
     fastest = min((x.step_s for x in estimates if x.fits), default=best.step_s)
-    ties = [e for e in estimates if e.fits and e.step_s <= fastest * (1 + err)]
+    ties = [e for e in estimates if e.fits and e.safe and e.step_s <= fastest * (1 + err)]
     if len(ties) > 1:
-        roomy = "more memory headroom" if best.step_s > fastest * (1 + NEAR_TIE) else "speed, then simplicity"
-        L.append(f"near tie: {len(ties)} fitting layouts are within the time model's own error (+-{100 * err:.0f}%"
-                 f"{', held out on ' + ctx.profile if ctx.profile else ', uncalibrated'}) of the fastest; chosen for "
-                 f"{roomy} ({100 * headroom(best):.0f}% of usable memory free); measure a few steps of the runner-ups "
-                 "to decide between them")
+        L.append(f"near tie: {len(ties)} layouts that fit with the margin are within the time model's own error "
+                 f"(+-{100 * err:.0f}%{', held out on ' + ctx.profile if ctx.profile else ', uncalibrated'}) of the "
+                 f"fastest ({100 * headroom(best):.0f}% of usable memory free on the chosen one); measure a few steps "
+                 "of the runner-ups to decide between them")
         L.append("")
     if alternatives:
         L.append("runner-up layouts:")
@@ -166,10 +125,10 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
             L.append(f"  {i}. {e.layout.short()}: {e.step_s:.4f} s, {e.memory_gib:.1f} GiB; {why_lost(e, best)}")
     # Faster layouts that miss by little (within half the usable memory): what more memory would buy.
     near = [e for e in estimates if not e.fits and e.overshoot_gib() < 0.5 * ctx.usable_gib and e.step_s < best.step_s]
-    faster = sorted(near, key=lambda e: e.step_s)[:3]
-    if faster:
+    misses = sorted(near, key=lambda e: e.step_s)[:3]
+    if misses:
         L.append("faster layouts that just do not fit:")
-        for e in faster:
+        for e in misses:
             k, v = e.biggest_part()
             L.append(f"  - {e.layout.short()}: {e.step_s:.4f} s but {e.memory_gib:.1f} GiB "
                      f"(over by {e.overshoot_gib():.1f}; largest part {k} {v:.1f} GiB)")
@@ -177,7 +136,7 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L.append("field guide rules:")
     s = rules["strategy"]
     L.append(f"  strategy by size ({size}, {s['gpus']} {'GPUs' if ctx.hw.is_gpu else 'workers'}): {s['recommends']}; "
-             f"{'fits' if s['fits'] else 'does NOT fit'}; chosen follows it: {s['chosen_follows_rule']}; {s['note']}")
+             f"{s['note']}")
     lr = rules["lr"]
     used = ("used for train.lr: auto" if lr.get("applied")
             else "not used: train.lr is a number (its default or the job's); train.lr: auto applies the rule")
@@ -186,7 +145,9 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     if lr.get("applied") and "warning" in lr:
         L.append(f"    WARNING: {lr['warning']}")
     cap = rules["accumulation_cap"]
-    L.append(f"  accumulation cap: {cap['rule']} = {cap['max_grad_accum']}; chosen {lay.grad_accum}")
+    moot = cap["why"].startswith("excludes nothing")  # a cap no layout reaches says nothing as a number
+    L.append(f"  accumulation cap: {cap['statement']}" + ("" if moot else f" = {cap['max_grad_accum']}")
+             + f": {cap['why']}")
     c = rules["comm_profile"]
     L.append(f"  communication: {c['tier']}; env {c['env'] or '{}'}; deepspeed {c['deepspeed'] or '{}'}")
     for n in c["notes"]:
@@ -194,6 +155,9 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     p = rules["precision"]
     L.append(f"  precision: {p['precision']} ({p['why']}); TF32 for fp32 matmuls: {p['tf32']}"
              + (f"; {p['warning']}" if "warning" in p else ""))
+    for c in claims:
+        if c["kind"] == "hpz":
+            L.append(f"  {c['text']}")
     ck = rules["checkpointing"]
     L.append(f"  activation checkpointing: {ck['template']} (mode {ck['mode']}); not applied: {ck['not_applied']}")
     t = rules["topology"]

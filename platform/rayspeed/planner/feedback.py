@@ -40,3 +40,18 @@ def plan_metrics(plan: dict, windows: Iterable[tuple[int, int, float]], measured
         if pred_m:
             out["plan/memory_error"] = float(pred_m) / measured_memory_gib - 1.0
     return out
+
+
+def memory_check(plan: dict, measured_gib: float) -> tuple[bool, str]:
+    """Step 1's peak memory against the plan: (over the margin, one line). Over means the measured worst rank
+    needs more than the prediction plus the memory model's own margin (planner/margin.py)."""
+    pred = float(plan.get("memory_gib_per_gpu") or 0.0)
+    margin = float(plan.get("memory_margin_gib") or 0.0)
+    usable = plan.get("usable_memory_gib")
+    if measured_gib > pred + margin:
+        return True, (f"MEMORY: step 1 peaked at {measured_gib:.1f} GiB on the worst rank, over the plan's "
+                      f"{pred:.1f} GiB +- {margin:.1f}" + (f" ({usable:.1f} usable)" if usable else "")
+                      + ": the memory model misses something for this job; a longer run may run out of memory "
+                      "(lower parallel.micro_batch_size or raise activation_checkpointing, and report it)")
+    return False, (f"memory: step 1 peaked at {measured_gib:.1f} GiB on the worst rank, within the plan's "
+                   f"{pred:.1f} GiB +- {margin:.1f}")

@@ -57,6 +57,11 @@ class Hardware:
     host_fixed_mb_us: float = 0.0
     """Measured host time per micro-batch outside the blocks (engine wrappers, embedding, head, loss); 0: none
     (on GPUs it hides behind the kernels)."""
+    pipe_host_mb_us: float = 1000.0
+    """DeepSpeed's pipeline engine's own host time per micro-batch on each stage beyond the blocks' (its 5-6
+    instructions per micro-batch, input clones, blocking p2p calls): 1.0-7.2 ms measured on a 2-core VM under
+    load (scripts/bench_pipeline_overhead.py, docs/PLANNER.md); the least contended run is used. On a GPU it runs
+    beside the kernels (a floor per micro-batch), on a CPU after them."""
     engine_step_s: float = 0.005
     """DeepSpeed engine time per optimizer step beyond the optimizer's memory traffic (H200 anchor: ZeRO-1
     207.5 ms vs eager 193.2 ms at 774M, minus the Adam traffic)."""

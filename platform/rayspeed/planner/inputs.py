@@ -28,6 +28,10 @@ class Ctx:
     model_error: float = 0.0  # the time model's held-out relative error from the profile's fit (0: unknown)
     engine_by_zero: tuple = ()  # ((zero, host fwd us/block, host bwd us/block, fixed us/micro-batch, step s), ...)
     gloo_fit: tuple = ()  # ((kind, latency us, bus GB/s), ...) measured per collective on CPU workers
+    # NCCL_ALGO as deployed: "" = NCCL's own choice per call; "tree" = forced (it binds all-reduces only: NCCL has
+    # no tree all-gather or reduce-scatter and runs those as rings).
+    nccl_algo: str = ""
+    document_masking: bool = False  # data.document_masking: a [b, 1, s, s] mask per block, k/v expanded (memory.py)
     # Costs shared by many layouts of one search (block, head, split), keyed by what they depend on; never
     # copied by dataclasses.replace (init=False), so a changed context starts empty.
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)

@@ -6,6 +6,8 @@ everything. Activations are counted tensor by tensor for this platform's block (
 
 from __future__ import annotations
 
+import functools
+
 from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
 from rayspeed.planner.hardware import GIB
@@ -30,6 +32,11 @@ def bytes_per_param(precision: str, grad_accum_dtype: str) -> dict:
 
 
 def model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zero_stage: int, dp: int) -> dict:
+    return dict(_model_state_bytes(n_params, precision, grad_accum_dtype, zero_stage, dp))
+
+
+@functools.lru_cache(maxsize=4096)  # a search asks for the same (stage size, ZeRO, dp) for many layouts
+def _model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zero_stage: int, dp: int) -> dict:
     b = dict(bytes_per_param(precision, grad_accum_dtype))
     if precision == "fp32" and zero_stage >= 1:
         # DeepSpeed's ZeRO optimizers keep their own fp32 flat copy of the partition even when the model
@@ -44,20 +51,41 @@ def model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zero
     return {k: n_params * b[k] / div[k] for k in b}
 
 
-def layer_saved(sh: ModelShape, tp: int, sp: bool) -> tuple[float, float, float]:
+def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch: int = 1, flash_gqa: bool = False,
+                document_mask: bool = False) -> tuple[float, float, float]:
     """Working-dtype elements per token that one block of the platform's model (rayspeed.model.transformer,
-    eager autograd) keeps for backward without recomputation: (total, attention sub-block, MLP sub-block).
-    Outside the tp region (split only by sequence parallel), per RMSNorm: its fp32 upcast (2 elements' worth),
-    the normalised bf16 tensor and the weighted output that feeds the projections: 4h, so 8h for two.
-    Inside (split by tp): q, k, v after RoPE (q_dim + 2 kv_dim), the SDPA output and its reshaped copy feeding
-    wo (2 q_dim; q_dim = heads * head_dim, h for most families), the fp32 log-sum-exp (2 per head), SwiGLU's
-    gate, silu(gate), up and product (4f).
-    Flash/SDPA attention keeps no s x s matrix (the playbook's 5as/h term is gone). For Llama-7B this is
-    about 47h bytes against the playbook's 34h for a GPT-3 block: fp32 norms and unfused SwiGLU cost more."""
+    eager autograd) keeps for backward without recomputation: (total, attention sub-block, MLP sub-block). Counted
+    tensor by tensor and checked against what autograd saves (tests/planner/test_activation_memory.py, CPU).
+    r = 4 / w_bytes: an fp32 element in working elements.
+    Per RMSNorm, outside the tp region (split only by sequence parallel): the fp32 upcast (in fp32, x.float() is the
+    input itself: r h either way), the normalised tensor, the weighted output that feeds the projections, and the
+    fp32 rsqrt per row: (r + 2) h + r.
+    Attention, inside (split by tp): q after RoPE, k and v as SDPA gets them (expanded to q's width by
+    repeat_interleave unless the CUDA flash kernel indexes the kv heads itself: `flash_gqa`, half precision without
+    a document mask), the SDPA output, which is also wo's input (the transpose back is a view), the fp32 log-sum-exp
+    (r per head); RoPE's fp32 cos and sin tables ([s, head_dim] each, per block, shared by the micro-batch); a
+    qk-norm family's q and k norms ((r + 1) x width + r per head each); with document masking the [b, 1, s, s] mask
+    SDPA saves, built in each block (s per token, not split by tp).
+    MLP: SwiGLU's gate, silu(gate), up and product (4f).
+    Flash/SDPA attention keeps no s x s score matrix (the playbook's 5as/h term is gone)."""
+    r = 4 / w_bytes
     out_div = tp if sp else 1
-    attn = 4 * sh.hidden_size / out_div + (3 * sh.q_dim + 2 * sh.kv_dim + 2 * sh.num_heads) / tp
-    mlp = 4 * sh.hidden_size / out_div + 4 * sh.ffn_hidden_size / tp
+    kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
+    norm = ((r + 2) * sh.hidden_size + r) / out_div
+    attn = norm + (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp + 2 * r * sh.head_dim / max(1, micro_batch)
+    if sh.family.qk_norm:
+        attn += ((r + 1) * (sh.q_dim + sh.kv_dim) + r * (sh.num_heads + sh.num_kv_heads)) / tp
+    if document_mask:
+        attn += sh.seq_len
+    mlp = norm + 4 * sh.ffn_hidden_size / tp
     return attn + mlp, attn, mlp
+
+
+def block_saved(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
+    """layer_saved for this job's precision, kernels and masking at this layout."""
+    flash = ctx.hw.is_gpu and ctx.precision in ("bf16", "fp16") and not ctx.document_masking
+    return layer_saved(ctx.shape, lay.tp, lay.sequence_parallel, ctx.w_bytes, lay.micro_batch_size, flash,
+                       ctx.document_masking)
 
 
 def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
@@ -65,7 +93,7 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     sh = ctx.shape
     tokens = lay.micro_batch_size * sh.seq_len
     out_div = lay.tp if lay.sequence_parallel else 1
-    full, attn, mlp = layer_saved(sh, lay.tp, lay.sequence_parallel)
+    full, attn, mlp = block_saved(ctx, lay)
     mode = lay.activation_checkpointing
     if mode == "none":
         kept, working = full, 0.0
@@ -78,9 +106,13 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     in_flight = 1 if lay.pp == 1 else min(lay.pp - stage, lay.grad_accum)
     # Backward transient: gradients of one block's widest tensors (SwiGLU gate/up, the residual).
     transient = 2 * sh.ffn_hidden_size / lay.tp + 2 * sh.hidden_size
-    # DeepSpeed's pipeline engine keeps an input and an output buffer per in-flight micro-batch
-    # (PipelineEngine num_pipe_buffers = min(stages - stage_id, micro_batches)), the full hidden state each.
-    pipe = 2 * in_flight * sh.hidden_size if lay.pp > 1 else 0.0
+    pipe = 0.0
+    if lay.pp > 1:
+        # DeepSpeed 0.19.8's PipelineEngine (runtime/pipe/engine.py): per in-flight micro-batch an input (a clone
+        # of the receive buffer) and the output that carries the graph, a stage's hidden state each; one receive
+        # buffer shared by activations and gradients on every stage but the first; the last stage's backward
+        # returns before freeing its outputs, so two old outputs stay alive there.
+        pipe = (2 * in_flight + (1 if stage > 0 else 0) + (2 if stage == lay.pp - 1 else 0)) * sh.hidden_size / out_div
     elems = tokens * (in_flight * layers * kept + working + transient + pipe)
     return elems * ctx.w_bytes
 

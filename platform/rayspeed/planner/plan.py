@@ -12,8 +12,10 @@ from rayspeed.config.validate import default_sequence_parallel, shape_split_prob
 from rayspeed.errors import ConfigError
 from rayspeed.planner.checkpoint_memory import checkpoint_plan
 from rayspeed.planner.checkpoint_memory import explain_lines as checkpoint_explain
+from rayspeed.planner.claims import build_claims
 from rayspeed.planner.explain import render
 from rayspeed.planner.hardware import GIB
+from rayspeed.planner.hypotheses import CAP_RULE, RuleTest, check_accumulation_cap
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import bytes_per_param
 from rayspeed.planner.rules import all_rules, lr_rule
@@ -72,19 +74,17 @@ def _diverse(ranked: list[Estimate], top_k: int) -> list[Estimate]:
 
 
 def _search(cfg: JobConfig, ctx: Ctx, fixed: dict):
+    """Every valid layout evaluated; the seed rules that filter (the accumulation cap) tested by the model first:
+    an applied rule keeps its layouts out of the ranking, and they stay in `estimates` with their numbers."""
     en = enumerate_layouts(ctx, fixed)
     cache: dict = {}
     estimates = [evaluate(ctx, lay, cache) for lay in en.layouts]
-    ranked = rank(estimates)
-    notes = list(ctx.notes)
-    if not ranked and en.beyond_cap:
-        extra = [evaluate(ctx, lay, cache) for lay in en.beyond_cap]
-        ranked = rank(extra)
-        estimates += extra
-        if ranked:
-            notes.append(f"no layout fits within the accumulation cap ({accumulation_cap(ctx)}); the cap was relaxed "
-                         f"to grad_accum {ranked[0].layout.grad_accum} rather than fail the job")
-    return en, estimates, ranked, notes
+    cap = check_accumulation_cap(ctx, estimates) if "grad_accum" not in fixed else RuleTest(
+        "accumulation_cap", CAP_RULE, False, "not applied: parallel.grad_accum is fixed in the job file",
+        {"max_grad_accum": accumulation_cap(ctx)})
+    out = {id(e) for e in cap.excluded}
+    ranked = rank([e for e in estimates if id(e) not in out])
+    return en, estimates, ranked, list(ctx.notes), cap
 
 
 def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, profile=None) -> PlanResult:
@@ -92,7 +92,7 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, prof
     `profile`: a hardware-profile path or dict (default: the job's cluster.profile)."""
     ctx = build_ctx(cfg, world_size, profile=profile)
     fixed = fixed_keys(cfg)
-    en, estimates, ranked, notes = _search(cfg, ctx, fixed)
+    en, estimates, ranked, notes, cap = _search(cfg, ctx, fixed)
     if not ranked:
         raise ConfigError(_why_nothing(cfg, ctx, fixed, en, estimates))
     c, r = cfg.cluster, cfg.resilience
@@ -102,16 +102,29 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, prof
                      f"{r.stability_threshold:g} x {c.max_workers}, not below {c.min_workers}) and waits for them up "
                      f"to resilience.capacity_wait_s ({r.capacity_wait_s:g} s); planned here for {ctx.world}")
     best = ranked[0]
+    if not best.safe:
+        notes.append(f"no layout fits with the memory model's margin: the chosen one needs {best.memory_text()} of "
+                     f"{ctx.usable_gib:.1f} GiB usable and fits only within the model's uncertainty; the first step "
+                     "compares measured and predicted peak memory")
     alts = _diverse(ranked, top_k)
     rules = all_rules(ctx, best.layout, best, ranked, estimates, cfg.train.precision,
-                      cfg.resilience.collective_timeout_s)
+                      cfg.resilience.collective_timeout_s, cap)
     rules["lr"]["applied"] = cfg.train.lr == AUTO
-    beyond = 0 if any(e.layout.grad_accum > accumulation_cap(ctx) for e in ranked) else len(en.beyond_cap)
-    counts = {"evaluated": len(estimates), "fitting": len(ranked), "beyond_cap": beyond}
-    text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts)
+    claims = build_claims(ctx, best, ranked, estimates, cap, fixed)
+    strategy = rules["strategy"]
+    claims.append({**{k: v for k, v in strategy.items() if k not in ("note", "applied", "rule")}, "kind": "rule",
+                   "rule": "strategy", "statement": strategy["rule"], "applied": strategy.get("applied", False),
+                   "text": f"strategy by size: {strategy['note']}"})
+    tree = rules["comm_profile"].get("nccl_algo_test")
+    if tree:
+        claims.append({"kind": "rule", **tree, "text": f"NCCL_ALGO=Tree: {tree['why']}"})
+    counts = {"evaluated": len(estimates), "fitting": sum(1 for e in estimates if e.fits),
+              "ranked": len(ranked), "excluded_by_cap": len(cap.excluded)}
+    text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts, claims)
     plan = _plan_dict(cfg, ctx, best, rules)
     plan["notes"] = notes
     plan["near_ties"] = near_ties(ranked)
+    plan["claims"] = claims
     # Host memory of an async checkpoint's snapshot, and the checkpoint mode it allows.
     plan["checkpoint"] = checkpoint_plan(ctx, best.layout, sum(best.memory.values()), r.checkpoint_mode)
     text += "\n" + "\n".join(checkpoint_explain(plan["checkpoint"])) + "\n"
@@ -148,8 +161,8 @@ def near_ties(ranked: list[Estimate]) -> dict:
     return {"model_error": round(err, 4), "count": len(ties),
             "layouts": [{"layout": e.layout.short(), "step_time_s": round(e.step_s, 6),
                          "headroom": round(headroom(e), 3)} for e in ties[:5]],
-            "chosen_for": ("more memory headroom, within the model's error of the fastest"
-                           if ranked[0].step_s > fastest * 1.01 else "fastest (simplest within 1%)")}
+            "chosen_for": ("the fastest that fits with the memory margin" if ranked[0].step_s > fastest * 1.01
+                           else "fastest (simplest within 1%)")}
 
 
 # ---------------------------------------------------------------- errors
@@ -194,7 +207,7 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
 
 def _best_fitting(ctx: Ctx, fixed: dict) -> Estimate | None:
     en = enumerate_layouts(ctx, fixed)
-    ranked = rank([evaluate(ctx, lay) for lay in en.layouts]) or rank([evaluate(ctx, lay) for lay in en.beyond_cap])
+    ranked = rank([evaluate(ctx, lay) for lay in en.layouts])
     return ranked[0] if ranked else None
 
 

@@ -8,8 +8,9 @@ import math
 from collections.abc import Callable
 
 from rayspeed.config.layout import Layout
+from rayspeed.planner.hypotheses import RuleTest, check_nccl_tree, check_strategy
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.search import Estimate, accumulation_cap
+from rayspeed.planner.search import Estimate
 
 # ---------------------------------------------------------------- 1. strategy by size
 
@@ -26,34 +27,20 @@ def strategy_family(ctx: Ctx) -> tuple[str, Callable[[Layout], bool]]:
     return "3D: data x pipeline x tensor (> 100B)", lambda l: l.tp > 1 and l.pp > 1
 
 
+STRATEGY_RULE = "< 10B: pure DP; 10-100B: PP with 2 stages below 32 GPUs, else DP + TP (2D); > 100B: 3D (DP x PP x TP)"
+
+
 def strategy_rule(ctx: Ctx, best: Estimate | None, ranked: list[Estimate], all_est: list[Estimate]) -> dict:
     name, pred = strategy_family(ctx)
-    members = [e for e in ranked if pred(e.layout)]
-    candidates = [e for e in all_est if pred(e.layout)]
-    out = {
-        "rule": "< 10B: pure DP; 10-100B: PP with 2 stages below 32 GPUs, else DP + TP (2D); > 100B: 3D (DP x PP x TP)",
-        "params_billions": round(ctx.shape.params / 1e9, 3),
-        "gpus": ctx.world,
-        "recommends": name,
-        "fits": bool(members),
-        "chosen_follows_rule": bool(best is not None and pred(best.layout)),
-    }
-    if members:
-        fam = members[0]
-        out["rule_best_layout"] = fam.layout.short()
-        if best is not None and fam is not best:
-            out["rule_best_slowdown"] = round(fam.step_s / best.step_s - 1, 4)
-            out["note"] = (f"the rule's best layout ({fam.layout.short()}) is predicted "
-                           f"{100 * (fam.step_s / best.step_s - 1):.1f}% slower than the chosen one")
-        else:
-            out["note"] = "the chosen layout is the rule's"
-    elif candidates:
-        least = min(candidates, key=lambda e: e.memory_gib)
-        out["note"] = (f"no layout of this family fits: the smallest ({least.layout.short()}) needs "
-                       f"{least.memory_gib:.1f} GiB of {ctx.usable_gib:.1f} GiB usable")
-    else:
-        out["note"] = ("no layout of this family is possible for this world size, model shape"
-                       " and the keys fixed in the job file")
+    out = {"rule": STRATEGY_RULE, "params_billions": round(ctx.shape.params / 1e9, 3), "gpus": ctx.world,
+           "recommends": name,
+           "fits": any(pred(e.layout) for e in ranked),
+           "chosen_follows_rule": bool(best is not None and pred(best.layout))}
+    if best is not None:
+        t = check_strategy(ctx, best, ranked, all_est, name, pred)
+        out.update(applied=t.applied, note=t.why, **{k: v for k, v in t.numbers.items() if k != "recommends"})
+        if "rule_best" in t.numbers:
+            out["rule_best_layout"] = t.numbers["rule_best"]["layout"]
     return out
 
 
@@ -98,7 +85,11 @@ def lr_rule(global_batch: int, gpus: int, params: int | None = None) -> dict:
 # ---------------------------------------------------------------- 2. communication by cluster size
 
 
-def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = None) -> dict:
+def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = None,
+                 tree: RuleTest | None = None) -> dict:
+    """The communication settings for this cluster size. The field guide's NCCL_ALGO=Tree (9-64 GPUs) is a
+    hypothesis: set only when the time model, predicting every all-reduce of the job as a tree, finds the step
+    faster (`tree`: that test, made here when not given)."""
     n = ctx.world
     env: dict[str, str] = {}
     ds: dict = {}
@@ -109,8 +100,11 @@ def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = Non
     if n <= 8:
         tier = "1-8 GPUs: plain all-reduce (NCCL defaults over NVLink)"
     elif n <= 64:
-        tier = "8-64 GPUs: NCCL tree algorithm"
-        env["NCCL_ALGO"] = "Tree"
+        tier = "8-64 GPUs: NCCL tree algorithm (tested by the time model)"
+        tree = tree or check_nccl_tree(ctx, lay)
+        if tree.applied:
+            env["NCCL_ALGO"] = "Tree"
+        notes.append(f"NCCL_ALGO=Tree {tree.why}")
     elif n <= 256:
         tier = "64-256 GPUs: hierarchical all-gather (within nodes, then across)"
     else:
@@ -122,11 +116,7 @@ def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = Non
             ds["zero_hpz_partition_size"] = lay.hpz
             notes.append(f"ZeRO++ hierarchical partitioning: a secondary weight partition per node "
                          f"(zero_hpz_partition_size={lay.hpz}) keeps backward all-gathers on NVLink")
-        elif lay.zero_stage == 3:
-            notes.append("ZeRO++ hierarchical partitioning (zero_hpz_partition_size) was evaluated and not chosen: "
-                         "its node-local weight copy does not fit or does not pay (dp inside one node, or one dp rank "
-                         "per node)")
-        else:
+        elif lay.zero_stage != 3:
             notes.append(f"hierarchical partitioning (ZeRO++ zero_hpz_partition_size) applies to ZeRO-3 only; with "
                          f"ZeRO-{lay.zero_stage} NCCL's topology-aware rings already reduce inside a node before "
                          "crossing it")
@@ -137,7 +127,10 @@ def comm_profile(ctx: Ctx, lay: Layout, collective_timeout_s: float | None = Non
     if collective_timeout_s:
         notes.append(f"collective timeout = process-group timeout {collective_timeout_s:.0f} s "
                      "(resilience.collective_timeout_s; there is no NCCL_SOCKET_TIMEOUT variable)")
-    return {"gpus": n, "tier": tier, "backend": "nccl", "env": env, "deepspeed": ds, "notes": notes}
+    out = {"gpus": n, "tier": tier, "backend": "nccl", "env": env, "deepspeed": ds, "notes": notes}
+    if tree is not None:
+        out["nccl_algo_test"] = tree.as_dict()
+    return out
 
 
 # ---------------------------------------------------------------- 6. precision
@@ -206,13 +199,13 @@ def topology_rule(ctx: Ctx, lay: Layout) -> dict:
 
 
 def all_rules(ctx: Ctx, lay: Layout, best: Estimate | None, ranked, all_est, requested_precision: str,
-              collective_timeout_s: float | None) -> dict:
+              collective_timeout_s: float | None, cap: RuleTest) -> dict:
+    tree = check_nccl_tree(ctx, lay, best.step_s if best is not None else None) if 8 < ctx.world <= 64 else None
     return {
         "strategy": strategy_rule(ctx, best, ranked, all_est),
         "lr": lr_rule(ctx.global_batch, ctx.world, ctx.shape.params),
-        "accumulation_cap": {"rule": "max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33))",
-                             "max_grad_accum": accumulation_cap(ctx)},
-        "comm_profile": comm_profile(ctx, lay, collective_timeout_s),
+        "accumulation_cap": cap.as_dict(),
+        "comm_profile": comm_profile(ctx, lay, collective_timeout_s, tree),
         "precision": precision_rule(ctx, requested_precision),
         "checkpointing": checkpointing_template(ctx, lay),
         "topology": topology_rule(ctx, lay),

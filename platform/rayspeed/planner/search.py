@@ -14,6 +14,7 @@ from rayspeed.config.validate import default_sequence_parallel, sequence_paralle
 from rayspeed.errors import ConfigError
 from rayspeed.planner import hardware, hwprofile
 from rayspeed.planner.inputs import Ctx
+from rayspeed.planner.margin import margin_bytes
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
 from rayspeed.planner.partition import choose_split
 from rayspeed.planner.timing import StepTime, step_time
@@ -22,7 +23,6 @@ GIB = hardware.GIB
 NEAR_TIE = 0.01  # within 1% the model cannot tell layouts apart: prefer the simpler one (see `preference`)
 # The model's own error without a fitted profile: the H200 anchor rows are predicted within -4%..+13%.
 DEFAULT_MODEL_ERROR = 0.10
-HEADROOM_MARGIN = 0.10  # more headroom matters when it is at least 10% of usable memory (smaller is noise)
 
 
 # ---------------------------------------------------------------- context
@@ -81,16 +81,21 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
     extra = prof.ctx_fields() if prof is not None else {}
     return Ctx(shape=ModelShape.from_config(cfg.model), hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
                world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
-               notes=tuple(notes), **extra)
+               notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)), **extra)
 
 
 # ---------------------------------------------------------------- constraints
 
 
 def accumulation_cap(ctx: Ctx) -> int:
-    """Field guide rule 4: max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33)), at least 1."""
+    """Field guide rule 4: max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33)), at least 1. A hypothesis
+    the model tests (planner/hypotheses.py), not a filter."""
     billions = ctx.shape.params / 1e9
     return max(1, math.floor(2048 / (billions * ctx.world**0.33)))
+
+
+def beyond_cap(ctx: Ctx, lay: Layout) -> bool:
+    return lay.grad_accum > accumulation_cap(ctx)
 
 
 def divisors(n: int) -> list[int]:
@@ -128,15 +133,13 @@ def hpz_applies(ctx: Ctx, tp: int, dp: int) -> bool:
 
 @dataclass
 class Enumeration:
-    layouts: list[Layout] = field(default_factory=list)
+    layouts: list[Layout] = field(default_factory=list)  # every valid layout, above the accumulation cap too
     rejected: list[str] = field(default_factory=list)  # why structural combinations were dropped
-    beyond_cap: list[Layout] = field(default_factory=list)  # valid but above the accumulation cap
 
 
 def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
     """Every layout that satisfies the structural rules and the fixed keys."""
     sh, W, B = ctx.shape, ctx.world, ctx.global_batch
-    cap = accumulation_cap(ctx)
     out = Enumeration()
     tps = [fixed["tp"]] if "tp" in fixed else divisors(W)
     for tp in tps:
@@ -219,12 +222,8 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                             hpzs.append(max(1, min(dp, ctx.node_size // tp)))
                         for ac in modes:
                             for hpz in hpzs:
-                                lay = Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
-                                             stage_layers=split if (split and pp > 1) else None)
-                                if ga > cap and "grad_accum" not in fixed:
-                                    out.beyond_cap.append(lay)
-                                else:
-                                    out.layouts.append(lay)
+                                out.layouts.append(Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
+                                                          stage_layers=split if (split and pp > 1) else None))
     return out
 
 
@@ -247,6 +246,19 @@ class Estimate:
     @property
     def memory_gib(self) -> float:
         return sum(self.memory.values()) / GIB
+
+    @functools.cached_property
+    def margin_gib(self) -> float:
+        """The memory model's uncertainty about this estimate (planner/margin.py)."""
+        return margin_bytes(self.memory) / GIB
+
+    @property
+    def safe(self) -> bool:
+        """Fits with the margin: what the pick must do whenever any layout does."""
+        return self.memory_gib + self.margin_gib <= self.ctx.usable_gib
+
+    def memory_text(self) -> str:
+        return f"{self.memory_gib:.1f} GiB +- {self.margin_gib:.1f}"
 
     @property
     def step_s(self) -> float:
@@ -274,6 +286,9 @@ class Estimate:
         d.update(
             fits=self.fits,
             memory_gib_per_gpu=round(self.memory_gib, 3),
+            memory_margin_gib=round(self.margin_gib, 3),
+            memory_range_gib=[round(self.memory_gib - self.margin_gib, 3), round(self.memory_gib + self.margin_gib, 3)],
+            fits_with_margin=self.safe,
             memory_breakdown_gib=to_gib(self.memory),
             # Exact model-state bytes of the worst rank, for checking against the real engine.
             model_state_bytes={k: int(self.memory.get(k, 0))
@@ -327,24 +342,24 @@ def headroom(e: Estimate) -> float:
     return max(0.0, 1.0 - e.memory_gib / max(e.ctx.usable_gib, 1e-9))
 
 
-def rank(estimates: list[Estimate]) -> list[Estimate]:
-    """Fitting estimates, fastest first; within 1% the simpler one (`preference`). Layouts within the model's
-    own error of the fastest cannot be told apart by it: when one of them leaves materially more memory free
-    (HEADROOM_MARGIN of usable memory more than the fast choice), the fastest of the roomy ones goes first, a
-    margin against what the model does not see (fragmentation, spikes)."""
-    fit = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
-    if not fit:
+def _fastest_first(group: list[Estimate]) -> list[Estimate]:
+    """Fastest first; within NEAR_TIE of the fastest the simpler one (`preference`)."""
+    group = sorted(group, key=lambda e: e.step_s)
+    if not group:
         return []
-    best_t = fit[0].step_s
-    head = sorted((e for e in fit if e.step_s <= best_t * (1 + NEAR_TIE)), key=preference)
-    ordered = head + [e for e in fit if e not in head]
-    ties = [e for e in fit if e.step_s <= best_t * (1 + model_error(fit[0].ctx))]
-    roomiest = max(headroom(e) for e in ties)
-    if roomiest - headroom(ordered[0]) >= HEADROOM_MARGIN:
-        roomy = min((e for e in ties if headroom(e) >= roomiest - HEADROOM_MARGIN / 2), key=lambda e: e.step_s)
-        ordered.remove(roomy)
-        ordered.insert(0, roomy)
-    return ordered
+    best_t = group[0].step_s
+    head = sorted((e for e in group if e.step_s <= best_t * (1 + NEAR_TIE)), key=preference)
+    taken = {id(e) for e in head}
+    return head + [e for e in group if id(e) not in taken]
+
+
+def rank(estimates: list[Estimate]) -> list[Estimate]:
+    """Fitting estimates in the order the planner picks them: those that fit with the memory model's margin
+    (`Estimate.safe`) first, fastest first (within 1% the simpler one); then those that fit only within the
+    margin. Speed is traded for memory only when the faster layout's headroom is below the margin: a layout that
+    fits with it is never passed over for more headroom."""
+    fit = [e for e in estimates if e.fits]
+    return _fastest_first([e for e in fit if e.safe]) + _fastest_first([e for e in fit if not e.safe])
 
 
 def deepspeed_options(ctx: Ctx, lay: Layout) -> dict:

@@ -251,7 +251,7 @@ def _group(ctx: Ctx, ranks: int, per_node: int) -> Group:
     nodes = -(-ranks // per_node)
     busbw = hw.intra_node_gbps if nodes == 1 else min(hw.intra_node_gbps, per_node * hw.inter_node_gbps)
     return Group(ranks, nodes, busbw, hw.intra_link, ll128=nodes == 1 and hw.intra_link == "nvlink",
-                 latency_scale=hw.nccl_latency_scale)
+                 latency_scale=hw.nccl_latency_scale, algo=ctx.nccl_algo)
 
 
 def tp_group(ctx: Ctx, lay: Layout) -> Group:
@@ -291,16 +291,22 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
     emb = embed_cost(ctx, lay)
     host_f, host_b, fixed, _ = engine_overheads(ctx, lay)
     hs = ctx.hw.head_work_scale  # embedding + head + loss (+ the engine's fixed host time), anchored like the block
+    # DeepSpeed's pipeline engine's own host work per micro-batch on every stage (its instructions, input clones,
+    # p2p calls): hardware.pipe_host_mb_us, measured by scripts/bench_pipeline_overhead.py.
+    pipe = ctx.hw.pipe_host_mb_us * 1e-6 * ctx.overhead_factor if lay.pp > 1 else 0.0
     out = []
     for i, n in enumerate(split):
         comp = n * (bc.fwd + bc.bwd + bc.rec)
         back = n * (bc.bwd + bc.rec)
         tp = n * bc.tp
-        if i == lay.pp - 1:
+        last = i == lay.pp - 1
+        if last:
             comp += head_c * hs
             back += head_b * hs
-            if fixed:  # the engine's per-micro-batch host work: after the kernels on a CPU, beside them on a GPU
-                comp = max(comp, fixed + n * (host_f + host_b)) if ctx.hw.is_gpu else comp + fixed * hs
+        host = pipe + (fixed if last else 0.0)
+        if host:  # the engine's per-micro-batch host work: after the kernels on a CPU, beside them on a GPU
+            comp = (max(comp, host + n * (host_f + host_b)) if ctx.hw.is_gpu
+                    else comp + pipe + (fixed * hs if last else 0.0))
         if i == 0:
             comp += emb * hs
         out.append((comp, n * bc.rec, tp, back))

@@ -21,7 +21,7 @@ from rayspeed.config.schema import JobConfig
 from rayspeed.health.calibration import worst_rank_peak_memory_gib
 from rayspeed.logs import log_rank
 from rayspeed.parallel.objects import gather_objects
-from rayspeed.planner.feedback import plan_metrics
+from rayspeed.planner.feedback import memory_check, plan_metrics
 from rayspeed.train.evaluation import dp_mean
 from rayspeed.train.events import Callback, TrainState
 
@@ -165,6 +165,10 @@ class MetricsCallback(Callback):
         state.model_state_bytes = {k: max(int(r[k]) for r in every) for k in every[0]}
         self.tracker.log_metrics({f"memory/{k}_bytes": float(v) for k, v in state.model_state_bytes.items()},
                                  step=state.step)
+        peak = worst_rank_peak_memory_gib(self.device)  # GPUs only (a collective there)
+        if peak is not None:
+            over, line = memory_check(self.plan.best, peak)
+            log_rank(log, "%s", line, level=logging.WARNING if over else logging.INFO)
 
     def log_window(self, state: TrainState) -> dict[str, float]:
         """Metrics at a log step: the loss (the step's only host read), throughput, gradient-sync fraction, MFU on

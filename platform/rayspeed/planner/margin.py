@@ -1,0 +1,49 @@
+"""How sure the memory model is of one estimate: a margin in bytes, the sum over components of each component's
+relative uncertainty times its bytes (linear, not in quadrature: the components' errors share causes, such as a
+micro-batch shape the allocator rounds badly, so they add up rather than cancel).
+
+The pick must fit with this margin (search.rank); `rayspeed plan` shows every memory figure as "68.2 GiB +- 8.1".
+Each uncertainty and its source is in docs/PLANNER.md ("The memory margin")."""
+
+from __future__ import annotations
+
+from rayspeed.planner.hardware import GIB
+
+# Relative uncertainty per component of memory.COMPONENTS.
+UNCERTAINTY = {
+    # Exact arithmetic checked against the real engine's tensors (within 2%: tests/train/test_layouts.py).
+    "weights": 0.02,
+    "gradients": 0.02,
+    "master_weights": 0.02,
+    "optimizer_states": 0.02,
+    # Counted tensor by tensor for the platform's block and checked against the tensors autograd saves
+    # (tests/planner/test_activation_memory.py); the rest of the range is what a GPU adds that a CPU count does
+    # not see: the caching allocator's 512-byte rounding and 2 MiB segments, kernel workspaces (SDPA, cuBLAS),
+    # and the peak's timing within backward.
+    "activations": 0.15,
+    "logits_loss": 0.10,  # the chunked loss's buffers: counted from rayspeed.parallel.loss
+    # DeepSpeed's buffers: sized from its configuration, not measured here (no GPU).
+    "zero3_gathered": 0.25,
+    "comm_buckets": 0.25,
+    # CUDA context and NCCL channel buffers vary with the driver, NCCL_BUFFSIZE and the channel count NCCL picks
+    # (2 to 32 per communicator).
+    "cuda_context": 0.35,
+    # Fragmentation is the least known term: as large again as it is estimated.
+    "allocator_slack": 1.0,
+}
+FEATURE_TERM = 0.25  # a feature's registered term (planner/terms.py) until it has a measurement of its own
+
+
+def margin_bytes(memory: dict) -> float:
+    """The margin of one estimate's breakdown (bytes by component)."""
+    return sum(UNCERTAINTY.get(k, FEATURE_TERM) * max(0.0, v) for k, v in memory.items())
+
+
+def margin_gib(memory: dict) -> float:
+    return margin_bytes(memory) / GIB
+
+
+def relative(memory: dict) -> float:
+    """The margin as a fraction of the estimate's total."""
+    total = sum(memory.values())
+    return margin_bytes(memory) / total if total > 0 else 0.0
