@@ -1,6 +1,7 @@
 """Kills at random points inside checkpoint writes, 2 workers under Ray Train (the drill of
 scripts/checkpoint_kill_drill.py, 3 rounds here; the script runs 20): every resume starts from the newest
-committed checkpoint, never a torn one, and the loss curve equals an uninterrupted run's. (`make test-slow`.)"""
+committed checkpoint, never a torn one, and the loss curve equals an uninterrupted run's. The rounds join the
+session's cluster (--address) instead of starting one each. (`make test-slow`.)"""
 
 import json
 import subprocess
@@ -13,9 +14,10 @@ from _cluster import ROOT
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_kills_at_random_points_of_checkpoint_writes_resume_from_committed(tmp_path):
+def test_kills_at_random_points_of_checkpoint_writes_resume_from_committed(ray_head, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "checkpoint_kill_drill.py"), "--kills", "3",
-                        "--seed", "3", "--home", str(tmp_path)], capture_output=True, text=True, timeout=1800)
+                        "--seed", "3", "--home", str(tmp_path), "--address", ray_head.address],
+                       capture_output=True, text=True, timeout=1800)
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rounds, final = lines[:-1], lines[-1]
