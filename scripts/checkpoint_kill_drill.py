@@ -14,6 +14,7 @@ equal an uninterrupted run's to 1e-5. --mode both runs the drill once per mode.
 
     python scripts/checkpoint_kill_drill.py --kills 20 [--mode sync|async|both] [--workers 2] [--seed 0] [--home D]
     python scripts/checkpoint_kill_drill.py --kills 3 --launcher local     # world size 1, no Ray (faster)
+    python scripts/checkpoint_kill_drill.py --kills 3 --address 127.0.0.1:6379   # rounds join a running cluster
 Prints one JSON line per round and a summary line per mode; exit 0 when every round and the loss check passed.
 """
 
@@ -50,10 +51,12 @@ def _job(args: argparse.Namespace, max_steps: int, *extra: str) -> list[str]:
             "--set", "tracking.loss_landscape=false", "--set", "tracking.charts_every_checkpoints=0", *extra]
 
 
-def _run(cmd: list[str], home: Path) -> tuple[int, str]:
+def _run(cmd: list[str], home: Path, address: str | None) -> tuple[int, str]:
     env = dict(os.environ, RAYSPEED_HOME=str(home), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for k in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
         env.pop(k, None)
+    if address:  # without one, each round's driver starts (and stops) a local cluster of its own
+        env["RAY_ADDRESS"] = address
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
 
@@ -79,7 +82,8 @@ def run_round(args: argparse.Namespace, home: Path, kill_step: int, max_steps: i
     before, _ = manifest.latest_verified(root)  # what this round's start must resume from (it may be pruned later)
     t0 = time.time()
     rc, out = _run(_job(args, max_steps, "--set", f"name={NAME}", "--set",
-                        f"chaos.kill_rank_in_checkpoint={{rank: {rank}, step: {kill_step}, point: {point}}}"), home)
+                        f"chaos.kill_rank_in_checkpoint={{rank: {rank}, step: {kill_step}, point: {point}}}"), home,
+                  args.address)
     m = RESUMED.search(out)
     killed_dir = root / manifest.dir_name(kill_step)
     committed = killed_dir.exists() and manifest.verify(killed_dir).ok
@@ -120,10 +124,10 @@ def drill(a: argparse.Namespace, home: Path) -> tuple[bool, dict]:
         ok = ok and good
         print(json.dumps(rec), flush=True)
         expect = rec["newest_verified_after"]
-    rc, out = _run(_job(a, max_steps, "--set", f"name={NAME}"), home)  # finish the job
+    rc, out = _run(_job(a, max_steps, "--set", f"name={NAME}"), home, a.address)  # finish the job
     m = RESUMED.search(out)
     ref_home = home / "reference"
-    ref_rc, _ = _run(_job(a, max_steps, "--set", "name=uninterrupted"), ref_home)
+    ref_rc, _ = _run(_job(a, max_steps, "--set", "name=uninterrupted"), ref_home, a.address)
     drilled, reference = _losses(home, NAME), (_losses(ref_home, "uninterrupted") if ref_rc == 0 else {})
     bad = [s for s in drilled if s not in reference or abs(drilled[s] - reference[s]) > 1e-5 * abs(reference[s])]
     # Every step logged, once: under Ray. In-process the kill takes the only rank's queued metrics of the steps
@@ -147,6 +151,7 @@ def main() -> int:
                     help="resilience.checkpoint_mode of the drilled saves (both: one drill per mode)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random kill points and ranks")
     ap.add_argument("--home", default=None)
+    ap.add_argument("--address", default=None, help="a running Ray cluster the rounds join (--launcher ray)")
     a = ap.parse_args()
     if a.launcher == "local":
         a.workers = 1

@@ -13,6 +13,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The kill drills' uninterrupted run (conftest's zero2_reference): a drill sets its own name, cadence and chaos on top.
+ZERO2_REFERENCE = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--set", "train.max_steps=30",
+                   "--set", "parallel.zero_stage=2", "--set", "cluster.num_workers=2", "--set",
+                   "tracking.log_every_steps=1", "--set", "train.eval_every_steps=0", "--set",
+                   "resilience.checkpoint_every_steps=0", "--set", "tracking.loss_landscape=false", "--set",
+                   "tracking.charts_every_checkpoints=0"]
 VENV_BIN = Path(sys.executable).parent
 
 

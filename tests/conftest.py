@@ -35,6 +35,19 @@ def ray_head(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zero2_reference(ray_head, tmp_path_factory):
+    """The uninterrupted run the kill drills compare with: tiny-cpu, 2 workers under Ray Train, ZeRO-2, 30 steps,
+    every step's train/loss (tests/_cluster.py ZERO2_REFERENCE). Made once per session: checkpoint cadence,
+    validation and the drills' chaos keys change no loss, so each drill's curve must equal this one."""
+    from _cluster import ZERO2_REFERENCE, metric_history, run_job
+
+    home = tmp_path_factory.mktemp("zero2-reference")
+    r, summary = run_job(home, [*ZERO2_REFERENCE, "--set", "name=uninterrupted"], ray_head.address)
+    assert r.returncode == 0 and summary["restarts"] == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return dict(metric_history(home, summary["mlflow_run_id"], "train/loss"))
+
+
+@pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """A real S3 API (moto's server) for the session, its endpoint and dummy credentials in os.environ while it
     runs. Skips (with the reason) only when moto is not installed or its server cannot start."""

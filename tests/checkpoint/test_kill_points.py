@@ -2,7 +2,8 @@
 restart resumes from the newest checkpoint that committed (the one being written only when its manifest made it),
 and the loss curve continues exactly the uninterrupted run's. In async mode every point after before_shards is in the
 background writer while training goes on. One job per mode drills the five points in turn (a list of
-chaos.kill_rank_in_checkpoint drills, one restart each). (`make test-slow`: three Ray runs.)"""
+chaos.kill_rank_in_checkpoint drills, one restart each), against the session's uninterrupted run (conftest's
+zero2_reference). (`make test-slow`: two Ray runs.)"""
 
 from __future__ import annotations
 
@@ -10,15 +11,11 @@ import re
 
 import pytest
 
-from _cluster import ROOT, metric_history, run_job
+from _cluster import ZERO2_REFERENCE, metric_history, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
-STEPS = 28
-COMMON = ["--config", TINY, "--set", f"train.max_steps={STEPS}", "--set", "resilience.checkpoint_every_steps=4",
-          "--set", "tracking.log_every_steps=1", "--set", "train.eval_every_steps=0", "--set",
-          "tracking.loss_landscape=false", "--set", "tracking.charts_every_checkpoints=0", "--set",
-          "parallel.zero_stage=2", "--set", "resilience.max_failures=5"]
+STEPS = 30
+COMMON = [*ZERO2_REFERENCE, "--set", "resilience.checkpoint_every_steps=4", "--set", "resilience.max_failures=5"]
 RESUMED = re.compile(r"resumed from (checkpoint_step\d+) at step (\d+)")
 
 # point -> (step killed, rank killed, checkpoint the restart must resume from). Rank 1 for the sync saves: rank 0's
@@ -34,14 +31,6 @@ POINTS = {
 ASYNC_RANK = {"before_manifest": 0, "after_manifest": 0}
 
 
-@pytest.fixture(scope="module")
-def reference(ray_head, tmp_path_factory):
-    home = tmp_path_factory.mktemp("reference")
-    r, summary = run_job(home, [*COMMON, "--set", "name=kp-reference"], ray_head.address)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return dict(metric_history(home, summary["mlflow_run_id"], "train/loss"))
-
-
 def _drills(mode: str) -> str:
     items = []
     for point, (step, rank, _) in POINTS.items():
@@ -51,7 +40,7 @@ def _drills(mode: str) -> str:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_kill_inside_a_save_resumes_from_the_newest_committed_checkpoint(ray_head, tmp_path, reference, mode):
+def test_kill_inside_a_save_resumes_from_the_newest_committed_checkpoint(ray_head, tmp_path, zero2_reference, mode):
     r, summary = run_job(tmp_path, [*COMMON, "--set", f"name=kp-{mode}", "--set", f"resilience.checkpoint_mode={mode}",
                                     "--set", f"chaos.kill_rank_in_checkpoint={_drills(mode)}"], ray_head.address)
     out = r.stdout + r.stderr
@@ -63,7 +52,7 @@ def test_kill_inside_a_save_resumes_from_the_newest_committed_checkpoint(ray_hea
     loss = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
     assert [s for s, _ in loss] == list(range(1, STEPS + 1))  # every step once, replayed ones included
     for step, value in loss:
-        assert value == pytest.approx(reference[step], rel=1e-5), (mode, step, value, reference[step])
+        assert value == pytest.approx(zero2_reference[step], rel=1e-5), (mode, step, value, zero2_reference[step])
     if mode == "async":
         assert "checkpoints: resilience.checkpoint_mode async -> async" in out
         assert summary["checkpoint_write_s"] is not None and summary["checkpoint_bytes"] > 0
