@@ -2,7 +2,8 @@
 
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
-                            [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory]
+                            [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory,
+                                   pipeline_overhead]
                             [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -35,6 +36,10 @@ Lines (in this order; "bench" names each):
                 against the planner's (planner.memory activation_bytes' kept term): predicted_bytes_per_token_per_block,
                 measured, ratio (measured / predicted).
                 Not in the default --only; a few seconds.
+  pipeline_overhead  scripts/bench_pipeline_overhead.py: DeepSpeed's pipeline engine (pp = 2, gloo, the platform's
+                own engine) on a model too small to compute, step time against the number of micro-batches: the
+                engine's host cost per micro-batch per stage (planner hardware.pipe_host_mb_us). Not in the default
+                --only; about 1-2 minutes.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
@@ -531,6 +536,15 @@ def bench_activation_memory(args) -> list[dict[str, Any]]:
     return mod.all_cases()
 
 
+def bench_pipeline_overhead(args) -> list[dict[str, Any]]:
+    _note("pipeline_overhead: DeepSpeed's pipeline engine per micro-batch (scripts/bench_pipeline_overhead.py)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "platform"))
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_pipeline_overhead.py")], cwd=str(ROOT), env=env,
+                          stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines or [{"bench": "pipeline_overhead", "status": "failed", "rc": proc.returncode}]
+
+
 def bench_gpu(args) -> list[dict[str, Any]]:
     try:
         import torch
@@ -568,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
     ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint",
                     help="comma-separated: cpu, resilience, planner, gpu, checkpoint, plan_accuracy, "
-                    "activation_memory (the last two not in the default)")
+                    "activation_memory, pipeline_overhead (the last three not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -596,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(bench_plan_accuracy(args, home))
         if "activation_memory" in only:
             lines += bench_activation_memory(args)
+        if "pipeline_overhead" in only:
+            lines += bench_pipeline_overhead(args)
         if "gpu" in only:
             lines += bench_gpu(args)
         if "checkpoint" in only:

@@ -20,6 +20,9 @@ LLAMA_TIED = dict(arch="llama", vocab=256, hidden=32, layers=2, heads=4, kv_head
 # Qwen3: per-head q/k norms, a head width (16) other than hidden / heads (8), tied embeddings.
 QWEN3 = dict(arch="qwen3", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=True, rope="default",
              max_positions=64, head_dim=16)
+# OLMo 2: post-norms, q/k norms over the whole projections (heads x head_dim), untied head.
+OLMO2 = dict(arch="olmo2", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=False, rope="default",
+             max_positions=64)
 
 
 def save(out, spec, seed=0, shards=1, tokenizer=False):

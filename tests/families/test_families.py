@@ -24,28 +24,35 @@ SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidd
 
 
 def test_registry_finds_each_family_by_architecture_and_model_type():
-    assert families.names() == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert families.names() == ("LlamaForCausalLM", "MistralForCausalLM", "Olmo2ForCausalLM", "Qwen2ForCausalLM",
+                                "Qwen3ForCausalLM")
     for fam in families.FAMILIES:
         assert families.by_architecture(fam.architecture) is fam
         assert families.by_model_type(fam.model_type) is fam
-    assert [f.model_type for f in families.FAMILIES] == ["llama", "mistral", "qwen2", "qwen3"]
+    assert [f.model_type for f in families.FAMILIES] == ["llama", "mistral", "olmo2", "qwen2", "qwen3"]
     assert families.DEFAULT is families.by_architecture("LlamaForCausalLM")
     assert families.find("GPT2LMHeadModel") is None
-    with pytest.raises(KeyError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                      "Qwen3ForCausalLM"):
+    with pytest.raises(KeyError, match="supported: LlamaForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, "
+                                      "Qwen2ForCausalLM, Qwen3ForCausalLM"):
         families.by_architecture("GPT2LMHeadModel")
     with pytest.raises(KeyError, match="gpt2"):
         families.by_model_type("gpt2")
 
 
 def test_the_records_say_what_differs_between_families():
-    llama, mistral, qwen2, qwen3 = families.FAMILIES
-    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, True, False]
-    assert [f.qk_norm for f in families.FAMILIES] == [False, False, False, True]
+    llama, mistral, olmo2, qwen2, qwen3 = families.FAMILIES
+    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, False, True, False]
+    assert [f.qk_norm for f in families.FAMILIES] == [False, False, True, False, True]
+    assert (olmo2.qk_norm_width, qwen3.qk_norm_width) == ("projection", "head")  # OLMo 2: over heads x head_dim
     assert not any(f.o_bias for f in families.FAMILIES)
     assert {f.norm for f in families.FAMILIES} == {"rmsnorm"}
-    assert [f.sliding_window for f in families.FAMILIES] == ["none", "window_covers_seq", "flag_off", "flag_off"]
-    assert [f.block_module for f in families.FAMILIES] == [None, None, None, "qwen3_block"]
+    assert [f.sliding_window for f in families.FAMILIES] == ["none", "window_covers_seq", "none", "flag_off",
+                                                             "flag_off"]
+    assert [f.block_module for f in families.FAMILIES] == [None, None, "olmo2_block", None, "qwen3_block"]
+    # OLMo 2's block keeps the decoder's norm names, mapped onto its post-norms.
+    assert olmo2.tensor_names.hf_name("layers.0.attn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert olmo2.tensor_names.hf_name("layers.0.mlp_norm.weight") == "model.layers.0.post_feedforward_layernorm.weight"
+    assert olmo2.tensor_names.partition_dim("layers.0.attn.q_norm.weight") == 0
     assert qwen3.head_dim(1024, 16, given=128) == 128 and qwen3.query_width(16, 128) == 2048  # config.json's
     for fam in (llama, mistral, qwen2):
         assert fam.rope_types == ("default", "linear", "llama3")

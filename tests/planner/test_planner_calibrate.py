@@ -26,8 +26,11 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert prof["device"] == "cpu" and prof["backend"] == "gloo" and prof["measured_at"]
     hw = prof["hardware"]
     for key in ("intra_node_gbps", "intra_latency_us", "hbm_gbps", "engine_step_s", "host_fwd_layer_us",
-                "work_scale_fwd"):
+                "work_scale_fwd", "pipe_host_mb_us"):
         assert key in hw, key
+    # DeepSpeed's pipeline engine measured on the two ranks (pp 2): its host time per micro-batch, what the planner
+    # adds to every pipeline stage's micro-batch.
+    assert hw["pipe_host_mb_us"] > 0
     assert prof["gemm"] and set(prof["engine"]) == {"0", "1", "2", "3"} and len(prof["cpu_share"]) == 2
     assert [row["op"] for row in prof["collectives"]["reducescatter"]][:1] == ["reducescatter"]
 

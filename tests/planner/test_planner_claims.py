@@ -62,7 +62,7 @@ def test_the_chosen_layout_is_the_fastest_fitting_one_unless_a_stated_policy_say
         assert res.best["memory_gib_per_gpu"] + res.best["memory_margin_gib"] <= res.best["usable_memory_gib"] + 1e-3
         # ... and nothing that fits with the margin is faster beyond the near-tie band
         assert min(e.step_s for e in safe) >= best_s / (1 + NEAR_TIE) - 1e-6
-    faster = [e for e in fitting if e.step_s < best_s * (1 - 1e-6)]  # the plan's times are rounded
+    faster = [e for e in fitting if e.step_s < best_s * (1 - 1e-4)]  # the plan's times are rounded
     if chosen["policy"] == "fastest":
         assert not faster
     elif chosen["policy"] == "margin":
@@ -76,7 +76,7 @@ def test_every_faster_fitting_layout_is_listed_with_its_reason(name):
     res, estimates, ctx = _plan(name)
     best_s = res.best["step_time_s"]
     listed = _claims(res, "faster_not_chosen")
-    faster = [e for e in estimates if e.fits and e.step_s < best_s * (1 - 1e-6)]
+    faster = [e for e in estimates if e.fits and e.step_s < best_s * (1 - 1e-4)]
     assert len(listed) == min(len(faster), 50)
     for c in listed:
         assert c["step_time_s"] < best_s and c["faster_pct"] > 0

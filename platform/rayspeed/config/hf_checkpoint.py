@@ -56,7 +56,9 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         if shape.qkv_bias:
             out.update({p + "attn.wq.bias": (q,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
         if shape.family.qk_norm:
-            out.update({p + "attn.q_norm.weight": (shape.head_dim,), p + "attn.k_norm.weight": (shape.head_dim,)})
+            whole = shape.family.qk_norm_width == "projection"  # OLMo 2: over the projection, else one head
+            out.update({p + "attn.q_norm.weight": (q if whole else shape.head_dim,),
+                        p + "attn.k_norm.weight": (kv if whole else shape.head_dim,)})
     return out
 
 

@@ -136,12 +136,15 @@ class ModelShape:
         present: all split by tp."""
         h, q = self.hidden_size, self.q_dim
         bias = (q + 2 * self.kv_dim) if self.qkv_bias else 0
-        return 2 * h * q + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size + bias
+        # q/k norms over the whole projections (OLMo 2) are split by tp with the heads.
+        norms = (q + self.kv_dim) if self.family.qk_norm and self.family.qk_norm_width == "projection" else 0
+        return 2 * h * q + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size + bias + norms
 
     @functools.cached_property  # read for every stage of every layout a search costs
     def layer_norm_params(self) -> int:
         """Two RMSNorm weights (and a family's per-head q/k norms), replicated on every tp rank."""
-        return 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)
+        per_head = self.family.qk_norm and self.family.qk_norm_width == "head"
+        return 2 * self.hidden_size + (2 * self.head_dim if per_head else 0)
 
     @property
     def layer_params(self) -> int:

@@ -22,6 +22,10 @@ SLIDING_POLICIES = (SLIDING_NONE, SLIDING_WINDOW_COVERS_SEQ, SLIDING_FLAG_OFF)
 HEAD_DIM_FROM_HIDDEN = "hidden/heads"
 HEAD_DIM_FROM_CONFIG = "config"  # config.json's head_dim when it gives one, else hidden/heads
 
+# What a q/k norm normalises over.
+QK_NORM_PER_HEAD = "head"
+QK_NORM_PER_PROJECTION = "projection"
+
 ROPE_TYPES = ("default", "linear", "llama3")
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
@@ -119,7 +123,10 @@ class Family:
     o_bias: bool = False
     """The attention output projection carries a bias (no current family; the model has none)."""
     qk_norm: bool = False
-    """q and k are RMS-normalised per head (a weight of head_dim each) before RoPE (Qwen3, OLMo 2-style)."""
+    """q and k are RMS-normalised before RoPE (Qwen3, OLMo 2)."""
+    qk_norm_width: str = QK_NORM_PER_HEAD
+    """Over what the q/k norms run: each head (a weight of head_dim, shared by the heads: Qwen3), or the whole
+    projection (a weight of heads x head_dim, split by tp with the heads: OLMo 2)."""
     norm: str = "rmsnorm"
     """Normalisation of the blocks."""
     head_dim_rule: str = HEAD_DIM_FROM_HIDDEN
@@ -139,6 +146,8 @@ class Family:
         if self.sliding_window not in SLIDING_POLICIES:
             raise ValueError(f"{self.model_type}: sliding_window {self.sliding_window!r} is not one of "
                              f"{SLIDING_POLICIES}")
+        if self.qk_norm_width not in (QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION):
+            raise ValueError(f"{self.model_type}: qk_norm_width {self.qk_norm_width!r} is unknown")
         if self.head_dim_rule not in (HEAD_DIM_FROM_HIDDEN, HEAD_DIM_FROM_CONFIG):
             raise ValueError(f"{self.model_type}: head_dim_rule {self.head_dim_rule!r} is unknown")
         if (self.o_bias or self.qk_norm or self.norm != "rmsnorm") and self.block_module is None:

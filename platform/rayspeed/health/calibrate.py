@@ -159,6 +159,21 @@ def _engine_fit(cal: list[dict], layers: int) -> dict[str, dict]:
     return out
 
 
+def _pipeline_fit(cal: list[dict]) -> float | None:
+    """The pipeline engine's host microseconds per micro-batch per stage: the step's slope over the micro-batch
+    count (the slowest rank's, median over repetitions) less the stand-in's own work per micro-batch and stage
+    (one block plus the fixed part, from the pp-1 engine measurement at ZeRO-1). None without a measurement."""
+    runs = [c["pipeline"] for c in cal if c.get("pipeline") and len(c["pipeline"].get("step_s", [])) >= 2]
+    engine = _engine_fit(cal, 1).get("1")
+    if not runs or not engine:
+        return None
+    ms = runs[0]["ms"]
+    slowest = [max(r["step_s"][i] for r in runs) for i in range(len(ms))]
+    slope = (slowest[-1] - slowest[0]) / (ms[-1] - ms[0])
+    stage = (engine["host_fwd_layer_us"] + engine["host_bwd_layer_us"] + engine["host_fixed_mb_us"] / 2) * 1e-6
+    return round(max(0.0, slope - stage) * 1e6, 1)
+
+
 def _work_scales(profile: dict, cal: list[dict], job: dict, zero: int) -> dict:
     """work_scale_fwd / work_scale_bwd / head_work_scale: the real block and the rest (the job's model through its
     engine at two depths: slope and intercept) against what the planner models for that reference layout with
@@ -216,6 +231,9 @@ def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | No
     engine = _engine_fit(cal, ctx.shape.num_layers)
     own = engine.get(str(zero)) or next(iter(engine.values()), {})
     fitted.update(own)  # the job's own ZeRO stage as the default; "engine" has every stage
+    pipe = _pipeline_fit(cal)
+    if pipe is not None:
+        fitted["pipe_host_mb_us"] = pipe
     if ranks > 1:
         lat, bw = _collective_fit(rep["allreduce"], ranks, 2.0)
         if gpu:

@@ -15,6 +15,9 @@ Every figure is a median over repetitions (what a job on this machine meets), no
 - engine: the real engine (rayspeed.engine.build, DeepSpeed, the job's ZeRO stage and precision) on a narrow
   stand-in of the job's model at two depths, forward, backward and step timed apart: the per-block host time,
   the fixed time per micro-batch and the optimizer step's engine time, with negligible math.
+- pipeline (an even number of ranks): the narrow stand-in at 2 blocks through DeepSpeed's pipeline engine (pp 2,
+  ZeRO-1), a step at two micro-batch counts: the engine's seconds per micro-batch (planner
+  hardware.pipe_host_mb_us once the stand-in's own work per micro-batch is taken off).
 Collective: every rank calls it with the same spec.
 """
 
@@ -180,6 +183,44 @@ def engine_times(job: dict, dev: torch.device, world: int, zero_stages=(0, 1, 2,
     return out
 
 
+PIPE_MICRO_BATCHES = (2, 8)
+
+
+def pipeline_times(job: dict, dev: torch.device, world: int, ms=PIPE_MICRO_BATCHES, reps: int = 5,
+                   warmup: int = 2) -> dict:
+    """Median step seconds of DeepSpeed's pipeline engine (pp 2 over the calibration ranks, ZeRO-1) on the narrow
+    stand-in at 2 blocks, micro-batch 1, for each micro-batch count in `ms`. Collective."""
+    from rayspeed.config.load import parse
+    from rayspeed.engine.build import build_engine
+    from rayspeed.engine.deepspeed_config import deepspeed_config
+    from rayspeed.parallel.groups import ParallelGroups
+
+    base = _standin(parse(job), 2, world, 1)
+    groups = ParallelGroups(world // 2, 1, 2)
+    out: dict[str, Any] = {"ms": list(ms), "step_s": []}
+    for m in ms:
+        par = dataclasses.replace(base.parallel, dp=world // 2, pp=2, grad_accum=m)
+        train = dataclasses.replace(base.train, global_batch_size=world // 2 * m)
+        c = dataclasses.replace(base, parallel=par, train=train)
+        engine, pipelined = build_engine(c, deepspeed_config(c, None), groups, dev)
+        if not pipelined:
+            return {}
+        x = torch.randint(0, c.model.vocab_size, (1, c.model.seq_len), device=dev)
+        data = iter(lambda: (x, x), None)  # endless: the same micro-batch
+        times = []
+        for i in range(warmup + reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.train_batch(data_iter=data)
+            _sync(dev)
+            dist.barrier()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out["step_s"].append(statistics.median(times))
+        del engine
+    return out
+
+
 def cpu_share(seconds: float = 1.5) -> float:
     """Fraction of a core this thread gets while busy: its CPU time over the wall time of a busy loop of small
     tensor ops (every rank runs it at once, as they train). Short measurements elsewhere see an idle core;
@@ -220,6 +261,8 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict) -> dic
             zero = str(spec["job"]["parallel"]["zero_stage"])
             out["model"] = engine_times(spec["job"], device, world, zero_stages=(int(zero),), reps=9, warmup=2,
                                         mb=int(spec["model_mb"]), depths=(1, 2))[zero]
+        if world >= 2 and world % 2 == 0:
+            out["pipeline"] = pipeline_times(spec["job"], device, world)
         out["engine_s"] = round(time.perf_counter() - t1, 3)
     return out
 

@@ -160,6 +160,24 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.tp), None, None
 
 
+class SumOverTensorParallel(torch.autograd.Function):
+    """All-reduce forward and backward: a statistic every rank uses whole (a norm's sum of squares over a width the
+    ranks split), so each rank's share gets the sum of every rank's gradient of it."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_reduce(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.tp), None
+
+
+def sum_over_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return SumOverTensorParallel.apply(x, tp) if tp.enabled else x
+
+
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return CopyToTensorParallel.apply(x, tp) if tp.enabled else x
 

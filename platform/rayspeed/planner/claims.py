@@ -35,7 +35,7 @@ def _numbers(e: Estimate) -> dict:
 
 def chosen_claim(ctx: Ctx, best: Estimate, ranked: list[Estimate]) -> dict:
     fastest = min(ranked, key=lambda e: e.step_s)
-    if fastest.step_s >= best.step_s * (1 - 1e-6):  # ties in time: the pick is (one of) the fastest
+    if fastest.step_s >= best.step_s * (1 - 1e-4):  # ties in time: the pick is (one of) the fastest
         policy, text = "fastest", "the fastest fitting layout"
     elif best.safe and not fastest.safe:
         policy = "margin"
@@ -55,7 +55,7 @@ def chosen_claim(ctx: Ctx, best: Estimate, ranked: list[Estimate]) -> dict:
 def faster_claims(ctx: Ctx, best: Estimate, estimates: list[Estimate], excluded: set) -> list[dict]:
     """Every fitting layout predicted faster than the pick, with the reason the pick's policy passed it over."""
     out = []
-    for e in sorted((x for x in estimates if x.fits and x.step_s < best.step_s * (1 - 1e-6)), key=lambda x: x.step_s):
+    for e in sorted((x for x in estimates if x.fits and x.step_s < best.step_s * (1 - 1e-4)), key=lambda x: x.step_s):
         if id(e) in excluded:
             reason, why = "rule", "excluded by the accumulation cap (the model found the cap's side no slower)"
         elif best.safe and not e.safe:
@@ -70,6 +70,20 @@ def faster_claims(ctx: Ctx, best: Estimate, estimates: list[Estimate], excluded:
 
 def _order(v) -> tuple:
     return (str(type(v)), CHECKPOINT_MODES.index(v) if isinstance(v, str) and v in CHECKPOINT_MODES else v)
+
+
+def _what_it_is(key: str, best: Estimate) -> str:
+    """What the chosen value means beyond the numbers (the structural facts behind it)."""
+    lay, ctx = best.layout, best.ctx
+    if key == "tp" and lay.tp > 1:
+        return f"within one node ({ctx.node_size} ranks, {ctx.hw.intra_node_gbps:.0f} GB/s links); "
+    if key == "sequence_parallel" and lay.tp > 1 and not lay.sequence_parallel and ctx.shape.seq_len % lay.tp:
+        return (f"off, model.seq_len ({ctx.shape.seq_len}) does not divide by tp ({lay.tp}) (auto is true iff tp > 1 "
+                "and tp divides model.seq_len); ")
+    if key == "grad_accum":
+        return (f"global batch {ctx.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch_size} x "
+                f"{lay.grad_accum}; ")
+    return ""
 
 
 def key_claims(best: Estimate, ranked: list[Estimate], estimates: list[Estimate], excluded: set,
@@ -123,8 +137,8 @@ def key_claims(best: Estimate, ranked: list[Estimate], estimates: list[Estimate]
         else:
             reason = "the fastest value that fits with the memory margin"
         claim["reason"] = reason
-        claim["text"] = f"{key} = {chosen}: {reason}" + (f" (best with {key} = " + "; ".join(parts) + ")"
-                                                        if parts else "")
+        claim["text"] = (f"{key} = {chosen}: {_what_it_is(key, best)}{reason}"
+                         + (f" (best with {key} = " + "; ".join(parts) + ")" if parts else ""))
         out.append(claim)
     return out
 

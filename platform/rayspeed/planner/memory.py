@@ -73,8 +73,9 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
     norm = ((r + 2) * sh.hidden_size + r) / out_div
     attn = norm + (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp + 2 * r * sh.head_dim / max(1, micro_batch)
-    if sh.family.qk_norm:
-        attn += ((r + 1) * (sh.q_dim + sh.kv_dim) + r * (sh.num_heads + sh.num_kv_heads)) / tp
+    if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor, and an rsqrt per row normalised
+        rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
+        attn += (r + 1) * (sh.q_dim + sh.kv_dim) / tp + r * rows
     if document_mask:
         attn += sh.seq_len
     mlp = norm + 4 * sh.ffn_hidden_size / tp

@@ -125,6 +125,18 @@ def tp_ok(ctx: Ctx, tp: int) -> str | None:
     return None
 
 
+def zero_problem(ctx: Ctx, zero: int) -> str | None:
+    """DeepSpeed 0.19.8 has no ZeRO-0 path for half-precision weights with fp32 gradient accumulation: its engine
+    raises "unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32" at initialize
+    (checked: `_do_optimizer_sanity_check`); from ZeRO-1 on its ZeRO or BF16 optimizer keeps the fp32 gradients."""
+    if zero == 0 and ctx.precision in ("bf16", "fp16") and ctx.grad_accum_dtype == "fp32":
+        return (f"parallel.zero_stage 0 with train.precision {ctx.precision} and train.grad_accum_dtype fp32: "
+                "DeepSpeed has no ZeRO-0 path for half-precision weights with fp32 gradient accumulation; use "
+                "parallel.zero_stage 1 (the same weights and gradients per rank, the optimizer state divided) or "
+                f"train.grad_accum_dtype {ctx.precision}")
+    return None
+
+
 def hpz_applies(ctx: Ctx, tp: int, dp: int) -> bool:
     """Field guide rule 2 (64+ GPUs: hierarchical all-gather) made real: ZeRO++ hierarchical partitioning,
     worth it only when the dp group spans nodes and has several ranks in each."""
@@ -204,6 +216,10 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     if pp > 1 and z > 1:
                         out.rejected.append(f"parallel.zero_stage ({z}) with pp {pp}: DeepSpeed's pipeline engine "
                                             "supports ZeRO 0 or 1 only")
+                        continue
+                    why = zero_problem(ctx, z)
+                    if why:
+                        out.rejected.append(why)
                         continue
                     sps = ([fixed["sequence_parallel"]] if "sequence_parallel" in fixed
                            else [default_sequence_parallel(sh.seq_len, tp)])

@@ -15,7 +15,7 @@ from rayspeed.planner import gemm as gemm_model
 from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, nccl_s
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
-from rayspeed.planner.model_math import max_stage_params, split_of
+from rayspeed.planner.model_math import max_stage_params, split_of, stage_params
 from rayspeed.planner.terms import time_terms
 
 __all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost",
@@ -27,6 +27,9 @@ OVERLAP_TAX = 0.1  # overlapped communication still slows the compute it hides b
 KERNELS_FWD_PER_LAYER = 30  # eager ops in one block's forward (norms, projections, RoPE, attention, SwiGLU)
 KERNELS_BWD_PER_LAYER = 50
 OPTIMIZER_BYTES_PER_PARAM = 36  # fused Adam: read w,g,m,v + write w,m,v (fp32), grad norm, bf16 copy-out
+# BF16_Optimizer's per-micro-batch `hp_grad.add_(lp_grad.to(fp32))`: read the bf16 gradient and write its fp32 copy
+# (2 + 4), then read that copy and the fp32 gradient and write the sum (4 + 4 + 4).
+HP_GRAD_BYTES_PER_PARAM = 18
 
 
 @dataclass
@@ -283,6 +286,31 @@ def p2p_s(ctx: Ctx, lay: Layout, nbytes: float) -> float:
 # ---------------------------------------------------------------- the step
 
 
+def bf16_optimizer(ctx: Ctx, lay: Layout) -> bool:
+    """Whether DeepSpeed 0.19.8 wraps the optimizer in its BF16_Optimizer (engine `_do_optimizer_sanity_check`):
+    bf16 weights with fp32 gradient accumulation at ZeRO-1, or bf16 accumulation under the pipeline engine at
+    ZeRO-0. It adds each micro-batch's bf16 gradients into full fp32 gradients after that micro-batch's backward
+    (`backward_epilogue` -> `update_hp_grads`; under the pipeline engine in `_exec_backward_pass`)."""
+    if ctx.precision != "bf16":
+        return False
+    if ctx.grad_accum_dtype == "fp32":
+        return lay.zero_stage == 1
+    return lay.zero_stage == 0 and lay.pp > 1
+
+
+def grad_pass_bytes_per_param(ctx: Ctx, lay: Layout) -> float:
+    """Memory traffic per parameter of the stage that every micro-batch's gradients cost beyond the backward itself:
+    BF16_Optimizer's fp32 accumulation (HP_GRAD_BYTES_PER_PARAM, on every rank's whole stage), or ZeRO-2's copy of
+    each gradient into its reduce bucket in the communication dtype (DeepSpeed stage_1_and_2: the backward hooks
+    copy into the ipg buffer) plus the add of the reduced bucket into this rank's fp32 partition (read the bucket's
+    slice and the partition, write the partition: 12 bytes over dp)."""
+    if bf16_optimizer(ctx, lay):
+        return HP_GRAD_BYTES_PER_PARAM
+    if lay.zero_stage == 2:
+        return ctx.w_bytes + ctx.comm_bytes + 12 / max(1, lay.dp)
+    return 0.0
+
+
 def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]]:
     """Per stage, one micro-batch: (compute, recompute, tp comm, backward compute)."""
     split = split_of(ctx.shape, lay)
@@ -294,9 +322,12 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
     # DeepSpeed's pipeline engine's own host work per micro-batch on every stage (its instructions, input clones,
     # p2p calls): hardware.pipe_host_mb_us, measured by scripts/bench_pipeline_overhead.py.
     pipe = ctx.hw.pipe_host_mb_us * 1e-6 * ctx.overhead_factor if lay.pp > 1 else 0.0
+    hp = grad_pass_bytes_per_param(ctx, lay)
     out = []
     for i, n in enumerate(split):
         comp = n * (bc.fwd + bc.bwd + bc.rec)
+        if hp:  # every micro-batch's gradients pass through memory once more (grad_pass_bytes_per_param)
+            comp += _mem_s(ctx, hp * stage_params(ctx.shape, lay.tp, lay.pp, i, n))
         back = n * (bc.bwd + bc.rec)
         tp = n * bc.tp
         last = i == lay.pp - 1

@@ -1,0 +1,82 @@
+"""OLMo 2's block, as transformers' Olmo2DecoderLayer computes it: each branch's output is RMS-normalised before it
+joins the residual stream (x + norm(attn(x)), then h + norm(mlp(h)); no norm before the branches), and q and k are
+RMS-normalised over their whole projections (heads x head_dim wide) before RoPE.
+
+Under tensor parallelism a rank holds only its heads' part of each projection, and of the norm's weight: the mean
+of squares is summed over the tp group (a differentiable all-reduce, so the backward sums each rank's share of the
+normaliser's gradient), which makes every rank's slice exactly the slice of the whole normalised projection."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rayspeed.config.shape import ModelShape
+from rayspeed.model import transformer
+from rayspeed.parallel.comm import copy_to_tp, sum_over_tp
+from rayspeed.parallel.groups import TensorParallel
+from rayspeed.parallel.layers import NO_TP
+
+
+class PostNorm(transformer.RMSNorm):
+    """OLMo 2's RMS norm: the weight multiplies the fp32 normalised tensor before the cast back (transformers'
+    Olmo2RMSNorm order; the decoder's RMSNorm casts first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, self.tp) if self.sequence_parallel else self.weight
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (weight * normed).to(x.dtype)
+
+
+class ProjectionNorm(nn.Module):
+    """RMS norm over a whole projection's `width` of which this rank holds width / tp (its heads)."""
+
+    def __init__(self, width: int, eps: float, tp: TensorParallel):
+        super().__init__()
+        self.tp, self.eps, self.width = tp, eps, width
+        self.weight = nn.Parameter(torch.ones(width // tp.world_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = sum_over_tp(x32.pow(2).sum(dim=-1, keepdim=True), self.tp)
+        normed = x32 * torch.rsqrt(squares / self.width + self.eps)
+        return (self.weight * normed).to(x.dtype)
+
+
+class ProjectionNormAttention(transformer.Attention):
+    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
+        super().__init__(dims, tp, sequence_parallel, seed, name)
+        self.q_norm = ProjectionNorm(dims.q_dim, dims.norm_eps, tp)
+        self.k_norm = ProjectionNorm(dims.kv_dim, dims.norm_eps, tp)
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [b, heads, s, head_dim]: normalised over the projection (all heads of a position together)."""
+        def over_projection(t: torch.Tensor, norm: ProjectionNorm) -> torch.Tensor:
+            b, heads, s, d = t.shape
+            flat = norm(t.transpose(1, 2).reshape(b, s, heads * d))
+            return flat.view(b, s, heads, d).transpose(1, 2)
+
+        return over_projection(q, self.q_norm), over_projection(k, self.k_norm)
+
+
+class Block(transformer.Block):
+    def __init__(self, cfg, layer_idx: int, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False,
+                 activation_checkpointing: str = "none", preserve_rng_state: bool = False, seed: int = 0):
+        super().__init__(cfg, layer_idx, tp, sequence_parallel, activation_checkpointing, preserve_rng_state, seed)
+        dims = ModelShape.from_config(cfg)
+        tp = tp or NO_TP
+        sp = sequence_parallel and tp.enabled
+        self.attn = ProjectionNormAttention(dims, tp, sp, seed, name=f"layers.{layer_idx}.attn")
+        # attn_norm / mlp_norm keep the decoder's names (the checkpoint map says which norm each is): here they
+        # normalise the branches' outputs.
+        self.attn_norm = PostNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.mlp_norm = PostNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+
+    def _attn_branch(self, x, segment_ids=None):
+        return self.attn_norm(self.attn(x, segment_ids))
+
+    def _mlp_branch(self, x):
+        return self.mlp_norm(self.mlp(x))

@@ -1,0 +1,178 @@
+"""OLMo 2 parity with transformers (Olmo2ForCausalLM made locally: norms after attention and after the MLP, RMS norms
+over the whole q and k projections, GQA, untied head), fp32, rtol = atol = 1e-5: logits, loss and every parameter's
+gradient at tp1; at tp2 with sequence parallelism each rank's logits and loss and every parameter's gradient (each
+rank's shard against the same shard of transformers' gradient: the q/k norms over a projection the ranks split
+sum their squares over the tp group); at pp2 (DeepSpeed's pipeline) the last stage's logits and every stage's loss;
+and the export loads back as an Olmo2ForCausalLM with rayspeed's logits."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _dist import run_distributed
+from _hf_models import OLMO2, save, shape_of
+
+SEQ, BATCH = 16, 2
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _tokens(vocab, seed=5):
+    return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def olmo2(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("olmo2") / "m"
+    save(d, OLMO2, seed=17)
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    assert type(model).__name__ == "Olmo2ForCausalLM" and model.model.layers[0].self_attn.q_norm.weight.numel() == 32
+    tokens = _tokens(model.config.vocab_size)
+    logits = model(tokens[:, :-1]).logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"dir": str(d), "logits": logits.detach(), "loss": loss.detach(), "grads": grads}
+
+
+def _build(shape, model_dir, tp=None, sp=False):
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.transformer import Transformer
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():
+        model = Transformer(shape, tp=tp, sequence_parallel=sp)
+    load_hf_weights(model, model_dir, shape, tp=tp)
+    return model
+
+
+def test_the_shape_is_olmo2s(olmo2):
+    shape = shape_of(olmo2["dir"], SEQ)
+    assert (shape.architecture, shape.q_dim, shape.kv_dim, shape.tie_embeddings) == ("Olmo2ForCausalLM", 32, 16,
+                                                                                     False)
+    assert shape.norm_eps == pytest.approx(1e-6)  # the file's, not the family's default (1e-5)
+    model = _build(shape, olmo2["dir"])
+    assert sum(p.numel() for p in model.parameters()) == shape.params  # the projection-wide q/k norms are counted
+
+
+def test_tp1_logits_loss_and_gradients_match_transformers(olmo2):
+    shape = shape_of(olmo2["dir"], SEQ)
+    model = _build(shape, olmo2["dir"])
+    tokens = _tokens(shape.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens[:, :-1]), olmo2["logits"], **TOL)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(loss.detach(), olmo2["loss"], **TOL)
+    loss.backward()
+    names = shape.family.tensor_names
+    seen = set()
+    for name, p in model.named_parameters():
+        seen.add(names.hf_name(name))
+        torch.testing.assert_close(p.grad, olmo2["grads"][names.hf_name(name)], **TOL, msg=lambda m: f"{name}: {m}")
+    assert seen == set(olmo2["grads"])  # every tensor of the checkpoint is a parameter here, and none more
+
+
+def _pipeline(shape, model_dir, groups, tokens):
+    import deepspeed
+    import torch.distributed as dist
+
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.pipeline import build_pipeline_module
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():
+        module = build_pipeline_module(shape, groups, num_stages=2, partition_method="type:Block")
+    load_hf_weights(module, model_dir, shape)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    logits = None
+    with torch.no_grad():
+        if groups.pp_rank == 0:
+            dist.send(module(ids).contiguous(), dst=1)
+        else:
+            full = torch.empty(BATCH, SEQ, shape.hidden_size)
+            dist.recv(full, src=0)
+            hidden, weight = module(full)
+            logits = F.linear(hidden, weight)
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
+                                           config=config)
+    return logits, engine.eval_batch(iter([(ids, labels)])).detach().float().reshape(())
+
+
+def _ranks(rank, world_size, model_dir):
+    import deepspeed
+    import torch.distributed as dist
+
+    from rayspeed.parallel.groups import ParallelGroups
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    comm = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(comm, "build_shm_op"):
+        comm.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    shape = shape_of(model_dir, SEQ)
+    groups = ParallelGroups(dp=1, tp=2, pp=1)
+    model = _build(shape, model_dir, groups.tp, sp=True)
+    tokens = _tokens(shape.vocab_size)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    dist.barrier()
+    pipeline = _pipeline(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), tokens)
+    return logits, loss.detach(), grads, pipeline
+
+
+def test_tp2_sequence_parallel_and_pp2_match_transformers(olmo2):
+    shape = shape_of(olmo2["dir"], SEQ)
+    names = shape.family.tensor_names
+    for rank, (logits, loss, grads, (pp_logits, pp_loss)) in enumerate(run_distributed(_ranks, 2, olmo2["dir"],
+                                                                                         timeout_s=120)):
+        torch.testing.assert_close(pp_loss, olmo2["loss"], **TOL, msg=lambda m: f"pp2 rank {rank} loss: {m}")
+        if rank == 1:  # the last stage holds the head
+            torch.testing.assert_close(pp_logits, olmo2["logits"], **TOL, msg=lambda m: f"pp2 logits: {m}")
+        torch.testing.assert_close(logits, olmo2["logits"], **TOL, msg=lambda m: f"rank {rank} logits: {m}")
+        torch.testing.assert_close(loss, olmo2["loss"], **TOL, msg=lambda m: f"rank {rank} loss: {m}")
+        assert len(grads) == len(olmo2["grads"])
+        for name, g in grads.items():
+            full, dim = olmo2["grads"][names.hf_name(name)], names.partition_dim(name)
+            ref = full if dim is None else full.chunk(2, dim=dim)[rank]
+            torch.testing.assert_close(g, ref, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_an_olmo2_written_as_hf_loads_in_transformers_with_the_same_logits(tmp_path):
+    """Out again: a rayspeed OLMo 2 with random norms, written in Hugging Face format, is an Olmo2ForCausalLM with
+    rayspeed's logits."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.config.load import parse
+    from rayspeed.config.shape import ModelShape
+    from rayspeed.model.hf_export import write_hf_dir
+    from rayspeed.model.transformer import Transformer
+
+    m = parse({"model": {"architecture": "Olmo2ForCausalLM", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                         "num_kv_heads": 2, "ffn_hidden_size": 64, "seq_len": SEQ, "tie_embeddings": False}}).model
+    shape = ModelShape.from_config(m)
+    model = Transformer(shape, seed=4).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms away from 1, so a norm in the wrong place shows
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+        ids = _tokens(256)[:, :-1]
+        expected = model(ids)
+    write_hf_dir(model.full_state_dict(), shape, str(tmp_path / "hf"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"]) == (["Olmo2ForCausalLM"], "olmo2")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.float(), expected, **TOL)
