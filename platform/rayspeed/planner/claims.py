@@ -56,11 +56,11 @@ def faster_claims(ctx: Ctx, best: Estimate, estimates: list[Estimate], excluded:
     """Every fitting layout predicted faster than the pick, with the reason the pick's policy passed it over."""
     out = []
     for e in sorted((x for x in estimates if x.fits and x.step_s < best.step_s * (1 - 1e-4)), key=lambda x: x.step_s):
-        if id(e) in excluded:
-            reason, why = "rule", "excluded by the accumulation cap (the model found the cap's side no slower)"
-        elif best.safe and not e.safe:
-            reason, why = "margin", (f"{e.memory_text()} leaves less than its margin of the {ctx.usable_gib:.1f} GiB "
-                                     "usable")
+        if best.safe and not e.safe:
+            reason, why = "margin", f"more than the {ctx.usable_gib:.1f} GiB usable once its margin is counted"
+        elif id(e) in excluded:
+            reason, why = "rule", (f"excluded by the accumulation cap, which the model agreed with: within "
+                                   f"{100 * NEAR_TIE:.0f}%, the cap's side is simpler")
         else:
             reason, why = "near_tie", f"within {100 * NEAR_TIE:.0f}% of the chosen one, which is simpler"
         out.append({"kind": "faster_not_chosen", **_numbers(e), "faster_pct": -_pct(e, best), "reason": reason,
