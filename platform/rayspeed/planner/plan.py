@@ -334,8 +334,9 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
         warnings.append("stage_layers ignored with pp 1")
         split = None
     unbuildable += [f"the runtime's model builder: {p}" for p in shape_split_problems(sh, tp, sp)]
-    if zero_problem(ctx, z):
-        unbuildable.append(zero_problem(ctx, z))
+    zero_why = zero_problem(ctx, z)
+    if zero_why:
+        unbuildable.append(zero_why)
     if dp * mb * ga != ctx.global_batch:
         unbuildable.append(f"dp ({dp}) x micro_batch_size ({mb}) x grad_accum ({ga}) = {dp * mb * ga} != "
                            f"train.global_batch_size ({ctx.global_batch}); costed at {dp * mb * ga} sequences per step")
