@@ -126,16 +126,24 @@ def _ranks(rank, world_size, model_dir):
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    whole = model.full_state_dict()  # the q/k norms gathered whole from the ranks' shards, like every tp shard
+    norms = {n: whole[n] for n in whole if "q_norm" in n or "k_norm" in n}
     dist.barrier()
     pipeline = _pipeline(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), tokens)
-    return logits, loss.detach(), grads, pipeline
+    return logits, loss.detach(), grads, norms, pipeline
 
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(olmo2):
     shape = shape_of(olmo2["dir"], SEQ)
     names = shape.family.tensor_names
-    for rank, (logits, loss, grads, (pp_logits, pp_loss)) in enumerate(run_distributed(_ranks, 2, olmo2["dir"],
-                                                                                         timeout_s=120)):
+    from safetensors.torch import load_file
+
+    stored = load_file(f"{olmo2['dir']}/model.safetensors")
+    for rank, (logits, loss, grads, norms, (pp_logits, pp_loss)) in enumerate(
+            run_distributed(_ranks, 2, olmo2["dir"], timeout_s=120)):
+        assert len(norms) == 2 * shape.num_layers
+        for name, value in norms.items():
+            torch.testing.assert_close(value, stored[names.hf_name(name)], **TOL, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(pp_loss, olmo2["loss"], **TOL, msg=lambda m: f"pp2 rank {rank} loss: {m}")
         if rank == 1:  # the last stage holds the head
             torch.testing.assert_close(pp_logits, olmo2["logits"], **TOL, msg=lambda m: f"pp2 logits: {m}")

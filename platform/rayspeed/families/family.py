@@ -129,6 +129,9 @@ class Family:
     projection (a weight of heads x head_dim, split by tp with the heads: OLMo 2)."""
     norm: str = "rmsnorm"
     """Normalisation of the blocks."""
+    post_norm: bool = False
+    """The branches' outputs are normalised before the residual add, with the weight applied in fp32 before the
+    cast back (OLMo 2, transformers' Olmo2RMSNorm), instead of normalising the branches' inputs."""
     head_dim_rule: str = HEAD_DIM_FROM_HIDDEN
     """hidden/heads, or config: config.json's head_dim (the query width is then heads * head_dim, not hidden)."""
     rope_types: tuple[str, ...] = ROPE_TYPES
@@ -150,7 +153,7 @@ class Family:
             raise ValueError(f"{self.model_type}: qk_norm_width {self.qk_norm_width!r} is unknown")
         if self.head_dim_rule not in (HEAD_DIM_FROM_HIDDEN, HEAD_DIM_FROM_CONFIG):
             raise ValueError(f"{self.model_type}: head_dim_rule {self.head_dim_rule!r} is unknown")
-        if (self.o_bias or self.qk_norm or self.norm != "rmsnorm") and self.block_module is None:
+        if (self.o_bias or self.qk_norm or self.post_norm or self.norm != "rmsnorm") and self.block_module is None:
             raise ValueError(f"{self.model_type}: an output-projection bias, q/k norms or a {self.norm} norm needs "
                              "its own block module (model/transformer.py's Block has RMSNorm, no o bias, no q/k "
                              "norms)")

@@ -27,5 +27,5 @@ def olmo2_extras(num_layers: int) -> dict[str, Any]:
 
 FAMILY = Family(architectures=("Olmo2ForCausalLM",), model_type="olmo2", tensor_names=olmo2_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "hidden_act": "silu"}),
-                qk_norm=True, qk_norm_width=QK_NORM_PER_PROJECTION, export_extras=olmo2_extras,
+                qk_norm=True, qk_norm_width=QK_NORM_PER_PROJECTION, post_norm=True, export_extras=olmo2_extras,
                 block_module="olmo2_block")

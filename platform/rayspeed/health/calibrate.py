@@ -161,8 +161,9 @@ def _engine_fit(cal: list[dict], layers: int) -> dict[str, dict]:
 
 def _pipeline_fit(cal: list[dict]) -> float | None:
     """The pipeline engine's host microseconds per micro-batch per stage: the step's slope over the micro-batch
-    count (the slowest rank's, median over repetitions) less the stand-in's own work per micro-batch and stage
-    (one block plus the fixed part, from the pp-1 engine measurement at ZeRO-1). None without a measurement."""
+    count (the slowest rank's, median over repetitions) less what the planner already puts on the slowest (last)
+    stage's micro-batch: one block's host time and the fixed time per micro-batch (embedding, head, loss), from the
+    pp-1 engine measurement at ZeRO-1 (timing.stage_parts). None without a measurement."""
     runs = [c["pipeline"] for c in cal if c.get("pipeline") and len(c["pipeline"].get("step_s", [])) >= 2]
     engine = _engine_fit(cal, 1).get("1")
     if not runs or not engine:
@@ -170,7 +171,7 @@ def _pipeline_fit(cal: list[dict]) -> float | None:
     ms = runs[0]["ms"]
     slowest = [max(r["step_s"][i] for r in runs) for i in range(len(ms))]
     slope = (slowest[-1] - slowest[0]) / (ms[-1] - ms[0])
-    stage = (engine["host_fwd_layer_us"] + engine["host_bwd_layer_us"] + engine["host_fixed_mb_us"] / 2) * 1e-6
+    stage = (engine["host_fwd_layer_us"] + engine["host_bwd_layer_us"] + engine["host_fixed_mb_us"]) * 1e-6
     return round(max(0.0, slope - stage) * 1e6, 1)
 
 

@@ -38,6 +38,11 @@ class ProjectionNorm(nn.Module):
         super().__init__()
         self.tp, self.eps, self.width = tp, eps, width
         self.weight = nn.Parameter(torch.ones(width // tp.world_size))
+        # A tp shard like a column-parallel projection's rows: export gathers it, clipping and the gradient norm
+        # count it once per shard (parallel/layers.py sharded_parameter marks its own the same way).
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim = 0
+        self.weight.partition_stride = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -33,14 +33,18 @@ def _numbers(e: Estimate) -> dict:
             "memory_gib": round(e.memory_gib, 3), "margin_gib": round(e.margin_gib, 3)}
 
 
-def chosen_claim(ctx: Ctx, best: Estimate, ranked: list[Estimate]) -> dict:
-    fastest = min(ranked, key=lambda e: e.step_s)
+def chosen_claim(ctx: Ctx, best: Estimate, estimates: list[Estimate], excluded: set) -> dict:
+    fastest = min((e for e in estimates if e.fits), key=lambda e: e.step_s)
     if fastest.step_s >= best.step_s * (1 - 1e-4):  # ties in time: the pick is (one of) the fastest
         policy, text = "fastest", "the fastest fitting layout"
     elif best.safe and not fastest.safe:
         policy = "margin"
         text = (f"the fastest that fits with the memory margin; {fastest.layout.short()} is "
                 f"{-_pct(fastest, best):.1f}% faster but needs {fastest.memory_text()} of {ctx.usable_gib:.1f} usable")
+    elif id(fastest) in excluded:
+        policy = "rule"
+        text = (f"the fastest the accumulation cap keeps; beyond the cap {fastest.layout.short()} is "
+                f"{-_pct(fastest, best):.2f}% faster (the cap was tested and applied: planner/hypotheses.py)")
     else:
         policy = "simplest_within_near_tie"
         text = (f"within {100 * NEAR_TIE:.0f}% of the fastest ({fastest.layout.short()}, {-_pct(fastest, best):.2f}% "
@@ -59,8 +63,8 @@ def faster_claims(ctx: Ctx, best: Estimate, estimates: list[Estimate], excluded:
         if best.safe and not e.safe:
             reason, why = "margin", f"more than the {ctx.usable_gib:.1f} GiB usable once its margin is counted"
         elif id(e) in excluded:
-            reason, why = "rule", (f"excluded by the accumulation cap, which the model agreed with: within "
-                                   f"{100 * NEAR_TIE:.0f}%, the cap's side is simpler")
+            reason, why = "rule", ("excluded by the accumulation cap, which the model agreed with (its best within "
+                                   "the cap is picked over its best beyond it)")
         else:
             reason, why = "near_tie", f"within {100 * NEAR_TIE:.0f}% of the chosen one, which is simpler"
         out.append({"kind": "faster_not_chosen", **_numbers(e), "faster_pct": -_pct(e, best), "reason": reason,
@@ -167,7 +171,7 @@ def hpz_claim(best: Estimate, estimates: list[Estimate]) -> dict | None:
 def build_claims(ctx: Ctx, best: Estimate, ranked: list[Estimate], estimates: list[Estimate], cap: RuleTest,
                  fixed: dict) -> list[dict]:
     excluded = {id(e) for e in cap.excluded}
-    claims = [chosen_claim(ctx, best, ranked)]
+    claims = [chosen_claim(ctx, best, estimates, excluded)]
     claims += faster_claims(ctx, best, estimates, excluded)[:LISTED]
     claims += key_claims(best, ranked, estimates, excluded, fixed)
     claims.append({"kind": "rule", **cap.as_dict(), "text": f"accumulation cap: {cap.why}"})

@@ -29,7 +29,7 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     slower = 100 * (e.step_s / best.step_s - 1)
     if slower < -0.05:
         return (f"{-slower:.1f}% faster by the model, but {e.memory_text()} leaves less than its memory margin "
-                f"(the chosen: {best.memory_text()})" if not e.safe else
+                f"(the chosen: {best.memory_text()})" if best.safe and not e.safe else
                 f"{-slower:.1f}% faster by the model, within {100 * NEAR_TIE:.0f}%: the chosen layout is simpler")
     if slower <= 0.05:
         return ("a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, "

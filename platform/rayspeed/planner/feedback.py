@@ -48,6 +48,8 @@ def memory_check(plan: dict, measured_gib: float) -> tuple[bool, str]:
     pred = float(plan.get("memory_gib_per_gpu") or 0.0)
     margin = float(plan.get("memory_margin_gib") or 0.0)
     usable = plan.get("usable_memory_gib")
+    if pred <= 0:
+        return False, f"memory: step 1 peaked at {measured_gib:.1f} GiB on the worst rank (no prediction to compare)"
     if measured_gib > pred + margin:
         return True, (f"MEMORY: step 1 peaked at {measured_gib:.1f} GiB on the worst rank, over the plan's "
                       f"{pred:.1f} GiB +- {margin:.1f}" + (f" ({usable:.1f} usable)" if usable else "")

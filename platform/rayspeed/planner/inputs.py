@@ -20,7 +20,7 @@ class Ctx:
     node_size: int  # ranks per node for topology (tp never spans one)
     global_batch: int  # sequences per optimizer step
     memory_gib: float  # device (or per-worker) memory
-    usable_fraction: float = 0.95  # headroom for what the model does not see (allocator spikes, NCCL growth)
+    usable_fraction: float = 0.95  # what the driver keeps beyond the CUDA context; the model's uncertainty is margin.py
     notes: tuple = field(default_factory=tuple)  # assumptions made while building the context
     gemm_table: tuple = ()  # ((m, k, n, flop/s), ...) measured by `rayspeed calibrate` on this cluster
     efficiency: tuple = (1.0, 1.0, 1.0)  # (compute, comm, overhead) factors fitted from finished runs

@@ -7,8 +7,6 @@ Each uncertainty and its source is in docs/PLANNER.md ("The memory margin")."""
 
 from __future__ import annotations
 
-from rayspeed.planner.hardware import GIB
-
 # Relative uncertainty per component of memory.COMPONENTS.
 UNCERTAINTY = {
     # Exact arithmetic checked against the real engine's tensors (within 2%: tests/train/test_layouts.py).
@@ -37,13 +35,3 @@ FEATURE_TERM = 0.25  # a feature's registered term (planner/terms.py) until it h
 def margin_bytes(memory: dict) -> float:
     """The margin of one estimate's breakdown (bytes by component)."""
     return sum(UNCERTAINTY.get(k, FEATURE_TERM) * max(0.0, v) for k, v in memory.items())
-
-
-def margin_gib(memory: dict) -> float:
-    return margin_bytes(memory) / GIB
-
-
-def relative(memory: dict) -> float:
-    """The margin as a fraction of the estimate's total."""
-    total = sum(memory.values())
-    return margin_bytes(memory) / total if total > 0 else 0.0

@@ -71,11 +71,14 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     r = 4 / w_bytes
     out_div = tp if sp else 1
     kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
-    norm = ((r + 2) * sh.hidden_size + r) / out_div
+    post = sh.family.post_norm
+    # A post-norm (OLMo 2) keeps its fp32 input and fp32 normalised tensor (the weight multiplies it before the
+    # cast), and the branch's input is the residual stream itself, which the projections keep: (2r + 1) h + r.
+    norm = (((2 * r + 1) if post else (r + 2)) * sh.hidden_size + r) / out_div
     attn = norm + (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp + 2 * r * sh.head_dim / max(1, micro_batch)
-    if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor, and an rsqrt per row normalised
+    if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 under a post-norm's order), an rsqrt per row
         rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
-        attn += (r + 1) * (sh.q_dim + sh.kv_dim) / tp + r * rows
+        attn += ((2 * r) if post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
     if document_mask:
         attn += sh.seq_len
     mlp = norm + 4 * sh.ffn_hidden_size / tp

@@ -20,6 +20,7 @@ from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import bytes_per_param
 from rayspeed.planner.rules import all_rules, lr_rule
 from rayspeed.planner.search import (
+    NEAR_TIE,
     Estimate,
     accumulation_cap,
     build_ctx,
@@ -162,7 +163,7 @@ def near_ties(ranked: list[Estimate]) -> dict:
     return {"model_error": round(err, 4), "count": len(ties),
             "layouts": [{"layout": e.layout.short(), "step_time_s": round(e.step_s, 6),
                          "headroom": round(headroom(e), 3)} for e in ties[:5]],
-            "chosen_for": ("the fastest that fits with the memory margin" if ranked[0].step_s > fastest * 1.01
+            "chosen_for": ("the fastest that fits with the memory margin" if ranked[0].step_s > fastest * (1 + NEAR_TIE)
                            else "fastest (simplest within 1%)")}
 
 

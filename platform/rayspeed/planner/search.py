@@ -126,14 +126,15 @@ def tp_ok(ctx: Ctx, tp: int) -> str | None:
 
 
 def zero_problem(ctx: Ctx, zero: int) -> str | None:
-    """DeepSpeed 0.19.8 has no ZeRO-0 path for half-precision weights with fp32 gradient accumulation: its engine
-    raises "unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32" at initialize
-    (checked: `_do_optimizer_sanity_check`); from ZeRO-1 on its ZeRO or BF16 optimizer keeps the fp32 gradients."""
-    if zero == 0 and ctx.precision in ("bf16", "fp16") and ctx.grad_accum_dtype == "fp32":
-        return (f"parallel.zero_stage 0 with train.precision {ctx.precision} and train.grad_accum_dtype fp32: "
-                "DeepSpeed has no ZeRO-0 path for half-precision weights with fp32 gradient accumulation; use "
-                "parallel.zero_stage 1 (the same weights and gradients per rank, the optimizer state divided) or "
-                f"train.grad_accum_dtype {ctx.precision}")
+    """DeepSpeed 0.19.8 has no ZeRO-0 path for half-precision weights whose gradients accumulate in another dtype:
+    its engine raises "unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32" at
+    initialize (checked; `_do_optimizer_sanity_check`); from ZeRO-1 on its ZeRO or BF16 optimizer keeps them."""
+    if zero == 0 and ctx.precision in ("bf16", "fp16") and ctx.grad_accum_dtype != ctx.precision:
+        alt = " or train.grad_accum_dtype bf16" if ctx.precision == "bf16" else ""
+        return (f"parallel.zero_stage 0 with train.precision {ctx.precision} and train.grad_accum_dtype "
+                f"{ctx.grad_accum_dtype}: DeepSpeed has no ZeRO-0 path for half-precision weights whose gradients "
+                "accumulate in another dtype; use parallel.zero_stage 1 (the same weights and gradients per rank, "
+                f"the optimizer state divided){alt}")
     return None
 
 
@@ -259,7 +260,7 @@ class Estimate:
         """Computed on first use: most candidates of a big search never fit and are never timed."""
         return step_time(self.ctx, self.layout)
 
-    @property
+    @functools.cached_property
     def memory_gib(self) -> float:
         return sum(self.memory.values()) / GIB
 
