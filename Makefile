@@ -19,9 +19,7 @@ export PATH := $(BIN):$(PATH)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	@# --no-compile: a fresh install skips byte-compiling every module of torch, ray, transformers, ...; Python
-	@# compiles what it imports, on first use, once.
-	$(BIN)/python -m pip install -q --no-compile -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $@
 
 setup: $(STAMP)

@@ -293,7 +293,8 @@ def build_profile(rep: dict, cal: list[dict], ctx, zero: int = 0, job: dict | No
         # longer probes (model, engine) already ran under it, so the planner does not divide by it again.
         "cpu_share": [c.get("cpu_share") for c in cal],
         "host_probe": {"op_overhead_us": [c["op_overhead_us"] for c in cal],
-                       "engine": [c.get("engine") for c in cal]},
+                       "engine": [c.get("engine") for c in cal],
+                       "pipeline": [c.get("pipeline") for c in cal]},
         "engine": engine,
         "gloo": gloo,
         "efficiency": {"compute": 1.0, "comm": 1.0, "overhead": 1.0},
