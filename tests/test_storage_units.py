@@ -37,3 +37,30 @@ def test_a_rejection_marker_never_enters_a_manifest(tmp_path):
     (d / "ds" / "shard.pt").write_bytes(b"x" * 10)
     (d / manifest.REJECTED).write_text('{"reason": "old"}')
     assert [str(p) for p in manifest.list_files(d)] == ["ds/shard.pt"]
+
+
+def test_listing_a_folder_survives_a_concurrent_atomic_write(tmp_path):
+    """An async save's rank 0 lists the marker folder while another rank writes its marker (temp file, then rename):
+    a temp file renamed away between the listing and its stat is not an error (it failed a CI run:
+    test_async_protocol's rank 0 got FileNotFoundError). Before the fix this loop hit it tens of times."""
+    import threading
+
+    from rayspeed import storage
+
+    loc = storage.locate(str(tmp_path))
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            loc.write_json("m/rank1.json", {"i": i})
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(2000):
+            assert [rel for rel, _ in loc.child("m").files() if not rel.endswith(".tmp")] in ([], ["rank1.json"])
+    finally:
+        stop.set()
+        t.join()

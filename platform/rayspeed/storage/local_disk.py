@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ContextManager
@@ -89,7 +90,15 @@ class LocalLocation(Location):
 
     def files(self) -> list[tuple[str, int]]:
         root = Path(self.uri)
-        return sorted((str(p.relative_to(root).as_posix()), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+        out = []
+        for p in root.rglob("*"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # another writer's temp file, renamed into place since the listing
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((str(p.relative_to(root).as_posix()), st.st_size))
+        return sorted(out)
 
     def subdirs(self) -> list[str]:
         root = Path(self.uri)
