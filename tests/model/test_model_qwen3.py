@@ -7,62 +7,42 @@ as a Qwen3ForCausalLM with rayspeed's logits."""
 
 from __future__ import annotations
 
-import importlib
-import logging
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _dist import run_distributed
 from _hf_models import QWEN3, first_batch_loss, save, shape_of
+from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
 
 SEQ, BATCH = 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _tokens(vocab, seed=5):
-    return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens(vocab, BATCH, SEQ, seed)
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     d = tmp_path_factory.mktemp("qwen3") / "m"
     save(d, QWEN3, seed=13)
-    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    ref = reference(str(d), _tokens(QWEN3["vocab"]))
+    model = ref["model"]
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 16
-    tokens = _tokens(model.config.vocab_size)
-    logits = model(tokens[:, :-1]).logits.float()
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return {"dir": str(d), "logits": logits.detach(), "loss": loss.detach(), "grads": grads}
-
-
-def _build(shape, model_dir, tp=None, sp=False):
-    from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.transformer import Transformer
-    from rayspeed.parallel.layers import deferred_init
-
-    with deferred_init():
-        model = Transformer(shape, tp=tp, sequence_parallel=sp)
-    load_hf_weights(model, model_dir, shape, tp=tp)
-    return model
+    return ref
 
 
 def test_the_shape_is_qwen3s(qwen3):
     shape = shape_of(qwen3["dir"], SEQ)
     assert (shape.architecture, shape.head_dim, shape.q_dim, shape.tie_embeddings) == ("Qwen3ForCausalLM", 16, 64,
                                                                                         True)
-    model = _build(shape, qwen3["dir"])
+    model = build(shape, qwen3["dir"])
     assert sum(p.numel() for p in model.parameters()) == shape.params  # the q/k norms are counted
 
 
 def test_tp1_logits_loss_and_gradients_match_transformers(qwen3):
     shape = shape_of(qwen3["dir"], SEQ)
-    model = _build(shape, qwen3["dir"])
+    model = build(shape, qwen3["dir"])
     tokens = _tokens(shape.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens[:, :-1]), qwen3["logits"], **TOL)
@@ -75,58 +55,23 @@ def test_tp1_logits_loss_and_gradients_match_transformers(qwen3):
         torch.testing.assert_close(p.grad, ref, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def _pipeline(shape, model_dir, groups, tokens, rank):
-    """pp2: the stages by hand for the logits (the engine never materialises them), DeepSpeed's eval_batch for the
-    loss."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.pipeline import build_pipeline_module
-    from rayspeed.parallel.layers import deferred_init
-
-    with deferred_init():
-        module = build_pipeline_module(shape, groups, num_stages=2, partition_method="type:Block")
-    load_hf_weights(module, model_dir, shape)
-    ids, labels = tokens[:, :-1], tokens[:, 1:]
-    logits = None
-    with torch.no_grad():
-        if groups.pp_rank == 0:
-            dist.send(module(ids).contiguous(), dst=1)
-        else:
-            full = torch.empty(BATCH, SEQ, shape.hidden_size)
-            dist.recv(full, src=0)
-            hidden, weight = module(full)
-            logits = F.linear(hidden, weight)
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
-                                           config=config)
-    return logits, engine.eval_batch(iter([(ids, labels)])).detach().float().reshape(())
-
-
 def _ranks(rank, world_size, model_dir):
-    import deepspeed
     import torch.distributed as dist
 
     from rayspeed.parallel.groups import ParallelGroups
 
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    comm = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(comm, "build_shm_op"):
-        comm.build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_gloo()
     shape = shape_of(model_dir, SEQ)
     groups = ParallelGroups(dp=1, tp=2, pp=1)
-    model = _build(shape, model_dir, groups.tp, sp=True)
-    tokens = _tokens(shape.vocab_size)
+    model = build(shape, model_dir, groups.tp, sp=True)
+    ids = _tokens(shape.vocab_size)
     with torch.no_grad():
-        logits = model(tokens[:, :-1])
-    loss = model(tokens[:, :-1], tokens[:, 1:])
+        logits = model(ids[:, :-1])
+    loss = model(ids[:, :-1], ids[:, 1:])
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     dist.barrier()
-    pipeline = _pipeline(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), tokens, rank)
+    pipeline = pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), ids)
     return logits, loss.detach(), grads, pipeline
 
 
@@ -144,8 +89,7 @@ def test_tp2_sequence_parallel_and_pp2_match_transformers(qwen3):
         # one head wide, whole on both ranks).
         assert len([n for n in grads if "q_norm" in n or "k_norm" in n]) == 2 * shape.num_layers
         for name, g in grads.items():
-            full, dim = qwen3["grads"][names.hf_name(name)], names.partition_dim(name)
-            ref = full if dim is None else full.chunk(2, dim=dim)[rank]
+            ref = shard(qwen3["grads"][names.hf_name(name)], names.partition_dim(name), rank, 2)
             torch.testing.assert_close(g, ref, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
 
 

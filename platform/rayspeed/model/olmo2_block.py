@@ -8,8 +8,6 @@ normaliser's gradient), which makes every rank's slice exactly the slice of the 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -17,7 +15,6 @@ from rayspeed.config.shape import ModelShape
 from rayspeed.model import transformer
 from rayspeed.parallel.comm import copy_to_tp, sum_over_tp
 from rayspeed.parallel.groups import TensorParallel
-from rayspeed.parallel.layers import NO_TP
 
 
 class PostNorm(transformer.RMSNorm):
@@ -68,17 +65,10 @@ class ProjectionNormAttention(transformer.Attention):
 
 
 class Block(transformer.Block):
-    def __init__(self, cfg, layer_idx: int, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False,
-                 activation_checkpointing: str = "none", preserve_rng_state: bool = False, seed: int = 0):
-        super().__init__(cfg, layer_idx, tp, sequence_parallel, activation_checkpointing, preserve_rng_state, seed)
-        dims = ModelShape.from_config(cfg)
-        tp = tp or NO_TP
-        sp = sequence_parallel and tp.enabled
-        self.attn = ProjectionNormAttention(dims, tp, sp, seed, name=f"layers.{layer_idx}.attn")
-        # attn_norm / mlp_norm keep the decoder's names (the checkpoint map says which norm each is): here they
-        # normalise the branches' outputs.
-        self.attn_norm = PostNorm(dims.hidden_size, dims.norm_eps, tp, sp)
-        self.mlp_norm = PostNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+    # attn_norm / mlp_norm keep the decoder's names (the checkpoint map says which norm each is): here they
+    # normalise the branches' outputs.
+    attention_class = ProjectionNormAttention
+    norm_class = PostNorm
 
     def _attn_branch(self, x, segment_ids=None):
         return self.attn_norm(self.attn(x, segment_ids))

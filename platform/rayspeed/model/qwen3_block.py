@@ -4,14 +4,11 @@ Qwen3Attention does."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.model import transformer
 from rayspeed.parallel.groups import TensorParallel
-from rayspeed.parallel.layers import NO_TP
 
 
 class QKNormAttention(transformer.Attention):
@@ -27,9 +24,4 @@ class QKNormAttention(transformer.Attention):
 
 
 class Block(transformer.Block):
-    def __init__(self, cfg, layer_idx: int, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False,
-                 activation_checkpointing: str = "none", preserve_rng_state: bool = False, seed: int = 0):
-        super().__init__(cfg, layer_idx, tp, sequence_parallel, activation_checkpointing, preserve_rng_state, seed)
-        dims = ModelShape.from_config(cfg)
-        tp = tp or NO_TP
-        self.attn = QKNormAttention(dims, tp, sequence_parallel and tp.enabled, seed, name=f"layers.{layer_idx}.attn")
+    attention_class = QKNormAttention

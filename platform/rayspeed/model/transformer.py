@@ -231,7 +231,11 @@ class Block(nn.Module):
 
     activation_checkpointing: "selective" recomputes the attention and MLP sub-blocks
     (norm included) in backward, "full" the whole block; both non-reentrant.
+    A family's block (model/<family>_block.py) names its own attention or norm class here.
     """
+
+    attention_class: type = Attention
+    norm_class: type = RMSNorm
 
     def __init__(
         self,
@@ -252,9 +256,9 @@ class Block(nn.Module):
         self.preserve_rng_state = preserve_rng_state
         prefix = f"layers.{layer_idx}"
         self.canonical_prefix = prefix  # where its parameters live in Transformer's state dict
-        self.attn_norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
-        self.attn = Attention(dims, tp, sp, seed, name=f"{prefix}.attn")
-        self.mlp_norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.attn_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.attn = self.attention_class(dims, tp, sp, seed, name=f"{prefix}.attn")
+        self.mlp_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp)
         self.mlp = MLP(dims, tp, sp, seed, name=f"{prefix}.mlp")
 
     def _checkpointed(self, fn, *args):

@@ -1,0 +1,90 @@
+"""What a family's parity test against transformers repeats: the reference (logits, loss and every gradient of a
+locally made checkpoint), rayspeed's model built from that checkpoint, the pp2 stages (logits by hand, the loss
+through DeepSpeed's pipeline engine) and a gradient's tp shard.
+
+    ref = reference(model_dir, tokens)                     # {"logits", "loss", "grads"}, transformers, fp32
+    model = build(shape, model_dir, groups.tp, sp=True)
+    pp_logits, pp_loss = pipeline_logits_and_loss(shape, model_dir, groups, tokens)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def tokens(vocab: int, batch: int, seq: int, seed: int = 5) -> torch.Tensor:
+    """[batch, seq + 1] ids: inputs [:, :-1], labels [:, 1:]."""
+    return torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model_dir: str, ids: torch.Tensor) -> dict:
+    """transformers' own logits, loss and gradients on `ids` for the checkpoint in `model_dir` (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    logits = model(ids[:, :-1]).logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"dir": model_dir, "model": model, "logits": logits.detach(), "loss": loss.detach(), "grads": grads}
+
+
+def build(shape, model_dir, tp=None, sp=False):
+    """rayspeed's Transformer for `shape`, this rank's weights read from the checkpoint."""
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.transformer import Transformer
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():
+        model = Transformer(shape, tp=tp, sequence_parallel=sp)
+    load_hf_weights(model, model_dir, shape, tp=tp)
+    return model
+
+
+def init_deepspeed_gloo() -> None:
+    """DeepSpeed's distributed layer on the gloo world run_distributed made (without its JIT shared-memory op)."""
+    import logging
+
+    import deepspeed
+
+    from rayspeed.compat import skip_deepspeed_shm_comm_op
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    skip_deepspeed_shm_comm_op()
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def pipeline_logits_and_loss(shape, model_dir, groups, ids):
+    """pp2: the stages by hand for the logits (the engine never materialises them: None on the first stage),
+    DeepSpeed's eval_batch for the loss (every stage)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.pipeline import build_pipeline_module
+    from rayspeed.parallel.layers import deferred_init
+
+    with deferred_init():
+        module = build_pipeline_module(shape, groups, num_stages=2, partition_method="type:Block")
+    load_hf_weights(module, model_dir, shape)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    logits = None
+    with torch.no_grad():
+        if groups.pp_rank == 0:
+            dist.send(module(inputs).contiguous(), dst=1)
+        else:
+            full = torch.empty(inputs.shape[0], inputs.shape[1], shape.hidden_size)
+            dist.recv(full, src=0)
+            hidden, weight = module(full)
+            logits = F.linear(hidden, weight)
+    config = {"train_micro_batch_size_per_gpu": inputs.shape[0], "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
+                                           config=config)
+    return logits, engine.eval_batch(iter([(inputs, labels)])).detach().float().reshape(())
+
+
+def shard(full: torch.Tensor, dim, rank: int, world: int) -> torch.Tensor:
+    """This tp rank's part of a whole tensor split along `dim` (None: replicated, the whole)."""
+    return full if dim is None else full.chunk(world, dim=dim)[rank]
