@@ -1,8 +1,9 @@
 """Save a tiny Llama-family causal LM with `save_pretrained`: random weights, no download.
 
-    python scripts/make_tiny_hf_model.py OUT [--arch llama|mistral|qwen2|qwen3] [--vocab 256] [--hidden 64] [--layers 2]
-        [--heads 4] [--kv-heads 2] [--ffn 128] [--tied] [--rope llama3|linear|default] [--max-positions 512]
-        [--seed 0] [--shards N] [--head-dim N]
+    python scripts/make_tiny_hf_model.py OUT [--arch llama|mistral|qwen2|qwen3|olmo2|gemma3_text] [--vocab 256]
+        [--hidden 64] [--layers 2] [--heads 4] [--kv-heads 2] [--ffn 128] [--tied] [--rope llama3|linear|default]
+        [--max-positions 512] [--seed 0] [--shards N] [--head-dim N] [--sliding-window N]
+        [--layer-types full_attention,sliding_attention,...] [--local-rope-theta X]
 
 Every weight is drawn from N(0, 0.2) (norm weights around 1) rather than transformers' initialisation, whose
 zero biases and unit norms would let a wrong bias or norm mapping go unnoticed in parity tests. A vocabulary of
@@ -22,10 +23,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
               kv_heads: int = 2, ffn: int = 128, tied: bool = False, rope: str = "default",
-              max_positions: int = 512, rope_theta: float = 10000.0, head_dim: int | None = None) -> Any:
+              max_positions: int = 512, rope_theta: float = 10000.0, head_dim: int | None = None,
+              sliding_window: int | None = None, layer_types: list[str] | None = None,
+              local_rope_theta: float | None = None) -> Any:
     import transformers
 
     from rayspeed import families
+    from rayspeed.config.shape import ModelShape, rope_fields
 
     scaling = {"default": None,
                "linear": {"rope_type": "linear", "factor": 2.0},
@@ -40,8 +44,16 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
                                   eos_token_id=None, pad_token_id=None)
     if head_dim is not None:  # a family that reads config.json's head_dim (Qwen3): a width other than hidden/heads
         kwargs["head_dim"] = head_dim
-    # The family's own keys as an export writes them (no sliding window, no extra biases).
-    kwargs.update(families.by_model_type(arch).export_extras(layers))
+    # The family's own keys as an export writes them (the window and layer types given here, no extra biases).
+    family = families.by_model_type(arch)
+    scalar = family.defaults.get(family.query_scale_key) if family.query_scale_key else None
+    shape = ModelShape(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                       ffn_hidden_size=ffn, vocab_size=vocab, seq_len=max_positions, tie_embeddings=tied,
+                       rope_theta=rope_theta, architecture=family.architecture, head_dim=head_dim or 0,
+                       hidden_act=family.activations[0], sliding_window=sliding_window,
+                       layer_types=tuple(layer_types or ()), rope_local_theta=local_rope_theta,
+                       query_pre_attn_scalar=scalar, **rope_fields(scaling))
+    kwargs.update(family.export_extras(shape))
     return transformers.AutoConfig.for_model(arch, **kwargs)
 
 
@@ -97,11 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--tokenizer", action="store_true", help="also save the byte-level tokenizer")
     ap.add_argument("--head-dim", type=int, default=None,
-                    help="attention head width, for a family that reads config.json's head_dim (qwen3)")
+                    help="attention head width, for a family that reads config.json's head_dim (qwen3, gemma3_text)")
+    ap.add_argument("--sliding-window", type=int, default=None, help="sliding-window attention of this length")
+    ap.add_argument("--layer-types", default=None,
+                    help="comma-separated full_attention / sliding_attention per layer (default: every layer slides)")
+    ap.add_argument("--local-rope-theta", type=float, default=None,
+                    help="RoPE base of the sliding layers (gemma3_text)")
     a = ap.parse_args(argv)
     save(a.out, a.arch, a.seed, a.shards, a.tokenizer, vocab=a.vocab, hidden=a.hidden, layers=a.layers,
          heads=a.heads, kv_heads=a.kv_heads, ffn=a.ffn, tied=a.tied, rope=a.rope, max_positions=a.max_positions,
-         head_dim=a.head_dim)
+         head_dim=a.head_dim, sliding_window=a.sliding_window,
+         layer_types=a.layer_types.split(",") if a.layer_types else None, local_rope_theta=a.local_rope_theta)
     print(a.out)
     return 0
 

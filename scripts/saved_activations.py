@@ -41,7 +41,8 @@ from rayspeed.planner.search import build_ctx  # noqa: E402
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
 
 # (overrides of configs/tiny-cpu.yaml's model section, micro-batch): MHA, GQA 2:1 and 4:1, a Qwen3 shape (q/k
-# norms, head_dim 32 != hidden / heads) and an OLMo 2 shape (post-norms, q/k norms over the projections).
+# norms, head_dim 32 != hidden / heads), an OLMo 2 shape (post-norms, q/k norms over the projections) and a Gemma 3
+# shape (four (1 + w) norms, GeGLU, a sliding window shorter than the sequence).
 CASES: tuple[tuple[dict, int], ...] = (
     (dict(hidden_size=64, num_heads=4, num_kv_heads=4, ffn_hidden_size=192, seq_len=64), 2),
     (dict(hidden_size=96, num_heads=6, num_kv_heads=3, ffn_hidden_size=256, seq_len=128), 1),
@@ -50,6 +51,8 @@ CASES: tuple[tuple[dict, int], ...] = (
           architecture="Qwen3ForCausalLM"), 1),
     (dict(hidden_size=96, num_heads=6, num_kv_heads=3, ffn_hidden_size=256, seq_len=128,
           architecture="Olmo2ForCausalLM"), 2),
+    (dict(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, seq_len=128, head_dim=32,
+          architecture="Gemma3ForCausalLM", sliding_window=32, query_pre_attn_scalar=32, tie_embeddings=True), 2),
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -110,12 +113,7 @@ def measure_block(cfg, mode: str, dtype: torch.dtype, micro_batch: int, part: st
             kept[st.data_ptr()] = st.nbytes()
         return t
 
-    if dims.family.post_norm:  # OLMo 2: each branch's output is normalised
-        run = {"block": block, "attn": lambda t: block.attn_norm(block.attn(t)),
-               "mlp": lambda t: block.mlp_norm(block.mlp(t))}[part]
-    else:
-        run = {"block": block, "attn": lambda t: block.attn(block.attn_norm(t)),
-               "mlp": lambda t: block.mlp(block.mlp_norm(t))}[part]
+    run = {"block": block, "attn": block.attn_branch, "mlp": block.mlp_branch}[part]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run(x)
     tokens = micro_batch * dims.seq_len

@@ -46,6 +46,10 @@ class RayHead:
         self.address = f"{_node_ip()}:{self.port}"
         self.log = open(Path(log_dir) / f"ray-head-{self.port}.log", "w")
         ray_bin = VENV_BIN / "ray"
+        # `ray start` with token auth needs the token to exist (ray.init makes one, `ray start` does not): a module
+        # run alone on a fresh HOME would otherwise depend on an earlier test having called ray.init.
+        subprocess.run([str(ray_bin), "get-auth-token", "--generate"], check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, RAY_AUTH_MODE="token"))
         self.proc = subprocess.Popen(
             [str(ray_bin), "start", "--head", "--block", "--port", str(self.port), "--num-cpus", str(num_cpus),
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()),

@@ -14,7 +14,7 @@ from rayspeed.config.hf_config import model_keys_from_hf, to_hf_config
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import parse
 from rayspeed.config.shape import ModelShape
-from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, SLIDING_FLAG_OFF, Family
+from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, SLIDING_USE_FLAG, Family
 from rayspeed.planner.memory import layer_saved
 from rayspeed.planner.search import build_ctx
 from rayspeed.planner.timing import layer_fwd
@@ -24,31 +24,37 @@ SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidd
 
 
 def test_registry_finds_each_family_by_architecture_and_model_type():
-    assert families.names() == ("LlamaForCausalLM", "MistralForCausalLM", "Olmo2ForCausalLM", "Qwen2ForCausalLM",
-                                "Qwen3ForCausalLM")
+    assert families.names() == ("Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Olmo2ForCausalLM",
+                                "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     for fam in families.FAMILIES:
         assert families.by_architecture(fam.architecture) is fam
         assert families.by_model_type(fam.model_type) is fam
-    assert [f.model_type for f in families.FAMILIES] == ["llama", "mistral", "olmo2", "qwen2", "qwen3"]
+    assert [f.model_type for f in families.FAMILIES] == ["gemma3_text", "llama", "mistral", "olmo2", "qwen2", "qwen3"]
     assert families.DEFAULT is families.by_architecture("LlamaForCausalLM")
     assert families.find("GPT2LMHeadModel") is None
-    with pytest.raises(KeyError, match="supported: LlamaForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, "
-                                      "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(KeyError, match="supported: Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+                                      "Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         families.by_architecture("GPT2LMHeadModel")
     with pytest.raises(KeyError, match="gpt2"):
         families.by_model_type("gpt2")
 
 
 def test_the_records_say_what_differs_between_families():
-    llama, mistral, olmo2, qwen2, qwen3 = families.FAMILIES
-    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, False, True, False]
-    assert [f.qk_norm for f in families.FAMILIES] == [False, False, True, False, True]
+    gemma3, llama, mistral, olmo2, qwen2, qwen3 = families.FAMILIES
+    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, False, False, True, False]
+    assert [f.qk_norm for f in families.FAMILIES] == [True, False, False, True, False, True]
     assert (olmo2.qk_norm_width, qwen3.qk_norm_width) == ("projection", "head")  # OLMo 2: over heads x head_dim
     assert not any(f.o_bias for f in families.FAMILIES)
-    assert {f.norm for f in families.FAMILIES} == {"rmsnorm"}
-    assert [f.sliding_window for f in families.FAMILIES] == ["none", "window_covers_seq", "none", "flag_off",
-                                                             "flag_off"]
-    assert [f.block_module for f in families.FAMILIES] == [None, None, "olmo2_block", None, "qwen3_block"]
+    assert [f.norm for f in families.FAMILIES] == ["rmsnorm_offset", "rmsnorm", "rmsnorm", "rmsnorm_fp32_weight",
+                                                   "rmsnorm", "rmsnorm"]
+    assert [f.sliding_window for f in families.FAMILIES] == ["layer_types", "none", "all_layers", "none", "use_flag",
+                                                             "use_flag"]
+    assert [f.block_module for f in families.FAMILIES] == ["gemma3_block", None, None, "olmo2_block", None,
+                                                           "qwen3_block"]
+    assert (gemma3.norms_per_block, gemma3.embed_scale, gemma3.activations, gemma3.local_rope) == (
+        4, True, ("gelu_pytorch_tanh",), True)
+    assert gemma3.tensor_names.hf_name("layers.2.mlp_post_norm.weight") == (
+        "model.layers.2.post_feedforward_layernorm.weight")
     # OLMo 2's block keeps the decoder's norm names, mapped onto its post-norms.
     assert olmo2.tensor_names.hf_name("layers.0.attn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert olmo2.tensor_names.hf_name("layers.0.mlp_norm.weight") == "model.layers.0.post_feedforward_layernorm.weight"
@@ -59,10 +65,14 @@ def test_the_records_say_what_differs_between_families():
         assert dict(fam.defaults) == {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
         assert fam.head_dim(4096, 32, given=256) == 128  # hidden / heads: config.json's head_dim is not read
         assert fam.query_width(32, 128) == 4096
-    assert llama.export_extras(3) == {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
-    assert mistral.export_extras(3) == {"sliding_window": None}
-    assert qwen2.export_extras(2) == {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
-                                      "layer_types": ["full_attention", "full_attention"]}
+    plain = ModelShape(**{**SMALL, "num_layers": 3})
+    sliding = dataclasses.replace(plain, sliding_window=8, layer_types=("full_attention",) + ("sliding_attention",) * 2)
+    assert llama.export_extras(plain) == {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    assert mistral.export_extras(plain) == {"sliding_window": None}
+    assert qwen2.export_extras(plain) == {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 3,
+                                          "layer_types": ["full_attention"] * 3}
+    assert qwen2.export_extras(sliding) == {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+                                            "layer_types": ["full_attention"] + ["sliding_attention"] * 2}
     with pytest.raises(dataclasses.FrozenInstanceError):
         llama.qkv_bias = True  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -74,12 +84,16 @@ def test_a_record_the_decoder_cannot_run_is_refused():
         Family(architectures=("XForCausalLM",), model_type="x", sliding_window="sometimes")
     with pytest.raises(ValueError, match="head_dim_rule"):
         Family(architectures=("XForCausalLM",), model_type="x", head_dim_rule="guess")
-    with pytest.raises(ValueError, match="its own block module"):
+    with pytest.raises(ValueError, match="their own block module"):
         Family(architectures=("XForCausalLM",), model_type="x", o_bias=True)
     with pytest.raises(ValueError, match="q/k norms"):
         Family(architectures=("XForCausalLM",), model_type="x", qk_norm=True)
-    with pytest.raises(ValueError, match="layernorm norm needs its own block module"):
+    with pytest.raises(ValueError, match="norm 'layernorm' is not one of"):
         Family(architectures=("XForCausalLM",), model_type="x", norm="layernorm")
+    with pytest.raises(ValueError, match="other norms per block"):
+        Family(architectures=("XForCausalLM",), model_type="x", norms_per_block=4)
+    with pytest.raises(ValueError, match="activations"):
+        Family(architectures=("XForCausalLM",), model_type="x", activations=("relu",))
     assert Family(architectures=("XForCausalLM",), model_type="x", o_bias=True, block_module="x_block").o_bias
 
 
@@ -119,7 +133,7 @@ def test_todays_families_keep_the_query_width_at_hidden(arch):
 
 # A Qwen3-0.6B-like family: its config.json names head_dim 128 with hidden 1024 over 16 heads (not 64).
 WIDE = Family(architectures=("WideHeadForCausalLM",), model_type="wide_head",
-              head_dim_rule=HEAD_DIM_FROM_CONFIG, sliding_window=SLIDING_FLAG_OFF)
+              head_dim_rule=HEAD_DIM_FROM_CONFIG, sliding_window=SLIDING_USE_FLAG)
 WIDE_CONFIG = {"architectures": ["WideHeadForCausalLM"], "model_type": "wide_head", "hidden_size": 1024,
                "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                "intermediate_size": 3072, "vocab_size": 151936, "max_position_embeddings": 4096}

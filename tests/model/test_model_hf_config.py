@@ -89,10 +89,13 @@ def test_seq_len_is_a_job_key_bounded_by_max_positions(tmp_path):
 
 @pytest.mark.parametrize("change,needle", [
     ({"architectures": ["GPT2LMHeadModel"]},
-     "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM"),
+     "architecture GPT2LMHeadModel is not supported; supported: Gemma3ForCausalLM, LlamaForCausalLM"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 32}, "sliding_window 32"),
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"sliding_window": 32}, "sliding_window 32 (sliding-window attention) is not supported for LlamaForCausalLM"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_act": None, "head_dim": 16,
+      "final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 (soft-capping) is not supported"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["sliding_attention"]}, "layer_types must give one of"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"head_dim": 32}, "head_dim 32"),
     ({"attention_bias": True}, "attention_bias"),
@@ -103,9 +106,25 @@ def test_unsupported_models_are_named(tmp_path, change, needle):
     assert "config.json" in problems[0]
 
 
-def test_mistral_window_longer_than_the_sequence_is_plain_causal_attention(tmp_path):
-    cfg = {**V4, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096}
-    assert _parse(_dir(tmp_path, "m", cfg)).model.architecture == "MistralForCausalLM"
+def test_sliding_windows_are_read_as_transformers_reads_each_family(tmp_path):
+    mistral = {**V4, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 32}
+    m = _parse(_dir(tmp_path, "mistral", mistral)).model
+    assert (m.sliding_window, m.layer_types) == (32, None)  # every layer
+    qwen2 = {**V4, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 16,
+             "max_window_layers": 1}
+    assert _parse(_dir(tmp_path, "off", qwen2)).model.sliding_window is None  # without use_sliding_window: none
+    m = _parse(_dir(tmp_path, "on", {**qwen2, "use_sliding_window": True})).model
+    assert (m.sliding_window, m.layer_types) == (16, ["full_attention", "sliding_attention"])
+    # Gemma 3 without layer_types (transformers 4's files): every sliding_window_pattern-th layer is global; its
+    # local layers' RoPE base and the global one's scaling from the old keys.
+    gemma = {**V4, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 4,
+             "head_dim": 16, "hidden_act": None, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8,
+             "sliding_window_pattern": 2, "rope_local_base_freq": 10000.0, "rope_theta": 1e6,
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 168}
+    m = _parse(_dir(tmp_path, "gemma", gemma)).model
+    assert (m.sliding_window, m.layer_types) == (8, ["sliding_attention", "full_attention"] * 2)
+    assert (m.rope_local_theta, m.rope_theta, m.rope_scaling, m.query_pre_attn_scalar, m.hidden_act) == (
+        10000.0, 1e6, {"rope_type": "linear", "factor": 8.0}, 168.0, "gelu_pytorch_tanh")
 
 
 def test_missing_directory_and_config(tmp_path):

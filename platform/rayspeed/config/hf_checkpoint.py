@@ -53,6 +53,8 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
                     p + "attn.wq.weight": (q, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
                     p + "attn.wo.weight": (h, q), p + "mlp.w_gate.weight": (f, h), p + "mlp.w_up.weight": (f, h),
                     p + "mlp.w_down.weight": (h, f)})
+        if shape.family.norms_per_block == 4:  # Gemma: after attention and after the MLP as well
+            out.update({p + "attn_post_norm.weight": (h,), p + "mlp_post_norm.weight": (h,)})
         if shape.qkv_bias:
             out.update({p + "attn.wq.bias": (q,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
         if shape.family.qk_norm:

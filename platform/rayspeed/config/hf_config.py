@@ -22,14 +22,26 @@ from rayspeed import families
 from rayspeed.config.examples import prepare_hint
 from rayspeed.config.shape import ModelShape, rope_fields
 from rayspeed.families import Family
-from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, SLIDING_FLAG_OFF, SLIDING_WINDOW_COVERS_SEQ
+from rayspeed.families.family import (
+    FULL_ATTENTION,
+    HEAD_DIM_FROM_CONFIG,
+    LAYER_TYPES,
+    SLIDING_ALL_LAYERS,
+    SLIDING_ATTENTION,
+    SLIDING_LAYER_TYPES,
+    SLIDING_USE_FLAG,
+)
 
 CONFIG_FILE = "config.json"
 
 # Keys of the job's model section that config.json decides (model key -> how it is compared).
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
-              "max_position_embeddings")
+              "max_position_embeddings", "hidden_act", "sliding_window", "layer_types", "rope_local_theta",
+              "query_pre_attn_scalar")
+
+# transformers' Qwen2Config / Qwen3Config default.
+MAX_WINDOW_LAYERS_DEFAULT = 28
 
 
 class PretrainedError(ValueError):
@@ -127,20 +139,39 @@ def _architecture(hf: dict[str, Any]) -> Optional[str]:
         return f"model_type {hf.get('model_type')!r}"
 
 
-def _rope(hf: dict[str, Any], where: str, problems: list[str],
-          rope_types: tuple[str, ...]) -> tuple[float, Optional[dict[str, Any]]]:
-    """(rope_theta, rope_scaling or None) from either form."""
+def _local_rope(hf: dict[str, Any], family: Family, where: str, problems: list[str]) -> Optional[float]:
+    """The sliding-window layers' RoPE base of a family that has one (plain RoPE only), from either form."""
+    if not family.local_rope:
+        return None
+    params = hf.get("rope_parameters")
+    local = params.get(SLIDING_ATTENTION) if isinstance(params, dict) else None
+    if isinstance(local, dict):
+        kind = str(local.get("rope_type", local.get("type", "default")))
+        if kind != "default":
+            problems.append(f"{where}: rope_parameters.{SLIDING_ATTENTION} has rope type {kind!r}; the local layers "
+                            "are supported with plain RoPE only")
+        return float(local.get("rope_theta", family.defaults["rope_local_base_freq"]))
+    return float(hf.get("rope_local_base_freq", family.defaults["rope_local_base_freq"]))
+
+
+def _rope(hf: dict[str, Any], family: Family, where: str,
+          problems: list[str]) -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling or None) from either form; per layer type, those of the full-attention layers
+    (the family's local RoPE is _local_rope's)."""
+    rope_types, default_theta = family.rope_types, float(family.defaults.get("rope_theta", 10000.0))
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        problems.append(f"{where}: rope_parameters per layer type ({', '.join(params)}) are not supported; "
-                        "one RoPE for all layers is")
-        return 10000.0, None
+        if not family.local_rope or FULL_ATTENTION not in params:
+            problems.append(f"{where}: rope_parameters per layer type ({', '.join(params)}) are not supported for "
+                            f"{family.architecture}; one RoPE for all layers is")
+            return default_theta, None
+        params = params[FULL_ATTENTION]
     if isinstance(params, dict) and params:
         scaling = dict(params)
-        theta = float(scaling.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        theta = float(scaling.pop("rope_theta", hf.get("rope_theta", default_theta)))
     else:
         scaling = dict(hf.get("rope_scaling") or {})
-        theta = float(hf.get("rope_theta", 10000.0))
+        theta = float(hf.get("rope_theta", default_theta))
     kind = str(scaling.get("rope_type", scaling.get("type", "default")))
     factor = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
@@ -178,9 +209,10 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         problems.append(f"{where}: lacks {', '.join(missing)}")
         return {}, problems
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    act = hf.get("hidden_act", family.defaults["hidden_act"])
-    if act != "silu":
-        problems.append(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    act = hf.get(family.activation_key, family.defaults[family.activation_key])
+    if act not in family.activations:
+        problems.append(f"{where}: {family.activation_key} {act!r} is not supported for {arch}; supported: "
+                        f"{', '.join(family.activations)}")
     head_dim = hf.get("head_dim")
     if head_dim is not None and heads and int(head_dim) != family.head_dim(h, heads, int(head_dim)):
         problems.append(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = {h // heads}; "
@@ -189,8 +221,15 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         problems.append(f"{where}: attention_bias true (biases on q, k, v and o) is not supported for {arch}")
     if hf.get("mlp_bias"):
         problems.append(f"{where}: mlp_bias true is not supported")
-    problems += sliding_window_problems(family, hf, where, seq_len)
-    theta, scaling = _rope(hf, where, problems, family.rope_types)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            problems.append(f"{where}: {key} {hf[key]} (soft-capping) is not supported")
+    if hf.get("use_bidirectional_attention"):
+        problems.append(f"{where}: use_bidirectional_attention true is not supported (causal language models only)")
+    window, layer_types = sliding_window(family, hf, where, problems)
+    theta, scaling = _rope(hf, family, where, problems)
+    scalar = hf.get(family.query_scale_key, family.defaults.get(family.query_scale_key)) \
+        if family.query_scale_key else None
     max_pos = hf.get("max_position_embeddings")
     keys = {
         "architecture": arch,
@@ -207,20 +246,46 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "rope_scaling": scaling,
         "norm_eps": float(hf.get("rms_norm_eps", family.defaults["rms_norm_eps"])),
         "max_position_embeddings": int(max_pos) if max_pos else None,
+        "hidden_act": str(act),
+        "sliding_window": window,
+        "layer_types": layer_types,
+        "rope_local_theta": _local_rope(hf, family, where, problems),
+        "query_pre_attn_scalar": float(scalar) if scalar else None,
     }
     return keys, problems
 
 
-def sliding_window_problems(family: Family, hf: dict[str, Any], where: str, seq_len: Optional[int]) -> list[str]:
-    """What config.json says about sliding-window attention that rayspeed cannot run, under the family's policy."""
-    window = hf.get("sliding_window")
-    if family.sliding_window == SLIDING_FLAG_OFF and hf.get("use_sliding_window"):
-        return [f"{where}: use_sliding_window true (sliding-window attention) is not supported"]
-    if (family.sliding_window == SLIDING_WINDOW_COVERS_SEQ and window is not None
-            and (seq_len is None or int(window) < int(seq_len))):
-        return [f"{where}: sliding_window {window} is shorter than model.seq_len {seq_len}: sliding-window "
-                "attention is not supported (train with model.seq_len <= sliding_window)"]
-    return []
+def sliding_window(family: Family, hf: dict[str, Any], where: str, problems: list[str]
+                   ) -> tuple[Optional[int], Optional[list[str]]]:
+    """(window, layer types) as transformers reads config.json for the family: (None, None) without a window;
+    layer types None when every layer slides."""
+    given = hf.get("sliding_window", family.defaults.get("sliding_window"))
+    if family.sliding_window == SLIDING_USE_FLAG and not hf.get("use_sliding_window"):
+        return None, None
+    if not given:
+        return None, None
+    if family.sliding_window == SLIDING_ALL_LAYERS:
+        return int(given), None
+    if family.sliding_window not in (SLIDING_USE_FLAG, SLIDING_LAYER_TYPES):
+        problems.append(f"{where}: sliding_window {given} (sliding-window attention) is not supported for "
+                        f"{family.architecture}")
+        return None, None
+    types = hf.get("layer_types")
+    n = int(hf["num_hidden_layers"])
+    if types is None and family.sliding_window == SLIDING_USE_FLAG:
+        first = int(hf.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT))
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)]
+    elif types is None:  # Gemma 3: every pattern-th layer is global
+        pattern = int(hf.get("sliding_window_pattern", family.defaults["sliding_window_pattern"]))
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+    types = [str(t) for t in types]
+    if len(types) != n or set(types) - set(LAYER_TYPES):
+        problems.append(f"{where}: layer_types must give one of {', '.join(LAYER_TYPES)} for each of the "
+                        f"{n} layers, got {types}")
+        return None, None
+    if SLIDING_ATTENTION not in types:
+        return None, None
+    return int(given), types
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
@@ -268,7 +333,7 @@ def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_toke
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
-        "hidden_act": "silu",
+        family.activation_key: shape.hidden_act,
         "max_position_embeddings": max(shape.max_position_embeddings or 0, shape.seq_len),
         "initializer_range": shape.init_std,
         "rms_norm_eps": shape.norm_eps,
@@ -282,7 +347,7 @@ def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_toke
         "use_cache": True,
         "dtype": dtype,
     }
-    cfg.update(family.export_extras(shape.num_layers))
+    cfg.update(family.export_extras(shape))
     return cfg
 
 

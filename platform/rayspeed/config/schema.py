@@ -43,6 +43,20 @@ class ModelConfig:
     head_dim (model.pretrained fills it) may differ from that."""
     ffn_hidden_size: Optional[int] = None
     """SwiGLU inner width. null: 8/3 * hidden_size rounded up to a multiple of 64."""
+    hidden_act: Optional[str] = None
+    """The MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU); null: the family's (Gemma's GeGLU,
+    silu for the others)."""
+    sliding_window: Optional[int] = None
+    """Sliding-window attention: a query sees itself and the sliding_window - 1 positions before it, on the layers
+    layer_types marks sliding_attention (every layer when layer_types is null). null: full causal attention."""
+    layer_types: Optional[list[str]] = None
+    """One entry per layer: full_attention or sliding_attention (Gemma 3 alternates five local layers and one
+    global; Qwen2's sliding layers are those from max_window_layers on). null: every layer the same."""
+    rope_local_theta: Optional[float] = None
+    """RoPE base of the sliding-window layers when it differs from rope_theta (Gemma 3: 10000, its global layers
+    1e6); they then use plain RoPE (rope_scaling applies to the full-attention layers). null: rope_theta."""
+    query_pre_attn_scalar: Optional[float] = None
+    """Attention scores are scaled by query_pre_attn_scalar^-0.5 (Gemma). null: head_dim^-0.5."""
     vocab_size: int = 256
     """Vocabulary size (256 with the byte tokenizer)."""
     seq_len: int = 128

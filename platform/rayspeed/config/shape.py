@@ -64,6 +64,18 @@ class ModelShape:
     """Longest sequence the model supports (config.json's max_position_embeddings); None: no stated limit."""
     head_dim: int = 0
     """Width of one attention head (the family's rule; 0 when built directly: hidden_size / num_heads)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)."""
+    sliding_window: Optional[int] = None
+    """Keys a query of a sliding-window layer sees: itself and the window - 1 before it. None: no window."""
+    layer_types: tuple[str, ...] = ()
+    """Each layer's attention, config.json's names (full_attention, sliding_attention); empty: every layer slides
+    when sliding_window is set."""
+    rope_local_theta: Optional[float] = None
+    """RoPE base of the sliding-window layers (Gemma 3's local layers; plain RoPE); None: rope_theta and its
+    scaling, as every other layer."""
+    query_pre_attn_scalar: Optional[float] = None
+    """Attention scale query_pre_attn_scalar^-0.5 (Gemma); None: head_dim^-0.5."""
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -85,6 +97,8 @@ class ModelShape:
             if getattr(m, key, None) is not None:
                 rope[key] = type(rope[key])(getattr(m, key))
         max_pos = getattr(m, "max_position_embeddings", None)
+        window = getattr(m, "sliding_window", None)
+        local_theta, scalar = getattr(m, "rope_local_theta", None), getattr(m, "query_pre_attn_scalar", None)
         return cls(hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=heads,
                    num_kv_heads=int(kv) if kv is not None else heads,
                    ffn_hidden_size=int(ffn) if ffn is not None else default_ffn(int(m.hidden_size)),
@@ -93,7 +107,12 @@ class ModelShape:
                    init_std=float(getattr(m, "init_std", 0.02)), architecture=str(arch),
                    qkv_bias=family.qkv_bias,
                    max_position_embeddings=int(max_pos) if max_pos else None,
-                   head_dim=family.head_dim(int(m.hidden_size), heads, getattr(m, "head_dim", None)), **rope)
+                   head_dim=family.head_dim(int(m.hidden_size), heads, getattr(m, "head_dim", None)),
+                   hidden_act=str(getattr(m, "hidden_act", None) or family.activations[0]),
+                   sliding_window=int(window) if window else None,
+                   layer_types=tuple(str(t) for t in (getattr(m, "layer_types", None) or ())),
+                   rope_local_theta=float(local_theta) if local_theta else None,
+                   query_pre_attn_scalar=float(scalar) if scalar else None, **rope)
 
     @property
     def family(self) -> Family:
@@ -110,6 +129,32 @@ class ModelShape:
             out.update(low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
                        original_max_position_embeddings=self.rope_original_max_positions)
         return out
+
+    # ---- attention per layer
+
+    def window_of(self, layer: int) -> Optional[int]:
+        """The sliding window of layer `layer` (None: it attends to every earlier position)."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def rope_of(self, layer: int) -> tuple[float, bool]:
+        """(RoPE base, whether rope_scaling applies) of layer `layer`."""
+        if self.rope_local_theta and self.window_of(layer):
+            return self.rope_local_theta, False
+        return self.rope_theta, True
+
+    @property
+    def attention_scale(self) -> Optional[float]:
+        """The softmax scale when it is not head_dim^-0.5 (None: the default)."""
+        return self.query_pre_attn_scalar ** -0.5 if self.query_pre_attn_scalar else None
+
+    def attention_span(self, layer: int) -> int:
+        """Keys per query the FLOP count charges layer `layer`: the sequence, or its window when shorter."""
+        window = self.window_of(layer)
+        return min(window, self.seq_len) if window else self.seq_len
 
     # ---- derived sizes
 
@@ -142,9 +187,10 @@ class ModelShape:
 
     @functools.cached_property  # read for every stage of every layout a search costs
     def layer_norm_params(self) -> int:
-        """Two RMSNorm weights (and a family's per-head q/k norms), replicated on every tp rank."""
+        """The block's RMSNorm weights (two, four for Gemma) and a family's per-head q/k norms, replicated on every
+        tp rank."""
         per_head = self.family.qk_norm and self.family.qk_norm_width == "head"
-        return 2 * self.hidden_size + (2 * self.head_dim if per_head else 0)
+        return self.family.norms_per_block * self.hidden_size + (2 * self.head_dim if per_head else 0)
 
     @property
     def layer_params(self) -> int:
@@ -171,15 +217,17 @@ class ModelShape:
 
     # ---- FLOPs
 
-    @property
+    @functools.cached_property  # read for every layout a search costs
     def flops_per_token(self) -> float:
         """Model FLOPs per token, forward + backward, PaLM's definition (Chowdhery et al. 2022, appendix B):
         6 N + 12 L h s, N = non_embedding_params (the matmul weights: 2 FLOPs per weight forward, 4 backward) and
         12 L h s the attention scores and their weighted sum (QK^T and AV, forward + backward, causal mask not
-        discounted; h there is the query width q_dim, hidden for most families). Recomputation is hardware work,
+        discounted; h there is the query width q_dim, hidden for most families; a sliding-window layer counts its
+        window instead of s when that is shorter: the keys it can see). Recomputation is hardware work,
         not model work, so it is not counted. The one definition of MFU everywhere: the training metric perf/mfu,
         the planner and scripts/bench_gpu.py."""
-        return 6.0 * self.non_embedding_params + 12.0 * self.num_layers * self.q_dim * self.seq_len
+        spans = sum(self.attention_span(i) for i in range(self.num_layers))
+        return 6.0 * self.non_embedding_params + 12.0 * self.q_dim * spans
 
 
 def rope_fields(scaling: Optional[dict[str, Any]]) -> dict[str, Any]:

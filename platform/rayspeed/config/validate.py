@@ -15,6 +15,13 @@ from rayspeed import families
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
+from rayspeed.families.family import (
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING_ALL_LAYERS,
+    SLIDING_ATTENTION,
+    SLIDING_NONE,
+)
 
 CALLBACK_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
@@ -46,6 +53,39 @@ def sequence_parallel_problem(seq_len: int, tp: int) -> str | None:
 def default_sequence_parallel(seq_len: int, tp: int) -> bool:
     """parallel.sequence_parallel: auto: on with tp > 1, unless the sequence does not split over tp ranks."""
     return tp > 1 and sequence_parallel_problem(seq_len, tp) is None
+
+
+def attention_problems(m: Any, family: families.Family) -> list[str]:
+    """The activation, sliding window, layer types, local RoPE base and attention scale against what the family
+    runs."""
+    p: list[str] = []
+    arch = family.architecture
+    if m.hidden_act is not None and m.hidden_act not in family.activations:
+        p.append(f"model.hidden_act: {m.hidden_act!r} is not supported for {arch}; supported: "
+                 f"{', '.join(family.activations)}")
+    if m.sliding_window is not None:
+        if family.sliding_window == SLIDING_NONE:
+            p.append(f"model.sliding_window: {arch} has no sliding-window attention; drop model.sliding_window")
+        elif m.sliding_window < 1:
+            p.append(f"model.sliding_window: must be >= 1 (or null: no window), got {m.sliding_window}")
+    if m.layer_types is not None:
+        wrong = sorted({str(t) for t in m.layer_types} - set(LAYER_TYPES))
+        if len(m.layer_types) != m.num_layers or wrong:
+            p.append(f"model.layer_types: one of {', '.join(LAYER_TYPES)} per layer ({m.num_layers}), got "
+                     f"{len(m.layer_types)} entries" + (f" with {', '.join(wrong)}" if wrong else ""))
+        elif SLIDING_ATTENTION in m.layer_types and m.sliding_window is None:
+            p.append("model.layer_types: sliding_attention layers need model.sliding_window")
+        elif family.sliding_window == SLIDING_ALL_LAYERS and FULL_ATTENTION in m.layer_types:
+            p.append(f"model.layer_types: {arch} slides on every layer (transformers ignores layer_types for it); "
+                     "drop model.layer_types")
+    if m.rope_local_theta is not None and not family.local_rope:
+        p.append(f"model.rope_local_theta: {arch} has one RoPE base for every layer; drop model.rope_local_theta")
+    if m.query_pre_attn_scalar is not None and family.query_scale_key is None:
+        p.append(f"model.query_pre_attn_scalar: {arch} scales attention by head_dim^-0.5; drop "
+                 "model.query_pre_attn_scalar")
+    elif m.query_pre_attn_scalar is not None and m.query_pre_attn_scalar <= 0:
+        p.append(f"model.query_pre_attn_scalar: must be > 0, got {m.query_pre_attn_scalar}")
+    return p
 
 
 def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) -> list[str]:
@@ -97,6 +137,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
                  f"{', '.join(families.names())}")
     if m.head_dim is not None:
         p += head_dim_problems(m, family or families.DEFAULT)
+    p += attention_problems(m, family or families.DEFAULT)
     if m.rope_scaling:
         kind = str(m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default")))
         rope_types = (family or families.DEFAULT).rope_types

@@ -12,11 +12,26 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
-# Sliding-window policies: what a config.json may say about sliding-window attention, which rayspeed lacks.
-SLIDING_NONE = "none"  # the family has no sliding window
-SLIDING_WINDOW_COVERS_SEQ = "window_covers_seq"  # `sliding_window` must be null or >= model.seq_len
-SLIDING_FLAG_OFF = "flag_off"  # `use_sliding_window` must be false
-SLIDING_POLICIES = (SLIDING_NONE, SLIDING_WINDOW_COVERS_SEQ, SLIDING_FLAG_OFF)
+# Sliding-window policies: which layers of a config.json attend within a window, as transformers reads it.
+SLIDING_NONE = "none"  # the family has no sliding window (a `sliding_window` key is refused)
+SLIDING_ALL_LAYERS = "all_layers"  # `sliding_window` (null: none) applies to every layer (Mistral)
+SLIDING_USE_FLAG = "use_flag"  # only with `use_sliding_window`; layers from `max_window_layers` on (Qwen2, Qwen3)
+SLIDING_LAYER_TYPES = "layer_types"  # `layer_types`, else every `sliding_window_pattern`-th layer global (Gemma 3)
+SLIDING_POLICIES = (SLIDING_NONE, SLIDING_ALL_LAYERS, SLIDING_USE_FLAG, SLIDING_LAYER_TYPES)
+
+# Layer types, config.json's names.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+# RMSNorm styles: where the weight is applied and what it is.
+NORM_RMS = "rmsnorm"  # normalise in fp32, cast back, times the weight (Llama, Qwen, Mistral)
+NORM_RMS_FP32_WEIGHT = "rmsnorm_fp32_weight"  # the weight times the fp32 normalised tensor, then cast (OLMo 2)
+NORM_RMS_OFFSET = "rmsnorm_offset"  # times (1 + weight) in fp32, then cast; the weight starts at 0 (Gemma)
+NORM_STYLES = (NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET)
+
+# MLP activations (config.json's names) and what the decoder computes for each.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # Head-dim rules: how the attention head width follows from config.json.
 HEAD_DIM_FROM_HIDDEN = "hidden/heads"
@@ -100,7 +115,7 @@ def llama_tensor_names() -> TensorNames:
     return TensorNames(top=frozen(top), in_layer=frozen(in_layer))
 
 
-def no_extras(num_layers: int) -> dict[str, Any]:
+def no_extras(shape: Any) -> dict[str, Any]:
     return {}
 
 
@@ -127,8 +142,22 @@ class Family:
     qk_norm_width: str = QK_NORM_PER_HEAD
     """Over what the q/k norms run: each head (a weight of head_dim, shared by the heads: Qwen3), or the whole
     projection (a weight of heads x head_dim, split by tp with the heads: OLMo 2)."""
-    norm: str = "rmsnorm"
-    """Normalisation of the blocks."""
+    norm: str = NORM_RMS
+    """RMSNorm style of every norm of the model (one of NORM_STYLES)."""
+    norms_per_block: int = 2
+    """Norms of a block over the hidden width: 2 (before attention and MLP), 4 with Gemma's post-norms too."""
+    embed_scale: bool = False
+    """The embedding's output is multiplied by sqrt(hidden) (Gemma)."""
+    activations: tuple[str, ...] = ("silu",)
+    """MLP activations the family accepts (config.json's `hidden_act`, or `activation_key`)."""
+    activation_key: str = "hidden_act"
+    """The config.json key naming the activation (Gemma's is `hidden_activation`)."""
+    local_rope: bool = False
+    """Sliding-window layers have their own RoPE base (Gemma 3: `rope_parameters.sliding_attention`, or
+    `rope_local_base_freq` in transformers 4's form)."""
+    query_scale_key: Optional[str] = None
+    """The config.json key whose value s makes the attention scale s^-0.5 instead of head_dim^-0.5 (Gemma's
+    `query_pre_attn_scalar`)."""
     post_norm: bool = False
     """The branches' outputs are normalised before the residual add, with the weight applied in fp32 before the
     cast back (OLMo 2, transformers' Olmo2RMSNorm), instead of normalising the branches' inputs."""
@@ -138,8 +167,8 @@ class Family:
     """RoPE scalings the family accepts."""
     sliding_window: str = SLIDING_NONE
     """What config.json may say about sliding-window attention (one of SLIDING_POLICIES)."""
-    export_extras: Callable[[int], dict[str, Any]] = no_extras
-    """The family's own config.json keys an export writes, given the number of layers."""
+    export_extras: Callable[[Any], dict[str, Any]] = no_extras
+    """The family's own config.json keys an export writes, given the ModelShape."""
     block_module: Optional[str] = None
     """The module under rayspeed.model whose `Block` the family's blocks are; None: the decoder's own
     (model/transformer.py). The pipeline's split counts blocks of that class."""
@@ -153,10 +182,16 @@ class Family:
             raise ValueError(f"{self.model_type}: qk_norm_width {self.qk_norm_width!r} is unknown")
         if self.head_dim_rule not in (HEAD_DIM_FROM_HIDDEN, HEAD_DIM_FROM_CONFIG):
             raise ValueError(f"{self.model_type}: head_dim_rule {self.head_dim_rule!r} is unknown")
-        if (self.o_bias or self.qk_norm or self.post_norm or self.norm != "rmsnorm") and self.block_module is None:
-            raise ValueError(f"{self.model_type}: an output-projection bias, q/k norms or a {self.norm} norm needs "
-                             "its own block module (model/transformer.py's Block has RMSNorm, no o bias, no q/k "
-                             "norms)")
+        if self.norm not in NORM_STYLES:
+            raise ValueError(f"{self.model_type}: norm {self.norm!r} is not one of {NORM_STYLES}")
+        unknown = [a for a in self.activations if a not in ACTIVATIONS]
+        if unknown:
+            raise ValueError(f"{self.model_type}: activations {unknown} are not among {ACTIVATIONS}")
+        if ((self.o_bias or self.qk_norm or self.post_norm or self.norms_per_block != 2)
+                and self.block_module is None):
+            raise ValueError(f"{self.model_type}: an output-projection bias, q/k norms or other norms per block need "
+                             "their own block module (model/transformer.py's Block has two pre-norms, no o bias, "
+                             "no q/k norms)")
 
     @property
     def architecture(self) -> str:
@@ -175,3 +210,18 @@ class Family:
     def query_width(self, num_heads: int, head_dim: int) -> int:
         """Width of q and of the output projection's input (the planner's q/o width)."""
         return num_heads * head_dim
+
+
+def layer_types_of(shape: Any) -> list[str]:
+    """Every layer's type as config.json names them (a shape without a window: all full attention)."""
+    return [SLIDING_ATTENTION if shape.window_of(i) else FULL_ATTENTION for i in range(shape.num_layers)]
+
+
+def use_flag_extras(shape: Any) -> dict[str, Any]:
+    """Qwen2's and Qwen3's sliding-window keys: the flag, the window, the first sliding layer and the layer types
+    (transformers 5 reads layer_types; max_window_layers says the same to transformers 4 when the sliding layers
+    are the last ones)."""
+    types = layer_types_of(shape)
+    sliding = [i for i, t in enumerate(types) if t == SLIDING_ATTENTION]
+    return {"use_sliding_window": bool(sliding), "sliding_window": shape.sliding_window if sliding else None,
+            "max_window_layers": sliding[0] if sliding else shape.num_layers, "layer_types": types}

@@ -7,7 +7,7 @@ from typing import Any
 from rayspeed.families.family import Family
 
 
-def llama_extras(num_layers: int) -> dict[str, Any]:
+def llama_extras(shape: Any) -> dict[str, Any]:
     return {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
 
 

@@ -1,16 +1,16 @@
-"""Mistral (transformers' MistralForCausalLM): Llama's block; a sliding window rayspeed runs only when it covers
-the whole training sequence."""
+"""Mistral (transformers' MistralForCausalLM): Llama's block; config.json's `sliding_window` (Mistral-7B-v0.1: 4096)
+applies to every layer, as transformers' MistralModel applies it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rayspeed.families.family import SLIDING_WINDOW_COVERS_SEQ, Family
+from rayspeed.families.family import SLIDING_ALL_LAYERS, Family
 
 
-def mistral_extras(num_layers: int) -> dict[str, Any]:
-    return {"sliding_window": None}
+def mistral_extras(shape: Any) -> dict[str, Any]:
+    return {"sliding_window": shape.sliding_window}
 
 
 FAMILY = Family(architectures=("MistralForCausalLM",), model_type="mistral",
-                sliding_window=SLIDING_WINDOW_COVERS_SEQ, export_extras=mistral_extras)
+                sliding_window=SLIDING_ALL_LAYERS, export_extras=mistral_extras)

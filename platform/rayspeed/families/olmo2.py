@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rayspeed.families.family import QK_NORM_PER_PROJECTION, Family, TensorNames, frozen, llama_tensor_names
+from rayspeed.families.family import (
+    NORM_RMS_FP32_WEIGHT,
+    QK_NORM_PER_PROJECTION,
+    Family,
+    TensorNames,
+    frozen,
+    llama_tensor_names,
+)
 
 
 def olmo2_tensor_names() -> TensorNames:
@@ -21,11 +28,11 @@ def olmo2_tensor_names() -> TensorNames:
     return TensorNames(top=base.top, in_layer=frozen(in_layer))
 
 
-def olmo2_extras(num_layers: int) -> dict[str, Any]:
+def olmo2_extras(shape: Any) -> dict[str, Any]:
     return {"attention_bias": False}
 
 
 FAMILY = Family(architectures=("Olmo2ForCausalLM",), model_type="olmo2", tensor_names=olmo2_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "hidden_act": "silu"}),
-                qk_norm=True, qk_norm_width=QK_NORM_PER_PROJECTION, post_norm=True, export_extras=olmo2_extras,
-                block_module="olmo2_block")
+                qk_norm=True, qk_norm_width=QK_NORM_PER_PROJECTION, post_norm=True, norm=NORM_RMS_FP32_WEIGHT,
+                export_extras=olmo2_extras, block_module="olmo2_block")

@@ -1,6 +1,6 @@
 """Qwen3 (transformers' Qwen3ForCausalLM): Llama's block with per-head RMS norms on q and k before RoPE
 (model/qwen3_block.py), config.json's head_dim (128 in the released models, not hidden / heads), no q/k/v biases;
-its sliding window must be off."""
+a sliding window as Qwen2's (`use_sliding_window`, `max_window_layers`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Any, Optional
 
 from rayspeed.families.family import (
     HEAD_DIM_FROM_CONFIG,
-    SLIDING_FLAG_OFF,
+    SLIDING_USE_FLAG,
     Family,
     TensorNames,
     frozen,
     llama_tensor_names,
+    use_flag_extras,
 )
 
 
@@ -24,11 +25,10 @@ def qwen3_tensor_names() -> TensorNames:
     return TensorNames(top=base.top, in_layer=frozen(in_layer))
 
 
-def qwen3_extras(num_layers: int) -> dict[str, Any]:
-    return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": num_layers, "layer_types": ["full_attention"] * num_layers}
+def qwen3_extras(shape: Any) -> dict[str, Any]:
+    return {"attention_bias": False, **use_flag_extras(shape)}
 
 
 FAMILY = Family(architectures=("Qwen3ForCausalLM",), model_type="qwen3", tensor_names=qwen3_tensor_names(),
-                head_dim_rule=HEAD_DIM_FROM_CONFIG, qk_norm=True, sliding_window=SLIDING_FLAG_OFF,
+                head_dim_rule=HEAD_DIM_FROM_CONFIG, qk_norm=True, sliding_window=SLIDING_USE_FLAG,
                 export_extras=qwen3_extras, block_module="qwen3_block")

@@ -13,19 +13,8 @@ from torch import nn
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.model import transformer
-from rayspeed.parallel.comm import copy_to_tp, sum_over_tp
+from rayspeed.parallel.comm import sum_over_tp
 from rayspeed.parallel.groups import TensorParallel
-
-
-class PostNorm(transformer.RMSNorm):
-    """OLMo 2's RMS norm: the weight multiplies the fp32 normalised tensor before the cast back (transformers'
-    Olmo2RMSNorm order; the decoder's RMSNorm casts first)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tp(self.weight, self.tp) if self.sequence_parallel else self.weight
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (weight * normed).to(x.dtype)
 
 
 class ProjectionNorm(nn.Module):
@@ -49,8 +38,9 @@ class ProjectionNorm(nn.Module):
 
 
 class ProjectionNormAttention(transformer.Attention):
-    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
-        super().__init__(dims, tp, sequence_parallel, seed, name)
+    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str,
+                 layer_idx: int = 0):
+        super().__init__(dims, tp, sequence_parallel, seed, name, layer_idx)
         self.q_norm = ProjectionNorm(dims.q_dim, dims.norm_eps, tp)
         self.k_norm = ProjectionNorm(dims.kv_dim, dims.norm_eps, tp)
 
@@ -66,12 +56,11 @@ class ProjectionNormAttention(transformer.Attention):
 
 class Block(transformer.Block):
     # attn_norm / mlp_norm keep the decoder's names (the checkpoint map says which norm each is): here they
-    # normalise the branches' outputs.
+    # normalise the branches' outputs, in the family's norm style (the weight applied in fp32, Olmo2RMSNorm's order).
     attention_class = ProjectionNormAttention
-    norm_class = PostNorm
 
-    def _attn_branch(self, x, segment_ids=None):
+    def attn_branch(self, x, segment_ids=None):
         return self.attn_norm(self.attn(x, segment_ids))
 
-    def _mlp_branch(self, x):
+    def mlp_branch(self, x):
         return self.mlp_norm(self.mlp(x))

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
-from rayspeed.model.transformer import OutputHead, RMSNorm, block_class, check_mode, check_split
+from rayspeed.model.transformer import OutputHead, RMSNorm, block_class, check_mode, check_split, embed_scale
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
 from rayspeed.parallel.groups import ParallelGroups, TensorParallel
 from rayspeed.parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
@@ -55,7 +55,7 @@ class EmbeddingPipe(VocabParallelEmbedding):
         dims = ModelShape.from_config(cfg)
         super().__init__(
             dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sequence_parallel,
-            init_std=dims.init_std, seed=seed, name="embed",
+            init_std=dims.init_std, seed=seed, name="embed", scale=embed_scale(dims),
         )
 
     def forward(self, x):
@@ -70,7 +70,7 @@ class FinalNormPipe(RMSNorm):
 
     def __init__(self, cfg, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
         dims = ModelShape.from_config(cfg)
-        super().__init__(dims.hidden_size, dims.norm_eps, tp, sequence_parallel)
+        super().__init__(dims.hidden_size, dims.norm_eps, tp, sequence_parallel, dims.family.norm)
 
     def forward(self, x):
         return super().forward(x[0] if isinstance(x, tuple) else x)  # the segment ids end here

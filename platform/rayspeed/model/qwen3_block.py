@@ -12,12 +12,16 @@ from rayspeed.parallel.groups import TensorParallel
 
 
 class QKNormAttention(transformer.Attention):
-    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
-        super().__init__(dims, tp, sequence_parallel, seed, name)
+    """Per-head q/k norms in the family's norm style (Qwen3's, Gemma 3's (1 + w))."""
+
+    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str,
+                 layer_idx: int = 0):
+        super().__init__(dims, tp, sequence_parallel, seed, name, layer_idx)
         # Each tp rank normalises only its own heads, so its weight gradient is a partial sum: the weight goes
         # through the same identity-forward, all-reduce-backward path as a sequence-parallel norm's.
-        self.q_norm = transformer.RMSNorm(dims.head_dim, dims.norm_eps, tp, sequence_parallel=True)
-        self.k_norm = transformer.RMSNorm(dims.head_dim, dims.norm_eps, tp, sequence_parallel=True)
+        style = dims.family.norm
+        self.q_norm = transformer.RMSNorm(dims.head_dim, dims.norm_eps, tp, sequence_parallel=True, style=style)
+        self.k_norm = transformer.RMSNorm(dims.head_dim, dims.norm_eps, tp, sequence_parallel=True, style=style)
 
     def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)

@@ -1,7 +1,9 @@
 """Decoder-only transformer (Llama-style: RMSNorm, GQA with RoPE, SwiGLU; q/k/v biases for Qwen2-style shapes).
 
 The same function as transformers' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM for the shapes
-rayspeed.config.hf_config accepts (rotate-half RoPE, RMSNorm in fp32, llama3 and linear RoPE scaling).
+rayspeed.config.hf_config accepts (rotate-half RoPE, RMSNorm in fp32, llama3 and linear RoPE scaling), and the
+parts other families' blocks (model/<family>_block.py) share: the norm styles, sliding-window layers with their own
+RoPE base, a custom attention scale, GeGLU, a scaled embedding.
 
 One model for every layout: pass a TensorParallel handle to split heads, the MLP and the
 vocabulary over a tp group, and sequence_parallel=True to also split the norm / residual
@@ -23,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
+from rayspeed.families.family import NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET, NORM_STYLES
+from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
 from rayspeed.parallel.groups import TensorParallel
 from rayspeed.parallel.layers import (
@@ -55,7 +59,9 @@ def check_mode(activation_checkpointing: str) -> str:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32. The weight is replicated across tp.
+    """RMSNorm computed in fp32. The weight is replicated across tp. `style` (families.family.NORM_STYLES): where
+    the weight is applied, after the cast back (Llama), before it (OLMo 2), or as (1 + weight) before it, starting
+    at 0 (Gemma): each as transformers computes it, so half precision rounds the same way.
 
     Under sequence parallelism each rank normalises only its sequence shard, so its weight
     gradient is a partial sum: routing the weight through f (identity forward, all-reduce
@@ -63,12 +69,14 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, tp: Optional[TensorParallel] = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, style: str = NORM_RMS):
         super().__init__()
+        if style not in NORM_STYLES:
+            raise ValueError(f"norm style {style!r} is not one of {NORM_STYLES}")
         self.tp = tp or NO_TP
-        self.eps = eps
+        self.eps, self.style = eps, style
         self.sequence_parallel = sequence_parallel and self.tp.enabled
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if style == NORM_RMS_OFFSET else torch.ones(dim))
         if self.sequence_parallel:
             self.weight.sequence_parallel = True
 
@@ -76,44 +84,11 @@ class RMSNorm(nn.Module):
         weight = copy_to_tp(self.weight, self.tp) if self.sequence_parallel else self.weight
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        if self.style == NORM_RMS_OFFSET:
+            return (normed * (1.0 + weight.float())).type_as(x)
+        if self.style == NORM_RMS_FP32_WEIGHT:
+            return (weight * normed).to(x.dtype)
         return normed.type_as(x) * weight
-
-
-def rope_inv_freq(head_dim: int, theta: float, dims: Optional[ModelShape] = None, device=None) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim / 2] in fp32, with the shape's linear or llama3 scaling (computed as
-    transformers does, so a pretrained model sees the positions it was trained with)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    kind = dims.rope_type if dims is not None else "default"
-    if kind == "linear":
-        return inv_freq / dims.rope_factor
-    if kind == "llama3":
-        factor, low, high = dims.rope_factor, dims.rope_low_freq_factor, dims.rope_high_freq_factor
-        old_len = dims.rope_original_max_positions
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    if kind != "default":
-        raise ValueError(f"unsupported rope type {kind!r}")
-    return inv_freq
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
-                dims: Optional[ModelShape] = None,
-                positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [seq_len, head_dim] in fp32 for rotate-half RoPE (built per call: cheap, no state to keep in sync);
-    with positions [b, s]: [b, 1, s, head_dim], each row at its own positions."""
-    inv_freq = rope_inv_freq(head_dim, theta, dims, device)
-    if positions is not None:
-        angles = positions.to(torch.float32)[..., None] * inv_freq
-        angles = torch.cat([angles, angles], dim=-1)[:, None]
-        return angles.cos(), angles.sin()
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
 
 
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -132,19 +107,33 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]) & causal
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [batch, heads, seq, head_dim] by position; in fp32, back to x's dtype."""
-    x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos + rotated * sin).type_as(x)
+def attention_mask(seq_len: int, segment_ids: Optional[torch.Tensor], window: Optional[int],
+                   device=None) -> Optional[torch.Tensor]:
+    """The boolean mask of one layer ([b or 1, 1, s, s], True: may attend), or None for plain causal attention
+    (SDPA's is_causal): documents (segment_ids), and a sliding window (key j within window - 1 positions before
+    query i, transformers' `kv_idx > q_idx - sliding_window`) when it is shorter than the sequence."""
+    window = window if window is not None and window < seq_len else None
+    if segment_ids is None and window is None:
+        return None
+    if segment_ids is not None:
+        mask = document_mask(segment_ids)
+        device = segment_ids.device
+    else:
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    if window is not None:
+        i = torch.arange(seq_len, device=device)
+        mask = mask & ((i[:, None] - i[None, :]) < window)
+    return mask
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     mask: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
     """SDPA with is_causal; q [b, heads, s, d], k/v [b, kv_heads, s, d] with heads a multiple of kv_heads. mask
-    ([b, 1, s, s] bool, document_mask): attention within documents only, instead of the plain causal mask."""
-    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
+    ([b, 1, s, s] bool, attention_mask): documents and windows, instead of the plain causal mask. scale: the
+    softmax scale (None: d^-0.5)."""
+    causal: dict = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
+    if scale is not None:
+        causal["scale"] = scale
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, **causal)
@@ -167,14 +156,18 @@ class Attention(nn.Module):
     i // (a/kv), so no kv head is needed on more than one rank.
     """
 
-    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
+    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str,
+                 layer_idx: int = 0):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         h, hd = dims.hidden_size, dims.head_dim
         self.head_dim = hd
         self.local_heads = dims.num_heads // tp.world_size
         self.local_kv_heads = dims.num_kv_heads // tp.world_size
-        self.rope_theta, self.dims = dims.rope_theta, dims
+        self.window, self.scale = dims.window_of(layer_idx), dims.attention_scale
+        # A local layer with its own base has plain RoPE (rope_dims None); every other one the shape's scaling.
+        self.rope_theta, scaled = dims.rope_of(layer_idx)
+        self.rope_dims: Optional[ModelShape] = dims if scaled else None
         col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed, bias=dims.qkv_bias)
         self.wq = ColumnParallelLinear(h, dims.num_heads * hd, name=f"{name}.wq", **col)
         self.wk = ColumnParallelLinear(h, dims.num_kv_heads * hd, name=f"{name}.wk", **col)
@@ -198,21 +191,23 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.normed(q, k)
         positions = None if segment_ids is None else segment_positions(segment_ids)
-        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device, dims=self.dims,
+        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
                                positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention(q, k, v, None if segment_ids is None else document_mask(segment_ids))
+        out = causal_attention(q, k, v, attention_mask(s, segment_ids, self.window, x.device), self.scale)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU: w_down(silu(w_gate x) * w_up x); gate/up split by columns, down by rows."""
+    """SwiGLU: w_down(silu(w_gate x) * w_up x), or GeGLU with the tanh GELU (Gemma); gate/up split by columns,
+    down by rows."""
 
     def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         h, f = dims.hidden_size, dims.ffn_hidden_size
+        self.gelu = dims.hidden_act == "gelu_pytorch_tanh"
         col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed)
         self.w_gate = ColumnParallelLinear(h, f, name=f"{name}.w_gate", **col)
         self.w_up = ColumnParallelLinear(h, f, name=f"{name}.w_up", **col)
@@ -223,7 +218,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.tp, self.sequence_parallel)
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate = self.w_gate(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w_down(gate * self.w_up(x))
 
 
 class Block(nn.Module):
@@ -256,9 +253,9 @@ class Block(nn.Module):
         self.preserve_rng_state = preserve_rng_state
         prefix = f"layers.{layer_idx}"
         self.canonical_prefix = prefix  # where its parameters live in Transformer's state dict
-        self.attn_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp)
-        self.attn = self.attention_class(dims, tp, sp, seed, name=f"{prefix}.attn")
-        self.mlp_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.attn_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
+        self.attn = self.attention_class(dims, tp, sp, seed, name=f"{prefix}.attn", layer_idx=layer_idx)
+        self.mlp_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.mlp = MLP(dims, tp, sp, seed, name=f"{prefix}.mlp")
 
     def _checkpointed(self, fn, *args):
@@ -266,18 +263,18 @@ class Block(nn.Module):
             return fn(*args)
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
 
-    def _attn_branch(self, x, segment_ids=None):
+    def attn_branch(self, x, segment_ids=None):
         return self.attn(self.attn_norm(x), segment_ids)
 
-    def _mlp_branch(self, x):
+    def mlp_branch(self, x):
         return self.mlp(self.mlp_norm(x))
 
     def _block(self, x, segment_ids=None):
         if self.activation_checkpointing == "selective":
-            x = x + self._checkpointed(self._attn_branch, x, segment_ids)
-            return x + self._checkpointed(self._mlp_branch, x)
-        x = x + self._attn_branch(x, segment_ids)
-        return x + self._mlp_branch(x)
+            x = x + self._checkpointed(self.attn_branch, x, segment_ids)
+            return x + self._checkpointed(self.mlp_branch, x)
+        x = x + self.attn_branch(x, segment_ids)
+        return x + self.mlp_branch(x)
 
     def forward(self, x, segment_ids: Optional[torch.Tensor] = None):
         """x [b, s(/tp), h]; or, between pipeline stages, the tuple (x, segment_ids), returned as such."""
@@ -296,6 +293,11 @@ def block_class(dims: ModelShape) -> type:
     if module is None:
         return Block
     return importlib.import_module(f"rayspeed.model.{module}").Block
+
+
+def embed_scale(dims: ModelShape) -> Optional[float]:
+    """What the embedding's output is multiplied by: sqrt(hidden) for a family that scales it (Gemma), else None."""
+    return math.sqrt(dims.hidden_size) if dims.family.embed_scale else None
 
 
 class OutputHead(nn.Module):
@@ -362,13 +364,14 @@ class Transformer(nn.Module):
         self.activation_checkpointing = check_mode(activation_checkpointing)
 
         self.embed = VocabParallelEmbedding(
-            dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sp, init_std=dims.init_std, seed=seed, name="embed"
+            dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sp, init_std=dims.init_std, seed=seed,
+            name="embed", scale=embed_scale(dims),
         )
         self.layers = nn.ModuleList(
             block_class(dims)(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
             for i in range(dims.num_layers)
         )
-        self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
 

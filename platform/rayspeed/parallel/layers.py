@@ -238,9 +238,11 @@ class VocabParallelEmbedding(nn.Module):
         seed: int = 0,
         name: str = "embedding",
         dtype: Optional[torch.dtype] = None,
+        scale: Optional[float] = None,
     ):
         super().__init__()
         self.tp = tp or NO_TP
+        self.scale = scale  # the output times this (Gemma: sqrt(hidden)), rounded to fp32 then to the output's dtype
         if num_embeddings % self.tp.world_size != 0:
             raise ValueError(f"{name}: vocab size {num_embeddings} does not divide by tp={self.tp.world_size}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -253,12 +255,17 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
-            return F.embedding(input_ids, self.weight)
+            return self.scaled(F.embedding(input_ids, self.weight))
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return leave_tp_region(out, self.tp, self.sequence_parallel)
+        return self.scaled(leave_tp_region(out, self.tp, self.sequence_parallel))
+
+    def scaled(self, out: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return out
+        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)
 
     def extra_repr(self) -> str:
         return (f"vocab={self.num_embeddings}, dim={self.embedding_dim}, tp={self.tp.world_size}, "

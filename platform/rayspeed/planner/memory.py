@@ -65,29 +65,44 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     a document mask), the SDPA output, which is also wo's input (the transpose back is a view), the fp32 log-sum-exp
     (r per head); RoPE's fp32 cos and sin tables ([s, head_dim] each, per block, shared by the micro-batch); a
     qk-norm family's q and k norms ((r + 1) x width + r per head each); with document masking the [b, 1, s, s] mask
-    SDPA saves, built in each block (s per token, not split by tp).
-    MLP: SwiGLU's gate, silu(gate), up and product (4f).
+    SDPA saves (as a working-dtype tensor), built in each block (s per token, not split by tp); without it, a
+    sliding-window layer's [1, 1, s, s] mask (s / micro-batch per token; averaged over the layers).
+    A norm whose weight multiplies the fp32 normalised tensor (OLMo 2's, Gemma's (1 + w)) keeps that tensor in fp32;
+    Gemma's post-norms keep their fp32 input and normalised tensor (2r h + r each).
+    MLP: SwiGLU's (or GeGLU's) gate, its activation, up and product (4f).
     Flash/SDPA attention keeps no s x s score matrix (the playbook's 5as/h term is gone)."""
     r = 4 / w_bytes
     out_div = tp if sp else 1
     kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
     post = sh.family.post_norm
-    # A post-norm (OLMo 2) keeps its fp32 input and fp32 normalised tensor (the weight multiplies it before the
-    # cast), and the branch's input is the residual stream itself, which the projections keep: (2r + 1) h + r.
-    norm = (((2 * r + 1) if post else (r + 2)) * sh.hidden_size + r) / out_div
+    fp32_weight = sh.family.norm != "rmsnorm"  # the weight multiplies the fp32 normalised tensor before the cast
+    # Such a norm keeps its fp32 input and fp32 normalised tensor; its output feeds the projections (or, for a
+    # post-norm, OLMo 2's, the branch's input is the residual stream, which they keep): (2r + 1) h + r.
+    norm = (((2 * r + 1) if fp32_weight else (r + 2)) * sh.hidden_size + r) / out_div
+    extra_norms = sh.family.norms_per_block - 2  # Gemma's post-norms, one per branch
+    post_norm = (2 * r * sh.hidden_size + r) / out_div if extra_norms else 0.0
     attn = norm + (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp + 2 * r * sh.head_dim / max(1, micro_batch)
-    if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 under a post-norm's order), an rsqrt per row
+    if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 in the fp32-weight order), an rsqrt per row
         rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
-        attn += ((2 * r) if post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
+        attn += ((2 * r) if fp32_weight or post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
     if document_mask:
         attn += sh.seq_len
-    mlp = norm + 4 * sh.ffn_hidden_size / tp
+    else:
+        attn += windowed_layers(sh) / sh.num_layers * sh.seq_len / max(1, micro_batch)
+    attn += post_norm
+    mlp = norm + 4 * sh.ffn_hidden_size / tp + post_norm
     return attn + mlp, attn, mlp
+
+
+def windowed_layers(sh: ModelShape) -> int:
+    """Layers whose sliding window is shorter than the sequence (they attend through a mask)."""
+    return sum(1 for i in range(sh.num_layers) if sh.attention_span(i) < sh.seq_len)
 
 
 def block_saved(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """layer_saved for this job's precision, kernels and masking at this layout."""
-    flash = ctx.hw.is_gpu and ctx.precision in ("bf16", "fp16") and not ctx.document_masking
+    flash = (ctx.hw.is_gpu and ctx.precision in ("bf16", "fp16") and not ctx.document_masking
+             and not windowed_layers(ctx.shape))
     return layer_saved(ctx.shape, lay.tp, lay.sequence_parallel, ctx.w_bytes, lay.micro_batch_size, flash,
                        ctx.document_masking)
 

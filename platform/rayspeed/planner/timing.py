@@ -91,6 +91,19 @@ def attention_efficiency(ctx: Ctx) -> float:
     return ctx.hw.attention_efficiency * min(1.0, (ctx.shape.head_dim / ctx.hw.attention_head_dim) ** 0.3)
 
 
+def attention_keys(ctx: Ctx) -> float:
+    """Keys per query the attention kernel computes, averaged over the layers: s / 2 for plain causal attention
+    (the fused kernels skip the tiles above the diagonal); s for a layer that attends through a mask (a sliding
+    window shorter than s, or document masks): SDPA's masked kernels compute every tile and mask afterwards, so a
+    window saves memory traffic nowhere and time only under a block-sparse kernel, which rayspeed does not run
+    yet. The model FLOPs of MFU count the window instead (ModelShape.flops_per_token)."""
+    sh = ctx.shape
+    if ctx.document_masking:
+        return float(sh.seq_len)
+    masked = sum(1 for i in range(sh.num_layers) if sh.attention_span(i) < sh.seq_len)
+    return (masked * sh.seq_len + (sh.num_layers - masked) * sh.seq_len / 2) / sh.num_layers
+
+
 def _combine(ctx: Ctx, work: float, host: float) -> float:
     # A GPU runs kernels while the host queues the next ones: the slower of the two. A CPU worker does both
     # on the same core, one after the other.
@@ -116,7 +129,7 @@ def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     sh, hw = ctx.shape, ctx.hw
     T = lay.micro_batch_size * sh.seq_len
     g, ew, _ = layer_fwd(ctx, lay)
-    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.q_dim / lay.tp
+    attn_bwd_extra = (6.0 * T * attention_keys(ctx) * sh.q_dim / lay.tp
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
     return g + ew, 2 * g + attn_bwd_extra + 2 * ew
 
@@ -129,7 +142,7 @@ def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     T = lay.micro_batch_size * sh.seq_len
     g = (gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h)
          + gemm_s(ctx, T, h, 2 * f / t) + gemm_s(ctx, T, f / t, h))
-    attn_flops = 2.0 * T * sh.seq_len * q / t  # causal: half of QK^T and AV
+    attn_flops = 4.0 * T * attention_keys(ctx) * q / t  # QK^T and AV over the keys the kernel computes
     g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor
     out_div = t if lay.sequence_parallel else 1
     # Element-wise traffic in working-dtype elements per token, forward. Outside the tp region: two RMSNorms
@@ -165,7 +178,7 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
     T = lay.micro_batch_size * sh.seq_len
     g, ew, host = layer_fwd(ctx, lay)
-    attn_bwd_extra = (1.5 * 2.0 * T * sh.seq_len * sh.q_dim / t
+    attn_bwd_extra = (6.0 * T * attention_keys(ctx) * sh.q_dim / t
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
     # A calibrated profile anchors the block at the real block it measured (work_scale_*: measured / modelled
     # at its reference layout); elsewhere the model's ratio to that reference carries it.

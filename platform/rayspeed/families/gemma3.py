@@ -1,0 +1,56 @@
+"""Gemma 3, text only (transformers' Gemma3ForCausalLM, model_type gemma3_text): Gemma's (1 + w) RMS norms, four
+per block (before and after attention and the MLP), per-head q/k norms, the embedding scaled by sqrt(hidden),
+GeGLU with tanh-approximated GELU, the attention scale query_pre_attn_scalar^-0.5, and local layers attending
+within `sliding_window` with their own RoPE base (five local to one global in the released models); tied
+embeddings (model/gemma3_block.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rayspeed.families.family import (
+    HEAD_DIM_FROM_CONFIG,
+    NORM_RMS_OFFSET,
+    SLIDING_LAYER_TYPES,
+    Family,
+    TensorNames,
+    frozen,
+    layer_types_of,
+    llama_tensor_names,
+)
+
+
+def gemma3_tensor_names() -> TensorNames:
+    base = llama_tensor_names()
+    in_layer: dict[str, tuple[str, Optional[int]]] = dict(base.in_layer)
+    in_layer["mlp_norm.weight"] = ("pre_feedforward_layernorm.weight", None)
+    in_layer["attn_post_norm.weight"] = ("post_attention_layernorm.weight", None)
+    in_layer["mlp_post_norm.weight"] = ("post_feedforward_layernorm.weight", None)
+    in_layer["attn.q_norm.weight"] = ("self_attn.q_norm.weight", None)  # one head's width: whole on every tp rank
+    in_layer["attn.k_norm.weight"] = ("self_attn.k_norm.weight", None)
+    return TensorNames(top=base.top, in_layer=frozen(in_layer))
+
+
+def gemma3_extras(shape: Any) -> dict[str, Any]:
+    full: dict[str, Any] = {"rope_type": shape.rope_type, "rope_theta": shape.rope_theta}
+    full.update({k: v for k, v in (shape.rope_scaling or {}).items() if k != "rope_type"})
+    local = {"rope_type": "default", "rope_theta": shape.rope_local_theta or shape.rope_theta}
+    scalar = shape.query_pre_attn_scalar
+    return {"hidden_activation": shape.hidden_act,
+            # Gemma3TextConfig is a strict dataclass whose query_pre_attn_scalar is an int.
+            "query_pre_attn_scalar": int(scalar) if scalar and float(scalar).is_integer() else scalar,
+            "sliding_window": shape.sliding_window, "layer_types": layer_types_of(shape),
+            "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
+            "use_bidirectional_attention": False}
+
+
+FAMILY = Family(architectures=("Gemma3ForCausalLM",), model_type="gemma3_text", tensor_names=gemma3_tensor_names(),
+                defaults=frozen({"tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+                                 "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                                 "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                                 "sliding_window": 4096, "sliding_window_pattern": 6}),
+                head_dim_rule=HEAD_DIM_FROM_CONFIG, qk_norm=True, norm=NORM_RMS_OFFSET, norms_per_block=4,
+                embed_scale=True, activations=("gelu_pytorch_tanh",), activation_key="hidden_activation",
+                local_rope=True, query_scale_key="query_pre_attn_scalar", sliding_window=SLIDING_LAYER_TYPES,
+                export_extras=gemma3_extras, block_module="gemma3_block")

@@ -1,0 +1,139 @@
+"""Sliding-window attention against transformers: Mistral (the window on every layer) and Qwen2 (the window on
+the layers config.json's layer_types name, with q/k/v biases and linear RoPE scaling), windows of 5 and 6 under a
+16-token sequence, fp32, rtol = atol = 1e-5: logits, loss and every gradient at tp1, a packed row of documents
+longer than the window (each equal to transformers alone), each rank's logits, loss and gradient shards at tp2
+with sequence parallelism, pp2's logits and loss, and the export read back by transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from _hf_models import MISTRAL_SWA, QWEN2_SWA, save, shape_of
+from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
+
+SEQ, BATCH = 16, 2
+TOL = dict(rtol=1e-5, atol=1e-5)
+SPECS = {"mistral": MISTRAL_SWA, "qwen2": QWEN2_SWA}
+
+
+def _tokens(vocab, seed=5):
+    return tokens(vocab, BATCH, SEQ, seed)
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    out = {}
+    for name, spec in SPECS.items():
+        d = tmp_path_factory.mktemp(name) / "m"
+        save(d, spec, seed=11)
+        out[name] = reference(str(d), _tokens(spec["vocab"]))
+        assert out[name]["model"].config.sliding_window == spec["sliding_window"]
+    return out
+
+
+def test_the_shapes_say_which_layers_slide(refs):
+    assert [shape_of(refs["mistral"]["dir"], SEQ).window_of(i) for i in range(2)] == [5, 5]
+    assert [shape_of(refs["qwen2"]["dir"], SEQ).window_of(i) for i in range(3)] == [None, 6, 6]
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_tp1_logits_loss_and_gradients_match_transformers(refs, family):
+    ref = refs[family]
+    shape = shape_of(ref["dir"], SEQ)
+    model = build(shape, ref["dir"])
+    ids = _tokens(shape.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
+        # The window matters at this length: without it the logits are another model's.
+        full = build(dataclasses.replace(shape, sliding_window=None), ref["dir"])(ids[:, :-1])
+        assert (full - ref["logits"]).abs().max() > 1e-3
+    loss = model(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
+    loss.backward()
+    names = shape.family.tensor_names
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref["grads"][names.hf_name(name)], **TOL, msg=lambda m: f"{name}: {m}")
+    assert {names.hf_name(n) for n, _ in model.named_parameters()} == set(ref["grads"])
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_a_packed_row_of_documents_longer_than_the_window_equals_each_alone(refs, family):
+    ref = refs[family]
+    shape = shape_of(ref["dir"], SEQ)
+    model = build(shape, ref["dir"])
+    ids = _tokens(shape.vocab_size)[:1, :SEQ]
+    lens = (9, 7)
+    segments = torch.cat([torch.full((n,), k) for k, n in enumerate(lens)])[None]
+    with torch.no_grad():
+        packed = model(ids, segment_ids=segments)
+        start = 0
+        for n in lens:
+            alone = ref["model"](ids[:, start:start + n]).logits.float()
+            torch.testing.assert_close(packed[:, start:start + n], alone, **TOL)
+            start += n
+
+
+def _ranks(rank, world_size, dirs):
+    import torch.distributed as dist
+
+    from rayspeed.parallel.groups import ParallelGroups
+
+    init_deepspeed_gloo()
+    out = {}
+    for family, model_dir in sorted(dirs.items()):
+        shape = shape_of(model_dir, SEQ)
+        model = build(shape, model_dir, ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True)
+        ids = _tokens(shape.vocab_size)
+        with torch.no_grad():
+            logits = model(ids[:, :-1])
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        dist.barrier()
+        pipeline = pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), ids)
+        out[family] = (logits, loss.detach(), grads, pipeline)
+    return out
+
+
+def test_tp2_sequence_parallel_and_pp2_match_transformers(refs):
+    results = run_distributed(_ranks, 2, {f: r["dir"] for f, r in refs.items()}, timeout_s=180)
+    for rank, by_family in enumerate(results):
+        for family, (logits, loss, grads, (pp_logits, pp_loss)) in by_family.items():
+            ref, where = refs[family], f"{family} rank {rank}"
+            names = shape_of(ref["dir"], SEQ).family.tensor_names
+            torch.testing.assert_close(pp_loss, ref["loss"], **TOL, msg=lambda m: f"{where} pp2 loss: {m}")
+            if rank == 1:
+                torch.testing.assert_close(pp_logits, ref["logits"], **TOL, msg=lambda m: f"{where} pp2 logits: {m}")
+            torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"{where} logits: {m}")
+            torch.testing.assert_close(loss, ref["loss"], **TOL, msg=lambda m: f"{where} loss: {m}")
+            assert len(grads) == len(ref["grads"])
+            for name, g in grads.items():
+                expected = shard(ref["grads"][names.hf_name(name)], names.partition_dim(name), rank, 2)
+                torch.testing.assert_close(g, expected, **TOL, msg=lambda m: f"{where} {name}: {m}")
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_the_export_keeps_the_window(tmp_path, refs, family):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.model.hf_export import write_hf_dir
+
+    ref = refs[family]
+    shape = shape_of(ref["dir"], SEQ)
+    model = build(shape, ref["dir"]).eval()
+    write_hf_dir(model.full_state_dict(), shape, str(tmp_path / "hf"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["sliding_window"] == SPECS[family]["sliding_window"]
+    if family == "qwen2":
+        assert (cfg["use_sliding_window"], cfg["max_window_layers"], cfg["layer_types"]) == (
+            True, 1, QWEN2_SWA["layer_types"])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = _tokens(shape.vocab_size)[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.float(), model(ids), **TOL)

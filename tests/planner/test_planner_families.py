@@ -1,0 +1,56 @@
+"""`rayspeed plan` on the published shapes of 2026's families, from hand-written config.json files
+(configs/models/: Qwen3-8B, Qwen3-32B, Gemma-3-27B's text model, Mistral-7B-v0.1 with its 4096 window), seq 4096,
+on 8 and 64 H100s: the parameter counts are the published ones, every family's plan answers (or says what would
+fit), and the planner charges Gemma's local layers for their masks, not their windows' FLOPs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rayspeed.cli import main as cli
+from rayspeed.config.load import parse
+from rayspeed.config.shape import ModelShape
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = os.path.join(ROOT, "configs", "llama-70b-64xh100.yaml")
+PUBLISHED_B = {"qwen3-8b": 8.19, "qwen3-32b": 32.76, "gemma-3-27b-text": 27.01, "mistral-7b-v0.1": 7.24}
+
+
+def _sets(model: str, gpus: int) -> list[str]:
+    return ["--set", f"model={{pretrained: {ROOT}/configs/models/{model}, init: random, seq_len: 4096}}",
+            "--set", f"cluster.num_workers={gpus}", "--set", f"cluster.num_nodes={gpus // 8}",
+            "--set", f"train.global_batch_size={gpus * 4}"]
+
+
+def _shape(model: str) -> ModelShape:
+    cfg = parse({"model": {"seq_len": 4096}}, [f"model.pretrained={ROOT}/configs/models/{model}", "model.init=random"])
+    return ModelShape.from_config(cfg.model)
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_B))
+def test_the_shapes_have_the_published_sizes(model):
+    assert _shape(model).params / 1e9 == pytest.approx(PUBLISHED_B[model], abs=0.01)
+
+
+def test_gemma3_counts_its_local_layers_windows_and_mistral_its_window_at_the_sequence():
+    gemma = _shape("gemma-3-27b-text")
+    assert [gemma.attention_span(i) for i in range(6)] == [1024] * 5 + [4096]
+    assert gemma.q_dim == 32 * 128 and gemma.hidden_size == 5376  # the query width is not hidden
+    mistral = _shape("mistral-7b-v0.1")
+    assert {mistral.attention_span(i) for i in range(mistral.num_layers)} == {4096}  # a window of s: plain causal
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_B))
+@pytest.mark.parametrize("gpus", [8, 64])
+def test_plan_answers_for_each_family(capsys, model, gpus):
+    code = cli(["plan", JOB, "--json", "--top", "1", *_sets(model, gpus)])
+    out = capsys.readouterr()
+    if (model, gpus) == ("qwen3-32b", 8):  # 16 bytes per parameter need more than 8 x 80 GB: said, exit 2
+        assert code == 2 and "does not fit in memory" in out.err + out.out and "more GPUs" in out.err + out.out
+        return
+    assert code == 0, out.err
+    plan = json.loads(out.out)["plan"]
+    assert plan["fits"] and plan["dp"] * plan["tp"] * plan["pp"] == gpus
