@@ -1,8 +1,8 @@
 """Save a tiny Llama-family causal LM with `save_pretrained`: random weights, no download.
 
     python scripts/make_tiny_hf_model.py OUT [--arch llama|mistral|qwen2|qwen3|olmo2|gemma3_text] [--vocab 256]
-        [--hidden 64] [--layers 2] [--heads 4] [--kv-heads 2] [--ffn 128] [--tied] [--rope llama3|linear|default]
-        [--max-positions 512] [--seed 0] [--shards N] [--head-dim N] [--sliding-window N]
+        [--hidden 64] [--layers 2] [--heads 4] [--kv-heads 2] [--ffn 128] [--tied]
+        [--rope llama3|linear|yarn|longrope|default] [--max-positions 512] [--seed 0] [--shards N] [--head-dim N] [--sliding-window N]
         [--layer-types full_attention,sliding_attention,...] [--local-rope-theta X]
 
 Every weight is drawn from N(0, 0.2) (norm weights around 1) rather than transformers' initialisation, whose
@@ -31,10 +31,17 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
     from rayspeed import families
     from rayspeed.config.shape import ModelShape, rope_fields
 
+    half = (head_dim or hidden // heads) // 2
     scaling = {"default": None,
                "linear": {"rope_type": "linear", "factor": 2.0},
                "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 256}}[rope]
+                          "original_max_position_embeddings": 256},
+               # An original context of 8 positions: the tests' sequences go past it (yarn's ramp and longrope's
+               # long factors apply there; longrope's short ones within it).
+               "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+               "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 8,
+                            "long_factor": [1.0 + 0.75 * i for i in range(half)],
+                            "short_factor": [1.0 + 0.1 * i for i in range(half)]}}[rope]
     rope_parameters = {"rope_type": "default", "rope_theta": rope_theta} if scaling is None else {
         **scaling, "rope_theta": rope_theta}
     kwargs: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=128)
     ap.add_argument("--tied", action="store_true")
-    ap.add_argument("--rope", choices=("default", "linear", "llama3"), default="default")
+    ap.add_argument("--rope", choices=("default", "linear", "llama3", "yarn", "longrope"), default="default")
     ap.add_argument("--max-positions", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1)

@@ -37,6 +37,12 @@ QWEN2_SWA = dict(arch="qwen2", vocab=256, hidden=32, layers=3, heads=4, kv_heads
                  rope="linear", max_positions=64, sliding_window=6,
                  layer_types=["full_attention", "sliding_attention", "sliding_attention"])
 
+# Long-context RoPE past an original context of 8 positions: yarn on Qwen3 (its published long-context form),
+# longrope on Llama (head_dim 8: four long and four short factors; max_position_embeddings 64 gives factor 8).
+QWEN3_YARN = dict(QWEN3, rope="yarn")
+LLAMA_LONGROPE = dict(arch="llama", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=False,
+                      rope="longrope", max_positions=64)
+
 
 def save(out, spec, seed=0, shards=1, tokenizer=False):
     spec = dict(spec)

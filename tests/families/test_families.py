@@ -61,7 +61,7 @@ def test_the_records_say_what_differs_between_families():
     assert olmo2.tensor_names.partition_dim("layers.0.attn.q_norm.weight") == 0
     assert qwen3.head_dim(1024, 16, given=128) == 128 and qwen3.query_width(16, 128) == 2048  # config.json's
     for fam in (llama, mistral, qwen2):
-        assert fam.rope_types == ("default", "linear", "llama3")
+        assert fam.rope_types == ("default", "linear", "llama3", "yarn", "longrope")
         assert dict(fam.defaults) == {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
         assert fam.head_dim(4096, 32, given=256) == 128  # hidden / heads: config.json's head_dim is not read
         assert fam.query_width(32, 128) == 4096

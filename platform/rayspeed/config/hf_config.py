@@ -181,6 +181,8 @@ def _rope(hf: dict[str, Any], family: Family, where: str,
         return theta, None
     if kind == "default":
         return theta, None
+    if kind in ("yarn", "longrope"):
+        return theta, _extended_rope(hf, kind, scaling, where, problems)
     out: dict[str, Any] = {"rope_type": kind, "factor": float(scaling.get("factor", 1.0))}
     if kind == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in scaling]
@@ -192,6 +194,26 @@ def _rope(hf: dict[str, Any], family: Family, where: str,
                    original_max_position_embeddings=int(scaling.get("original_max_position_embeddings")
                                                         or hf.get("max_position_embeddings") or 0))
     return theta, out
+
+
+def _extended_rope(hf: dict[str, Any], kind: str, scaling: dict[str, Any], where: str,
+                   problems: list[str]) -> dict[str, Any]:
+    """yarn's or longrope's settings in config.json's form, with transformers' fallbacks: the original context
+    from the top level (Phi-3) or max_position_embeddings, longrope's factor from the two lengths."""
+    max_pos = hf.get("max_position_embeddings")
+    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos
+    if not original:
+        problems.append(f"{where}: {kind} rope scaling needs original_max_position_embeddings")
+        original = 1
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = float(max_pos) / float(original) if max_pos else 1.0
+    out: dict[str, Any] = {"rope_type": kind, "factor": float(factor),
+                           "original_max_position_embeddings": int(original)}
+    keep = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate") if kind == "yarn" \
+        else ("attention_factor", "long_factor", "short_factor")
+    out.update({k: scaling[k] for k in keep if scaling.get(k) is not None})
+    return out  # the job checks (config/validate.py) count longrope's factors
 
 
 def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = None

@@ -66,9 +66,12 @@ class ModelConfig:
     """Share the input embedding with the output head."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
-    rope_scaling: Optional[dict[str, Union[str, float]]] = None
-    """RoPE frequency scaling in config.json's form: {rope_type: linear, factor: 4} or {rope_type: llama3,
-    factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192}. null: none."""
+    rope_scaling: Optional[dict[str, Union[str, float, bool, list[float]]]] = None
+    """RoPE frequency scaling in config.json's form: {rope_type: linear, factor: 4}, {rope_type: llama3,
+    factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192}, {rope_type: yarn,
+    factor: 4, original_max_position_embeddings: 32768} (beta_fast, beta_slow, attention_factor optional) or
+    {rope_type: longrope, original_max_position_embeddings: 4096, long_factor: [...], short_factor: [...]} (one
+    factor per pair of head dimensions). null: none."""
     max_position_embeddings: Optional[int] = None
     """Longest sequence the model was made for (config.json's value with model.pretrained); model.seq_len must
     not exceed it. null: no limit."""

@@ -59,7 +59,23 @@ class ModelShape:
     rope_high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_positions / this are kept."""
     rope_original_max_positions: int = 0
-    """llama3: the context length the model was pretrained with."""
+    """llama3, yarn, longrope: the context length the model was pretrained with."""
+    rope_attention_factor: float = 0.0
+    """yarn, longrope: what cos and sin are multiplied by; 0: the default derived from the factor."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotations above which the frequencies are kept (extrapolation)."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotations below which they are divided by the factor (interpolation)."""
+    rope_mscale: float = 0.0
+    """yarn: mscale of the attention factor (DeepSeek's form; 0: unused)."""
+    rope_mscale_all_dim: float = 0.0
+    """yarn: mscale_all_dim of the attention factor (0: unused)."""
+    rope_truncate: bool = True
+    """yarn: round the correction range to whole dimensions."""
+    rope_long_factor: tuple[float, ...] = ()
+    """longrope: per-frequency divisors beyond rope_original_max_positions."""
+    rope_short_factor: tuple[float, ...] = ()
+    """longrope: per-frequency divisors within it."""
     max_position_embeddings: Optional[int] = None
     """Longest sequence the model supports (config.json's max_position_embeddings); None: no stated limit."""
     head_dim: int = 0
@@ -91,12 +107,12 @@ class ModelShape:
         ffn = getattr(m, "ffn_hidden_size", None)
         arch = getattr(m, "architecture", None) or families.DEFAULT.architecture
         family = families.find(str(arch)) or families.DEFAULT
-        rope = rope_fields(getattr(m, "rope_scaling", None))
+        max_pos = getattr(m, "max_position_embeddings", None)
+        rope = rope_fields(getattr(m, "rope_scaling", None), max_pos)
         # A shape-like object (a namespace rebuilt from asdict) carries the resolved fields themselves.
         for key in rope:
             if getattr(m, key, None) is not None:
                 rope[key] = type(rope[key])(getattr(m, key))
-        max_pos = getattr(m, "max_position_embeddings", None)
         window = getattr(m, "sliding_window", None)
         local_theta, scalar = getattr(m, "rope_local_theta", None), getattr(m, "query_pre_attn_scalar", None)
         return cls(hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=heads,
@@ -128,6 +144,16 @@ class ModelShape:
         if self.rope_type == "llama3":
             out.update(low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
                        original_max_position_embeddings=self.rope_original_max_positions)
+        if self.rope_type in ("yarn", "longrope"):
+            out["original_max_position_embeddings"] = self.rope_original_max_positions
+            if self.rope_attention_factor:
+                out["attention_factor"] = self.rope_attention_factor
+        if self.rope_type == "yarn":
+            out.update(beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow, truncate=self.rope_truncate)
+            out.update({k: v for k, v in (("mscale", self.rope_mscale), ("mscale_all_dim", self.rope_mscale_all_dim))
+                        if v})
+        if self.rope_type == "longrope":
+            out.update(long_factor=list(self.rope_long_factor), short_factor=list(self.rope_short_factor))
         return out
 
     # ---- attention per layer
@@ -230,11 +256,15 @@ class ModelShape:
         return 6.0 * self.non_embedding_params + 12.0 * self.q_dim * spans
 
 
-def rope_fields(scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
+def rope_fields(scaling: Optional[dict[str, Any]], max_positions: Optional[int] = None) -> dict[str, Any]:
     """ModelShape's rope_* fields from a config.json-style rope_scaling mapping (None: plain RoPE). Unknown
-    types are kept by name (the config checks report them); missing llama3 keys take Llama 3.1's values."""
+    types are kept by name (the config checks report them); missing llama3 keys take Llama 3.1's values; a
+    longrope factor left out is max_positions / the original context, as transformers takes it."""
     fields: dict[str, Any] = {"rope_type": "default", "rope_factor": 1.0, "rope_low_freq_factor": 1.0,
-                              "rope_high_freq_factor": 4.0, "rope_original_max_positions": 0}
+                              "rope_high_freq_factor": 4.0, "rope_original_max_positions": 0,
+                              "rope_attention_factor": 0.0, "rope_beta_fast": 32.0, "rope_beta_slow": 1.0,
+                              "rope_mscale": 0.0, "rope_mscale_all_dim": 0.0, "rope_truncate": True,
+                              "rope_long_factor": (), "rope_short_factor": ()}
     if not scaling:
         return fields
     kind = str(scaling.get("rope_type", scaling.get("type", "default")))
@@ -245,4 +275,15 @@ def rope_fields(scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
     fields["rope_low_freq_factor"] = float(scaling.get("low_freq_factor", 1.0))
     fields["rope_high_freq_factor"] = float(scaling.get("high_freq_factor", 4.0))
     fields["rope_original_max_positions"] = int(scaling.get("original_max_position_embeddings", 0) or 0)
+    fields["rope_attention_factor"] = float(scaling.get("attention_factor") or 0.0)
+    fields["rope_beta_fast"] = float(scaling.get("beta_fast") or 32.0)
+    fields["rope_beta_slow"] = float(scaling.get("beta_slow") or 1.0)
+    fields["rope_mscale"] = float(scaling.get("mscale") or 0.0)
+    fields["rope_mscale_all_dim"] = float(scaling.get("mscale_all_dim") or 0.0)
+    fields["rope_truncate"] = bool(scaling.get("truncate", True))
+    fields["rope_long_factor"] = tuple(float(x) for x in scaling.get("long_factor") or ())
+    fields["rope_short_factor"] = tuple(float(x) for x in scaling.get("short_factor") or ())
+    original = fields["rope_original_max_positions"]
+    if kind == "longrope" and scaling.get("factor") is None and max_positions and original:
+        fields["rope_factor"] = float(max_positions) / original
     return fields

@@ -55,6 +55,20 @@ def default_sequence_parallel(seq_len: int, tp: int) -> bool:
     return tp > 1 and sequence_parallel_problem(seq_len, tp) is None
 
 
+def extended_rope_problems(m: Any, kind: str) -> list[str]:
+    """yarn and longrope: the original context they scale from, and longrope's one factor per pair of dims."""
+    if kind not in ("yarn", "longrope"):
+        return []
+    if not m.rope_scaling.get("original_max_position_embeddings"):
+        return [f"model.rope_scaling: {kind} needs original_max_position_embeddings (the pretraining context)"]
+    if kind == "yarn" or m.num_heads < 1:
+        return []
+    half = (m.head_dim or m.hidden_size // m.num_heads) // 2
+    return [f"model.rope_scaling: longrope {key} must give {half} factors (head_dim / 2), got "
+            f"{len(m.rope_scaling.get(key) or ())}"
+            for key in ("long_factor", "short_factor") if len(m.rope_scaling.get(key) or ()) != half]
+
+
 def attention_problems(m: Any, family: families.Family) -> list[str]:
     """The activation, sliding window, layer types, local RoPE base and attention scale against what the family
     runs."""
@@ -143,6 +157,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         rope_types = (family or families.DEFAULT).rope_types
         if kind not in rope_types:
             p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
+        p += extended_rope_problems(m, kind)
     if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
         p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:

@@ -41,7 +41,7 @@ HEAD_DIM_FROM_CONFIG = "config"  # config.json's head_dim when it gives one, els
 QK_NORM_PER_HEAD = "head"
 QK_NORM_PER_PROJECTION = "projection"
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
