@@ -2,7 +2,8 @@
 
     python scripts/make_tiny_hf_model.py OUT [--arch llama|mistral|qwen2|qwen3|olmo2|gemma3_text] [--vocab 256]
         [--hidden 64] [--layers 2] [--heads 4] [--kv-heads 2] [--ffn 128] [--tied]
-        [--rope llama3|linear|yarn|longrope|default] [--max-positions 512] [--seed 0] [--shards N] [--head-dim N] [--sliding-window N]
+        [--rope llama3|linear|yarn|longrope|default] [--max-positions 512] [--seed 0] [--shards N] [--head-dim N]
+        [--sliding-window N]
         [--layer-types full_attention,sliding_attention,...] [--local-rope-theta X]
 
 Every weight is drawn from N(0, 0.2) (norm weights around 1) rather than transformers' initialisation, whose
