@@ -4,7 +4,7 @@
         [--hidden 64] [--layers 2] [--heads 4] [--kv-heads 2] [--ffn 128] [--tied]
         [--rope llama3|linear|yarn|longrope|default] [--max-positions 512] [--seed 0] [--shards N] [--head-dim N]
         [--sliding-window N]
-        [--layer-types full_attention,sliding_attention,...] [--local-rope-theta X]
+        [--layer-types full_attention,sliding_attention,...] [--local-rope-theta X] [--partial-rotary F]
 
 Every weight is drawn from N(0, 0.2) (norm weights around 1) rather than transformers' initialisation, whose
 zero biases and unit norms would let a wrong bias or norm mapping go unnoticed in parity tests. A vocabulary of
@@ -26,13 +26,13 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
               kv_heads: int = 2, ffn: int = 128, tied: bool = False, rope: str = "default",
               max_positions: int = 512, rope_theta: float = 10000.0, head_dim: int | None = None,
               sliding_window: int | None = None, layer_types: list[str] | None = None,
-              local_rope_theta: float | None = None) -> Any:
+              local_rope_theta: float | None = None, partial_rotary: float | None = None) -> Any:
     import transformers
 
     from rayspeed import families
     from rayspeed.config.shape import ModelShape, rope_fields
 
-    half = (head_dim or hidden // heads) // 2
+    half = int((head_dim or hidden // heads) * (partial_rotary or 1.0)) // 2
     scaling = {"default": None,
                "linear": {"rope_type": "linear", "factor": 2.0},
                "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -60,7 +60,8 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
                        rope_theta=rope_theta, architecture=family.architecture, head_dim=head_dim or 0,
                        hidden_act=family.activations[0], sliding_window=sliding_window,
                        layer_types=tuple(layer_types or ()), rope_local_theta=local_rope_theta,
-                       query_pre_attn_scalar=scalar, **rope_fields(scaling))
+                       query_pre_attn_scalar=scalar, partial_rotary_factor=partial_rotary or 1.0,
+                       **rope_fields(scaling, max_positions))
     kwargs.update(family.export_extras(shape))
     return transformers.AutoConfig.for_model(arch, **kwargs)
 
@@ -123,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated full_attention / sliding_attention per layer (default: every layer slides)")
     ap.add_argument("--local-rope-theta", type=float, default=None,
                     help="RoPE base of the sliding layers (gemma3_text)")
+    ap.add_argument("--partial-rotary", type=float, default=None,
+                    help="share of each head RoPE rotates (phi3: Phi-4-mini's 0.75)")
     a = ap.parse_args(argv)
     save(a.out, a.arch, a.seed, a.shards, a.tokenizer, vocab=a.vocab, hidden=a.hidden, layers=a.layers,
          heads=a.heads, kv_heads=a.kv_heads, ffn=a.ffn, tied=a.tied, rope=a.rope, max_positions=a.max_positions,
          head_dim=a.head_dim, sliding_window=a.sliding_window,
-         layer_types=a.layer_types.split(",") if a.layer_types else None, local_rope_theta=a.local_rope_theta)
+         layer_types=a.layer_types.split(",") if a.layer_types else None, local_rope_theta=a.local_rope_theta,
+         partial_rotary=a.partial_rotary)
     print(a.out)
     return 0
 

@@ -43,6 +43,13 @@ QWEN3_YARN = dict(QWEN3, rope="yarn")
 LLAMA_LONGROPE = dict(arch="llama", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=False,
                       rope="longrope", max_positions=64)
 
+# Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, a window (5) on every layer, longrope past 8 positions;
+# the Phi-4-mini form rotates half of each head (partial_rotary_factor; head_dim 16 here, 8 rotated).
+PHI3 = dict(arch="phi3", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=False, rope="longrope",
+            max_positions=64, sliding_window=5)
+PHI4_MINI = dict(arch="phi3", vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=64, tied=True,
+                 rope="default", max_positions=64, partial_rotary=0.5)
+
 
 def save(out, spec, seed=0, shards=1, tokenizer=False):
     spec = dict(spec)

@@ -1,5 +1,5 @@
 """`rayspeed plan` on the published shapes of 2026's families, from hand-written config.json files
-(configs/models/: Qwen3-8B, Qwen3-32B, Gemma-3-27B's text model, Mistral-7B-v0.1 with its 4096 window), seq 4096,
+(configs/models/: Qwen3-8B, Qwen3-32B, Gemma-3-27B's text model, Phi-4, Mistral-7B-v0.1 with its 4096 window), seq 4096,
 on 8 and 64 H100s: the parameter counts are the published ones, every family's plan answers (or says what would
 fit), and the planner charges Gemma's local layers for their masks, not their windows' FLOPs."""
 
@@ -16,7 +16,8 @@ from rayspeed.config.shape import ModelShape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(ROOT, "configs", "llama-70b-64xh100.yaml")
-PUBLISHED_B = {"qwen3-8b": 8.19, "qwen3-32b": 32.76, "gemma-3-27b-text": 27.01, "mistral-7b-v0.1": 7.24}
+PUBLISHED_B = {"qwen3-8b": 8.19, "qwen3-32b": 32.76, "gemma-3-27b-text": 27.01, "mistral-7b-v0.1": 7.24,
+               "phi-4": 14.66}
 
 
 def _sets(model: str, gpus: int) -> list[str]:

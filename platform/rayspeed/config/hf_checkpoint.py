@@ -64,6 +64,29 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def checkpoint_layout(shape: ModelShape) -> dict[str, tuple[str, int]]:
+    """rayspeed parameter -> (checkpoint tensor, first row of the parameter in it): 0 except for the parts of a
+    fused tensor (Phi-3's qkv_proj, gate_up_proj), stacked along rows in the family's order."""
+    names, shapes = shape.family.tensor_names, param_shapes(shape)
+    out: dict[str, tuple[str, int]] = {}
+    for name in shapes:
+        hf = names.hf_name(name)
+        parts = names.fused_parts(hf)
+        offset = sum(shapes[p][0] for p in parts[:parts.index(name)]) if parts else 0
+        out[name] = (hf, offset)
+    return out
+
+
+def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the shape implies, with its shape (a fused tensor: its parts' rows added)."""
+    shapes = param_shapes(shape)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, (hf, _) in checkpoint_layout(shape).items():
+        rows = shapes[name][0] + (out[hf][0] if hf in out else 0)
+        out[hf] = (rows, *shapes[name][1:])
+    return out
+
+
 def read_header(path: Path) -> dict[str, Any]:
     """A safetensors file's header: {tensor name: {"dtype", "shape", "data_offsets"}} (raises ValueError on a
     file that is not safetensors or is cut short)."""
@@ -122,8 +145,7 @@ def weight_problems(model_dir: str | Path, shape: ModelShape) -> list[str]:
     if problems:
         return problems
     missing, wrong = [], []
-    for name, want in param_shapes(shape).items():
-        hname = hf_name(name, shape.family)
+    for hname, want in checkpoint_shapes(shape).items():
         f = files.get(hname)
         if f is None or (entry := headers[f].get(hname)) is None:
             missing.append(hname)

@@ -38,7 +38,7 @@ CONFIG_FILE = "config.json"
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
               "max_position_embeddings", "hidden_act", "sliding_window", "layer_types", "rope_local_theta",
-              "query_pre_attn_scalar")
+              "query_pre_attn_scalar", "partial_rotary_factor")
 
 # transformers' Qwen2Config / Qwen3Config default.
 MAX_WINDOW_LAYERS_DEFAULT = 28
@@ -154,6 +154,14 @@ def _local_rope(hf: dict[str, Any], family: Family, where: str, problems: list[s
     return float(hf.get("rope_local_base_freq", family.defaults["rope_local_base_freq"]))
 
 
+def _partial_rotary(hf: dict[str, Any]) -> Optional[float]:
+    """The share of each head RoPE rotates, from rope_parameters (transformers 5) or the top level; None: all."""
+    params = hf.get("rope_parameters")
+    params = params.get(FULL_ATTENTION, params) if isinstance(params, dict) else {}
+    value = (params or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    return None if value in (None, 1, 1.0) else float(value)
+
+
 def _rope(hf: dict[str, Any], family: Family, where: str,
           problems: list[str]) -> tuple[float, Optional[dict[str, Any]]]:
     """(rope_theta, rope_scaling or None) from either form; per layer type, those of the full-attention layers
@@ -173,9 +181,10 @@ def _rope(hf: dict[str, Any], family: Family, where: str,
         scaling = dict(hf.get("rope_scaling") or {})
         theta = float(hf.get("rope_theta", default_theta))
     kind = str(scaling.get("rope_type", scaling.get("type", "default")))
-    factor = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        problems.append(f"{where}: partial_rotary_factor {factor} is not supported (RoPE over the whole head only)")
+    partial = scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0) and not family.partial_rotary:
+        problems.append(f"{where}: partial_rotary_factor {partial} is not supported for {family.architecture} (RoPE "
+                        "over the whole head only)")
     if kind not in rope_types:
         problems.append(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
         return theta, None
@@ -273,6 +282,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "layer_types": layer_types,
         "rope_local_theta": _local_rope(hf, family, where, problems),
         "query_pre_attn_scalar": float(scalar) if scalar else None,
+        "partial_rotary_factor": _partial_rotary(hf) if family.partial_rotary else None,
     }
     return keys, problems
 

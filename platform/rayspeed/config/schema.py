@@ -57,6 +57,9 @@ class ModelConfig:
     1e6); they then use plain RoPE (rope_scaling applies to the full-attention layers). null: rope_theta."""
     query_pre_attn_scalar: Optional[float] = None
     """Attention scores are scaled by query_pre_attn_scalar^-0.5 (Gemma). null: head_dim^-0.5."""
+    partial_rotary_factor: Optional[float] = None
+    """RoPE rotates only this share of each head's dimensions, the first ones (Phi-4-mini: 0.75; a family that
+    reads it: Phi-3). null: the whole head."""
     vocab_size: int = 256
     """Vocabulary size (256 with the byte tokenizer)."""
     seq_len: int = 128

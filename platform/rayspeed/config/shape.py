@@ -92,6 +92,8 @@ class ModelShape:
     scaling, as every other layer."""
     query_pre_attn_scalar: Optional[float] = None
     """Attention scale query_pre_attn_scalar^-0.5 (Gemma); None: head_dim^-0.5."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head RoPE rotates (its first dimensions; Phi-4-mini: 0.75); the rest passes through."""
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -128,7 +130,8 @@ class ModelShape:
                    sliding_window=int(window) if window else None,
                    layer_types=tuple(str(t) for t in (getattr(m, "layer_types", None) or ())),
                    rope_local_theta=float(local_theta) if local_theta else None,
-                   query_pre_attn_scalar=float(scalar) if scalar else None, **rope)
+                   query_pre_attn_scalar=float(scalar) if scalar else None,
+                   partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0), **rope)
 
     @property
     def family(self) -> Family:
@@ -171,6 +174,11 @@ class ModelShape:
         if self.rope_local_theta and self.window_of(layer):
             return self.rope_local_theta, False
         return self.rope_theta, True
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> Optional[float]:

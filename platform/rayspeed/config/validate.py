@@ -63,7 +63,7 @@ def extended_rope_problems(m: Any, kind: str) -> list[str]:
         return [f"model.rope_scaling: {kind} needs original_max_position_embeddings (the pretraining context)"]
     if kind == "yarn" or m.num_heads < 1:
         return []
-    half = (m.head_dim or m.hidden_size // m.num_heads) // 2
+    half = int((m.head_dim or m.hidden_size // m.num_heads) * (m.partial_rotary_factor or 1.0)) // 2
     return [f"model.rope_scaling: longrope {key} must give {half} factors (head_dim / 2), got "
             f"{len(m.rope_scaling.get(key) or ())}"
             for key in ("long_factor", "short_factor") if len(m.rope_scaling.get(key) or ()) != half]
@@ -92,6 +92,13 @@ def attention_problems(m: Any, family: families.Family) -> list[str]:
         elif family.sliding_window == SLIDING_ALL_LAYERS and FULL_ATTENTION in m.layer_types:
             p.append(f"model.layer_types: {arch} slides on every layer (transformers ignores layer_types for it); "
                      "drop model.layer_types")
+    if m.partial_rotary_factor not in (None, 1, 1.0):
+        head = m.head_dim or (m.hidden_size // m.num_heads if m.num_heads >= 1 else 0)
+        if not family.partial_rotary:
+            p.append(f"model.partial_rotary_factor: {arch} rotates the whole head; drop model.partial_rotary_factor")
+        elif not 0 < m.partial_rotary_factor <= 1 or int(head * m.partial_rotary_factor) % 2:
+            p.append(f"model.partial_rotary_factor: {m.partial_rotary_factor} of head_dim {head} must be in (0, 1] "
+                     "and give an even number of rotated dimensions")
     if m.rope_local_theta is not None and not family.local_rope:
         p.append(f"model.rope_local_theta: {arch} has one RoPE base for every layer; drop model.rope_local_theta")
     if m.query_pre_attn_scalar is not None and family.query_scale_key is None:

@@ -63,6 +63,10 @@ class TensorNames:
     """Parameters of block i, without the `layers.<i>.` prefix: rayspeed suffix -> (checkpoint suffix, tp dim)."""
     layer_prefix: str = "model.layers."
     """The checkpoint's prefix of block i's tensors (followed by `<i>.`)."""
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: frozen({}))
+    """Checkpoint tensors of block i that hold several rayspeed parameters stacked along rows (Phi-3's qkv_proj:
+    q, k, v; gate_up_proj: gate, up): checkpoint suffix -> the rayspeed suffixes in row order. Their in_layer
+    entries name the fused tensor; the loader reads each rank's rows of each part, the export concatenates."""
 
     def hf_name(self, name: str) -> str:
         """The checkpoint's name of rayspeed parameter `name` (KeyError for a name with no counterpart)."""
@@ -84,6 +88,13 @@ class TensorNames:
                 if index.isdigit() and rest == hf_suffix:
                     return f"layers.{index}.{suffix}"
         return None
+
+    def fused_parts(self, hf: str) -> tuple[str, ...]:
+        """rayspeed's names of the parameters stacked in checkpoint tensor `hf`, in row order (empty: not fused)."""
+        if not hf.startswith(self.layer_prefix):
+            return ()
+        index, _, rest = hf[len(self.layer_prefix):].partition(".")
+        return tuple(f"layers.{index}.{suffix}" for suffix in self.fused.get(rest, ()))
 
     def partition_dim(self, name: str) -> Optional[int]:
         """The dimension tensor parallelism splits rayspeed parameter `name` along (None: replicated)."""
@@ -155,6 +166,8 @@ class Family:
     local_rope: bool = False
     """Sliding-window layers have their own RoPE base (Gemma 3: `rope_parameters.sliding_attention`, or
     `rope_local_base_freq` in transformers 4's form)."""
+    partial_rotary: bool = False
+    """RoPE may rotate only the first partial_rotary_factor of each head (Phi-4-mini: 0.75)."""
     query_scale_key: Optional[str] = None
     """The config.json key whose value s makes the attention scale s^-0.5 instead of head_dim^-0.5 (Gemma's
     `query_pre_attn_scalar`)."""

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from rayspeed.config.hf_checkpoint import param_shapes, weight_files, weight_problems
+from rayspeed.config.hf_checkpoint import checkpoint_layout, param_shapes, weight_files, weight_problems
 from rayspeed.config.hf_config import is_local_ref
 from rayspeed.config.shape import ModelShape
 
@@ -60,8 +60,15 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return out
 
 
-def _rank_slice(view: Any, dim: Optional[int], tp: Any) -> torch.Tensor:
+def _rank_slice(view: Any, dim: Optional[int], tp: Any, offset: int = 0, rows: Optional[int] = None
+                ) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor: along `dim` split over tp; `offset` and `rows`: the parameter's own
+    rows of a fused tensor (the rank then reads only its slice of that part)."""
     ws = int(getattr(tp, "world_size", 1) or 1) if tp is not None else 1
+    if rows is not None and (dim is None or dim == 0):
+        n = rows // ws if dim == 0 else rows
+        lo = offset + (tp.rank * n if dim == 0 and ws > 1 else 0)
+        return view[lo:lo + n]
     if dim is None or ws == 1:
         return view[:]
     n = view.get_shape()[dim] // ws
@@ -83,19 +90,22 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
         raise HFWeightsError(f"{what}: " + "; ".join(problems))
     files, _ = weight_files(Path(model_dir))
     expected = param_shapes(shape)
+    layout = checkpoint_layout(shape)
     names = shape.family.tensor_names
     by_file: dict[Path, list[tuple[str, str, torch.nn.Parameter]]] = {}
     for name, p in named_parameters(model):
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
-        by_file.setdefault(files[names.hf_name(name)], []).append((name, names.hf_name(name), p))
+        by_file.setdefault(files[layout[name][0]], []).append((name, layout[name][0], p))
     elements = nbytes = 0
     with torch.no_grad():
         for f, entries in sorted(by_file.items()):
             with safe_open(str(f), framework="pt") as fh:
                 for name, hname, p in entries:
-                    value = _rank_slice(fh.get_slice(hname), names.partition_dim(name), tp)
+                    fused = bool(names.fused_parts(hname))
+                    value = _rank_slice(fh.get_slice(hname), names.partition_dim(name), tp, layout[name][1],
+                                        expected[name][0] if fused else None)
                     if tuple(value.shape) != tuple(p.shape):
                         raise HFWeightsError(f"{what}: {hname} in {f.name}: this rank's slice is "
                                              f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
@@ -113,12 +123,18 @@ def hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, t
     missing = [k for k in expected if k not in state]
     if missing:
         raise KeyError(f"the weights lack {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    names = shape.family.tensor_names
     out = {}
     for name, want in expected.items():
         value = state[name]
         if tuple(value.shape) != want:
             raise ValueError(f"{name}: weights hold {tuple(value.shape)}, the shape says {want}")
-        out[shape.family.tensor_names.hf_name(name)] = value.detach().to("cpu").contiguous()
+        hf = names.hf_name(name)
+        parts = names.fused_parts(hf)
+        if parts and name != parts[0]:
+            continue  # written with the first part
+        value = torch.cat([state[p] for p in parts]) if parts else value
+        out[hf] = value.detach().to("cpu").contiguous()
     return out
 
 

@@ -103,8 +103,11 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [batch, heads, seq, head_dim] by position; in fp32, back to x's dtype."""
+    """Rotate [batch, heads, seq, head_dim] by position; in fp32, back to x's dtype. Tables narrower than the head
+    (partial rotary) rotate its first dimensions and pass the rest through."""
     x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
+    rot, rest = x32[..., :cos.shape[-1]], x32[..., cos.shape[-1]:]
+    x1, x2 = rot.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos + rotated * sin).type_as(x)
+    out = rot * cos + rotated * sin
+    return (torch.cat([out, rest], dim=-1) if rest.shape[-1] else out).type_as(x)

@@ -161,7 +161,7 @@ class Attention(nn.Module):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         h, hd = dims.hidden_size, dims.head_dim
-        self.head_dim = hd
+        self.head_dim, self.rotary_dim = hd, dims.rotary_dim
         self.local_heads = dims.num_heads // tp.world_size
         self.local_kv_heads = dims.num_kv_heads // tp.world_size
         self.window, self.scale = dims.window_of(layer_idx), dims.attention_scale
@@ -191,7 +191,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.normed(q, k)
         positions = None if segment_ids is None else segment_positions(segment_ids)
-        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
+        cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
                                positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = causal_attention(q, k, v, attention_mask(s, segment_ids, self.window, x.device), self.scale)
