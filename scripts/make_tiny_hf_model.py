@@ -26,7 +26,8 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
               kv_heads: int = 2, ffn: int = 128, tied: bool = False, rope: str = "default",
               max_positions: int = 512, rope_theta: float = 10000.0, head_dim: int | None = None,
               sliding_window: int | None = None, layer_types: list[str] | None = None,
-              local_rope_theta: float | None = None, partial_rotary: float | None = None) -> Any:
+              local_rope_theta: float | None = None, partial_rotary: float | None = None,
+              softcaps: tuple[float, float] | None = None) -> Any:
     import transformers
 
     from rayspeed import families
@@ -61,6 +62,8 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
                        hidden_act=family.activations[0], sliding_window=sliding_window,
                        layer_types=tuple(layer_types or ()), rope_local_theta=local_rope_theta,
                        query_pre_attn_scalar=scalar, partial_rotary_factor=partial_rotary or 1.0,
+                       attn_logit_softcapping=softcaps[0] if softcaps else None,
+                       final_logit_softcapping=softcaps[1] if softcaps else None,
                        **rope_fields(scaling, max_positions))
     kwargs.update(family.export_extras(shape))
     return transformers.AutoConfig.for_model(arch, **kwargs)

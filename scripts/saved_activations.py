@@ -42,7 +42,8 @@ CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
 
 # (overrides of configs/tiny-cpu.yaml's model section, micro-batch): MHA, GQA 2:1 and 4:1, a Qwen3 shape (q/k
 # norms, head_dim 32 != hidden / heads), an OLMo 2 shape (post-norms, q/k norms over the projections) and a Gemma 3
-# shape (four (1 + w) norms, GeGLU, a sliding window shorter than the sequence).
+# shape (four (1 + w) norms, GeGLU, a sliding window shorter than the sequence) and a Gemma 2 shape (soft-capped
+# attention scores, materialised).
 CASES: tuple[tuple[dict, int], ...] = (
     (dict(hidden_size=64, num_heads=4, num_kv_heads=4, ffn_hidden_size=192, seq_len=64), 2),
     (dict(hidden_size=96, num_heads=6, num_kv_heads=3, ffn_hidden_size=256, seq_len=128), 1),
@@ -53,6 +54,8 @@ CASES: tuple[tuple[dict, int], ...] = (
           architecture="Olmo2ForCausalLM"), 2),
     (dict(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, seq_len=128, head_dim=32,
           architecture="Gemma3ForCausalLM", sliding_window=32, query_pre_attn_scalar=32, tie_embeddings=True), 2),
+    (dict(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, seq_len=64, head_dim=32,
+          architecture="Gemma2ForCausalLM", attn_logit_softcapping=50.0, tie_embeddings=True), 2),
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -50,6 +50,12 @@ PHI3 = dict(arch="phi3", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ff
 PHI4_MINI = dict(arch="phi3", vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=64, tied=True,
                  rope="default", max_positions=64, partial_rotary=0.5)
 
+# Gemma 2: Gemma 3's block without q/k norms, one RoPE base, soft-capped attention scores and final logits (caps
+# of 2 and 3, low enough for the tiny model's scores and logits to reach them), local layers of window 5.
+GEMMA2 = dict(arch="gemma2", vocab=256, hidden=32, layers=3, heads=4, kv_heads=2, ffn=64, tied=True,
+              rope="default", max_positions=64, head_dim=16, sliding_window=5,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"], softcaps=(2.0, 3.0))
+
 
 def save(out, spec, seed=0, shards=1, tokenizer=False):
     spec = dict(spec)

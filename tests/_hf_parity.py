@@ -64,6 +64,7 @@ def pipeline_logits_and_loss(shape, model_dir, groups, ids):
     from rayspeed.model.hf_weights import load_hf_weights
     from rayspeed.model.pipeline import build_pipeline_module
     from rayspeed.parallel.layers import deferred_init
+    from rayspeed.parallel.loss import softcap
 
     with deferred_init():
         module = build_pipeline_module(shape, groups, num_stages=2, partition_method="type:Block")
@@ -77,7 +78,7 @@ def pipeline_logits_and_loss(shape, model_dir, groups, ids):
             full = torch.empty(inputs.shape[0], inputs.shape[1], shape.hidden_size)
             dist.recv(full, src=0)
             hidden, weight = module(full)
-            logits = F.linear(hidden, weight)
+            logits = softcap(F.linear(hidden, weight), shape.final_logit_softcapping)
     config = {"train_micro_batch_size_per_gpu": inputs.shape[0], "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),

@@ -38,7 +38,7 @@ CONFIG_FILE = "config.json"
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
               "max_position_embeddings", "hidden_act", "sliding_window", "layer_types", "rope_local_theta",
-              "query_pre_attn_scalar", "partial_rotary_factor")
+              "query_pre_attn_scalar", "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping")
 
 # transformers' Qwen2Config / Qwen3Config default.
 MAX_WINDOW_LAYERS_DEFAULT = 28
@@ -252,9 +252,11 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         problems.append(f"{where}: attention_bias true (biases on q, k, v and o) is not supported for {arch}")
     if hf.get("mlp_bias"):
         problems.append(f"{where}: mlp_bias true is not supported")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            problems.append(f"{where}: {key} {hf[key]} (soft-capping) is not supported")
+    caps = {key: hf.get(key, family.defaults.get(key)) if family.softcapping else None
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    for key in caps:
+        if not family.softcapping and hf.get(key) is not None:
+            problems.append(f"{where}: {key} {hf[key]} (soft-capping) is not supported for {arch}")
     if hf.get("use_bidirectional_attention"):
         problems.append(f"{where}: use_bidirectional_attention true is not supported (causal language models only)")
     window, layer_types = sliding_window(family, hf, where, problems)
@@ -283,6 +285,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "rope_local_theta": _local_rope(hf, family, where, problems),
         "query_pre_attn_scalar": float(scalar) if scalar else None,
         "partial_rotary_factor": _partial_rotary(hf) if family.partial_rotary else None,
+        **{key: float(value) if value else None for key, value in caps.items()},
     }
     return keys, problems
 

@@ -57,6 +57,11 @@ class ModelConfig:
     1e6); they then use plain RoPE (rope_scaling applies to the full-attention layers). null: rope_theta."""
     query_pre_attn_scalar: Optional[float] = None
     """Attention scores are scaled by query_pre_attn_scalar^-0.5 (Gemma). null: head_dim^-0.5."""
+    attn_logit_softcapping: Optional[float] = None
+    """Attention scores soft-capped by c tanh(x / c) before the softmax (Gemma 2: 50; a family that reads it). The
+    scores are then materialised per layer (no fused kernel takes the cap). null: none."""
+    final_logit_softcapping: Optional[float] = None
+    """Output logits soft-capped the same way before the loss (Gemma 2: 30). null: none."""
     partial_rotary_factor: Optional[float] = None
     """RoPE rotates only this share of each head's dimensions, the first ones (Phi-4-mini: 0.75; a family that
     reads it: Phi-3). null: the whole head."""

@@ -92,6 +92,10 @@ class ModelShape:
     scaling, as every other layer."""
     query_pre_attn_scalar: Optional[float] = None
     """Attention scale query_pre_attn_scalar^-0.5 (Gemma); None: head_dim^-0.5."""
+    attn_logit_softcapping: Optional[float] = None
+    """Attention scores soft-capped to (-c, c) by c tanh(x / c) before the softmax (Gemma 2: 50); None: none."""
+    final_logit_softcapping: Optional[float] = None
+    """Output logits soft-capped the same way before the loss (Gemma 2: 30); None: none."""
     partial_rotary_factor: float = 1.0
     """The share of each head RoPE rotates (its first dimensions; Phi-4-mini: 0.75); the rest passes through."""
 
@@ -131,6 +135,8 @@ class ModelShape:
                    layer_types=tuple(str(t) for t in (getattr(m, "layer_types", None) or ())),
                    rope_local_theta=float(local_theta) if local_theta else None,
                    query_pre_attn_scalar=float(scalar) if scalar else None,
+                   attn_logit_softcapping=_optional_float(getattr(m, "attn_logit_softcapping", None)),
+                   final_logit_softcapping=_optional_float(getattr(m, "final_logit_softcapping", None)),
                    partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0), **rope)
 
     @property
@@ -262,6 +268,10 @@ class ModelShape:
         the planner and scripts/bench_gpu.py."""
         spans = sum(self.attention_span(i) for i in range(self.num_layers))
         return 6.0 * self.non_embedding_params + 12.0 * self.q_dim * spans
+
+
+def _optional_float(value: Any) -> Optional[float]:
+    return float(value) if value else None
 
 
 def rope_fields(scaling: Optional[dict[str, Any]], max_positions: Optional[int] = None) -> dict[str, Any]:

@@ -99,6 +99,11 @@ def attention_problems(m: Any, family: families.Family) -> list[str]:
         elif not 0 < m.partial_rotary_factor <= 1 or int(head * m.partial_rotary_factor) % 2:
             p.append(f"model.partial_rotary_factor: {m.partial_rotary_factor} of head_dim {head} must be in (0, 1] "
                      "and give an even number of rotated dimensions")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = getattr(m, key)
+        if value is not None and (not family.softcapping or value <= 0):
+            p.append(f"model.{key}: soft-capping must be > 0 and is read by a family that has it ({arch} "
+                     f"{'has' if family.softcapping else 'has not'}); got {value}")
     if m.rope_local_theta is not None and not family.local_rope:
         p.append(f"model.rope_local_theta: {arch} has one RoPE base for every layer; drop model.rope_local_theta")
     if m.query_pre_attn_scalar is not None and family.query_scale_key is None:

@@ -166,6 +166,8 @@ class Family:
     local_rope: bool = False
     """Sliding-window layers have their own RoPE base (Gemma 3: `rope_parameters.sliding_attention`, or
     `rope_local_base_freq` in transformers 4's form)."""
+    softcapping: bool = False
+    """config.json's attn_logit_softcapping and final_logit_softcapping are read (Gemma 2)."""
     partial_rotary: bool = False
     """RoPE may rotate only the first partial_rotary_factor of each head (Phi-4-mini: 0.75)."""
     query_scale_key: Optional[str] = None

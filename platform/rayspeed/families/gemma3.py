@@ -16,16 +16,13 @@ from rayspeed.families.family import (
     TensorNames,
     frozen,
     layer_types_of,
-    llama_tensor_names,
 )
+from rayspeed.families.gemma2 import gemma2_tensor_names
 
 
 def gemma3_tensor_names() -> TensorNames:
-    base = llama_tensor_names()
+    base = gemma2_tensor_names()
     in_layer: dict[str, tuple[str, Optional[int]]] = dict(base.in_layer)
-    in_layer["mlp_norm.weight"] = ("pre_feedforward_layernorm.weight", None)
-    in_layer["attn_post_norm.weight"] = ("post_attention_layernorm.weight", None)
-    in_layer["mlp_post_norm.weight"] = ("post_feedforward_layernorm.weight", None)
     in_layer["attn.q_norm.weight"] = ("self_attn.q_norm.weight", None)  # one head's width: whole on every tp rank
     in_layer["attn.k_norm.weight"] = ("self_attn.k_norm.weight", None)
     return TensorNames(top=base.top, in_layer=frozen(in_layer))

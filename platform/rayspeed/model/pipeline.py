@@ -95,17 +95,18 @@ class PipelineLoss:
     labels (-100 is ignored); or, when the trainer sets `scale`, the sum times `scale` (it sets it per step to
     dp * grad_accum / counted labels of the global batch, so the step's loss is the mean over all of them)."""
 
-    def __init__(self, tp: Optional[TensorParallel] = None, chunk_tokens: Optional[int] = None):
+    def __init__(self, tp: Optional[TensorParallel] = None, chunk_tokens: Optional[int] = None,
+                 cap: Optional[float] = None):
         self.tp = tp or NO_TP
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.cap = chunk_tokens, cap
         self.scale: Optional[float] = None
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         hidden, weight = outputs
         if self.scale is None:
-            return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens)
+            return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens, cap=self.cap)
         return self.scale * linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
-                                                 reduction="sum")
+                                                 reduction="sum", cap=self.cap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,7 +242,7 @@ def build_pipeline_module(
             layers=specs,
             topology=topology,
             num_stages=None if topology is not None else num_stages,
-            loss_fn=PipelineLoss(tp, loss_chunk_tokens),
+            loss_fn=PipelineLoss(tp, loss_chunk_tokens, dims.final_logit_softcapping),
             partition_method=partition_method,
             activation_checkpoint_interval=0,
             tp=tp,

@@ -38,7 +38,7 @@ from rayspeed.parallel.layers import (
     gather_full,
     sharded_parameter,
 )
-from rayspeed.parallel.loss import linear_cross_entropy
+from rayspeed.parallel.loss import linear_cross_entropy, softcap
 
 CHECKPOINTING_MODES = ("none", "selective", "full")
 
@@ -126,11 +126,28 @@ def attention_mask(seq_len: int, segment_ids: Optional[torch.Tensor], window: Op
     return mask
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                         scale: Optional[float], cap: float) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the mask and softmax (Gemma 2): no SDPA kernel takes a score
+    modifier, so the scores are materialised (s x s per head; the softmax in fp32, as transformers' eager path)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = q.shape[-2]
+    if mask is None:
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
+    scores = softcap((q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5), cap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+                     mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                     cap: Optional[float] = None) -> torch.Tensor:
     """SDPA with is_causal; q [b, heads, s, d], k/v [b, kv_heads, s, d] with heads a multiple of kv_heads. mask
     ([b, 1, s, s] bool, attention_mask): documents and windows, instead of the plain causal mask. scale: the
-    softmax scale (None: d^-0.5)."""
+    softmax scale (None: d^-0.5). cap: soft-capped scores (softcapped_attention)."""
+    if cap:
+        return softcapped_attention(q, k, v, mask, scale, cap)
     causal: dict = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
     if scale is not None:
         causal["scale"] = scale
@@ -165,6 +182,7 @@ class Attention(nn.Module):
         self.local_heads = dims.num_heads // tp.world_size
         self.local_kv_heads = dims.num_kv_heads // tp.world_size
         self.window, self.scale = dims.window_of(layer_idx), dims.attention_scale
+        self.cap = dims.attn_logit_softcapping
         # A local layer with its own base has plain RoPE (rope_dims None); every other one the shape's scaling.
         self.rope_theta, scaled = dims.rope_of(layer_idx)
         self.rope_dims: Optional[ModelShape] = dims if scaled else None
@@ -194,7 +212,7 @@ class Attention(nn.Module):
         cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
                                positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention(q, k, v, attention_mask(s, segment_ids, self.window, x.device), self.scale)
+        out = causal_attention(q, k, v, attention_mask(s, segment_ids, self.window, x.device), self.scale, self.cap)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
 
@@ -321,6 +339,7 @@ class OutputHead(nn.Module):
         self.tp = tp or NO_TP
         self.sequence_parallel = sequence_parallel and self.tp.enabled
         self.chunk_tokens = loss_chunk_tokens
+        self.cap = dims.final_logit_softcapping
         self.tied = tied_weight is not None
         if self.tied:
             self.weight = tied_weight  # same Parameter object as the embedding's: shared storage
@@ -335,10 +354,11 @@ class OutputHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Full logits [batch, seq, vocab] (gathered over tp): for inference and tests, not training."""
-        return gather_from_tp(F.linear(self.prepare(x), self.weight), self.tp)
+        return softcap(gather_from_tp(F.linear(self.prepare(x), self.weight), self.tp), self.cap)
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(self.prepare(x), self.weight, labels, self.tp, chunk_tokens=self.chunk_tokens)
+        return linear_cross_entropy(self.prepare(x), self.weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
+                                    cap=self.cap)
 
 
 class Transformer(nn.Module):

@@ -30,6 +30,12 @@ def _reduce(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduc
     raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
 
 
+def softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma 2's final-logit and attention soft-capping); the logits as they are without
+    a cap."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Per-token CE of softmax(h W^T), computing logits `chunk` tokens at a time.
 
@@ -39,7 +45,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, ignore_index):
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index, cap=None):
         n = hidden.shape[0]
         valid = labels != ignore_index
         targets = labels.masked_fill(~valid, 0)
@@ -47,13 +53,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = F.linear(hidden[start:end], weight).float()
+            logits = softcap(F.linear(hidden[start:end], weight).float(), cap)
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, targets[start:end, None]).squeeze(1)
             losses[start:end] = lse[start:end] - target_logit
         losses = losses.masked_fill(~valid, 0.0)
         ctx.save_for_backward(hidden, weight, targets, valid, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.cap = chunk, cap
         return losses
 
     @staticmethod
@@ -68,17 +74,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, ctx.chunk):
             end = min(start + ctx.chunk, n)
             h = hidden[start:end]
-            probs = torch.exp(F.linear(h, weight).float() - lse[start:end, None])
+            capped = softcap(F.linear(h, weight).float(), ctx.cap)
+            probs = torch.exp(capped - lse[start:end, None])
             rows = torch.arange(end - start, device=probs.device)
             probs[rows, targets[start:end]] -= 1.0
-            dlogits = (probs * scale[start:end, None]).to(hidden.dtype)
+            dlogits = probs * scale[start:end, None]
+            if ctx.cap:  # through the cap: d(cap tanh(x / cap)) / dx = 1 - tanh^2
+                dlogits = dlogits * (1.0 - (capped / ctx.cap) ** 2)
+            dlogits = dlogits.to(hidden.dtype)
             if need_hidden:
                 grad_hidden[start:end] = dlogits @ weight
             if need_weight:
                 grad_weight += (dlogits.t() @ h).float()
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -89,8 +99,10 @@ def chunked_linear_cross_entropy(
     chunk_tokens: Optional[int] = None,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
+    cap: Optional[float] = None,
 ) -> torch.Tensor:
-    """Cross-entropy of the logits hidden @ weight^T against labels, never holding all logits.
+    """Cross-entropy of the logits hidden @ weight^T (soft-capped by `cap` when given) against labels, never
+    holding all logits.
 
     hidden: [..., H]; weight: [V, H]; labels: [...]. chunk_tokens defaults to as many tokens
     as fit LOSS_CHUNK_ELEMENTS fp32 logits.
@@ -98,7 +110,7 @@ def chunked_linear_cross_entropy(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     chunk = chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
-    losses = _ChunkedLinearCrossEntropy.apply(h, weight, y, chunk, ignore_index)
+    losses = _ChunkedLinearCrossEntropy.apply(h, weight, y, chunk, ignore_index, cap)
     return _reduce(losses, y, ignore_index, reduction)
 
 
@@ -181,16 +193,20 @@ def linear_cross_entropy(
     chunk_tokens: Optional[int] = None,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
+    cap: Optional[float] = None,
 ) -> torch.Tensor:
-    """The output head and its loss in one: CE(hidden @ weight^T, labels).
+    """The output head and its loss in one: CE(hidden @ weight^T, labels), the logits soft-capped by `cap` when
+    given (Gemma 2).
 
     tp=1: chunked over tokens. tp>1: `weight` is this rank's vocab slice and `hidden` must
     already be in the tp region (after f / the sequence all-gather); the vocab-parallel CE
-    combines the slices.
+    combines the slices (the cap is element-wise: each rank caps its own slice).
     """
     if tp is None or not tp.enabled:
         return chunked_linear_cross_entropy(
-            hidden, weight, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index, reduction=reduction
-        )
+            hidden, weight, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index, reduction=reduction,
+            cap=cap)
     logits = F.linear(hidden, weight)
+    if cap:
+        logits = softcap(logits.float(), cap)
     return vocab_parallel_cross_entropy(logits, labels, tp, ignore_index=ignore_index, reduction=reduction)

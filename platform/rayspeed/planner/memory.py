@@ -68,7 +68,8 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     SDPA saves (as a working-dtype tensor), built in each block (s per token, not split by tp); without it, a
     sliding-window layer's [1, 1, s, s] mask (s / micro-batch per token; averaged over the layers).
     A norm whose weight multiplies the fp32 normalised tensor (OLMo 2's, Gemma's (1 + w)) keeps that tensor in fp32;
-    Gemma's post-norms keep their fp32 input and normalised tensor (2r h + r each).
+    Gemma's post-norms keep their fp32 input and normalised tensor (2r h + r each). Soft-capped attention (Gemma 2)
+    materialises its scores: (2 + r) heads x s per token in half precision, 2 heads x s in fp32, plus the mask.
     MLP: SwiGLU's (or GeGLU's) gate, its activation, up and product (4f).
     Flash/SDPA attention keeps no s x s score matrix (the playbook's 5as/h term is gone)."""
     r = 4 / w_bytes
@@ -85,7 +86,13 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 in the fp32-weight order), an rsqrt per row
         rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
         attn += ((2 * r) if fp32_weight or post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
-    if document_mask:
+    if sh.attn_logit_softcapping:
+        # Soft-capped scores run the math path (model/transformer.py softcapped_attention): it keeps the tanh
+        # output and the probabilities per head and key (working dtype; the fp32 softmax output too in half
+        # precision), the boolean mask masked_fill saves, and no log-sum-exp.
+        attn += (2 + (r if r != 1 else 0)) * sh.num_heads / tp * sh.seq_len - r * sh.num_heads / tp
+        attn += sh.seq_len / (1 if document_mask else max(1, micro_batch)) / w_bytes
+    elif document_mask:
         attn += sh.seq_len
     else:
         attn += windowed_layers(sh) / sh.num_layers * sh.seq_len / max(1, micro_batch)
@@ -102,7 +109,7 @@ def windowed_layers(sh: ModelShape) -> int:
 def block_saved(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """layer_saved for this job's precision, kernels and masking at this layout."""
     flash = (ctx.hw.is_gpu and ctx.precision in ("bf16", "fp16") and not ctx.document_masking
-             and not windowed_layers(ctx.shape))
+             and not windowed_layers(ctx.shape) and not ctx.shape.attn_logit_softcapping)
     return layer_saved(ctx.shape, lay.tp, lay.sequence_parallel, ctx.w_bytes, lay.micro_batch_size, flash,
                        ctx.document_masking)
 
