@@ -151,3 +151,45 @@ def test_a_gemma3_written_as_hf_loads_in_transformers_with_the_same_logits(tmp_p
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits.float(), expected, **TOL)
+
+
+def test_the_published_multimodal_form_trains_its_text_model_and_exports_it_alone(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (text + a tiny SigLIP tower, saved by transformers in the hub's
+    `language_model.model.*` naming): rayspeed reads its text_config, loads only the text weights, equals
+    transformers' multimodal model on text, and exports a Gemma3ForCausalLM with the same logits."""
+    import json
+
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    from rayspeed.model.hf_export import write_hf_dir
+
+    text = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=5, max_position_embeddings=64,
+                layer_types=["sliding_attention", "full_attention"], pad_token_id=None, bos_token_id=None,
+                eos_token_id=None)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(3)
+    mm = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                     image_token_index=255, boi_token_index=253,
+                                                     eoi_token_index=254)).eval()
+    with torch.no_grad():
+        for name, p in mm.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape))
+    d = tmp_path / "mm"
+    mm.save_pretrained(d)
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+    shape = shape_of(str(d), SEQ)
+    assert (shape.architecture, shape.layer_types, shape.head_dim) == (
+        "Gemma3ForCausalLM", ("sliding_attention", "full_attention"), 16)
+    model = build(shape, str(d)).eval()
+    ids = _tokens(256)[:, :-1] % 253  # text tokens only: no image or image-boundary ids
+    with torch.no_grad():
+        expected = mm(input_ids=ids).logits.float()
+        torch.testing.assert_close(model(ids), expected, **TOL)
+    write_hf_dir(model.full_state_dict(), shape, str(tmp_path / "text"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "text"), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.float(), expected, **TOL)

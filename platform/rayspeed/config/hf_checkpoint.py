@@ -106,8 +106,31 @@ def read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+# A multimodal checkpoint's text model under its own prefixes (Gemma3ForConditionalGeneration as the hub holds it
+# and as transformers 5 names it in memory), and the parts rayspeed keeps out (the vision tower and projector).
+TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                       ("model.language_model.", "model."))
+NON_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_model_name(stored: str) -> Optional[str]:
+    """The text model's name of a stored tensor (itself for a text-only checkpoint); None for a vision tensor."""
+    if stored.startswith(NON_TEXT_PREFIXES):
+        return None
+    for prefix, text in TEXT_MODEL_PREFIXES:
+        if stored.startswith(prefix):
+            return text + stored[len(prefix):]
+    return stored
+
+
+def stored_names(files: dict[str, Path]) -> dict[str, str]:
+    """Text-model name -> the name the checkpoint stores it under (weight_files' keys)."""
+    return {name: stored for stored in files if (name := text_model_name(stored)) is not None}
+
+
 def weight_files(model_dir: Path) -> tuple[dict[str, Path], list[str]]:
-    """{transformers tensor name: the file holding it} from the index (sharded) or the single file."""
+    """{stored tensor name: the file holding it} from the index (sharded) or the single file (stored_names maps
+    the text model's names onto them)."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
@@ -145,9 +168,10 @@ def weight_problems(model_dir: str | Path, shape: ModelShape) -> list[str]:
     if problems:
         return problems
     missing, wrong = [], []
+    stored = stored_names(files)
     for hname, want in checkpoint_shapes(shape).items():
-        f = files.get(hname)
-        if f is None or (entry := headers[f].get(hname)) is None:
+        f = files.get(stored.get(hname, hname))
+        if f is None or (entry := headers[f].get(stored.get(hname, hname))) is None:
             missing.append(hname)
         elif tuple(entry["shape"]) != want:
             wrong.append(f"{hname} is {tuple(entry['shape'])} in {f.name}, config.json implies {want}")

@@ -129,6 +129,17 @@ def read_pretrained_config(ref: str) -> tuple[dict[str, Any], Path]:
     return data, path
 
 
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json whose text model is a family's (Gemma3ForConditionalGeneration): its text_config,
+    named as that family's text-only architecture; any other config.json as it is."""
+    archs = hf.get("architectures") or []
+    family = families.text_family(str(archs[0])) if archs else None
+    if family is None or not isinstance(hf.get("text_config"), dict):
+        return hf
+    text = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config", "architectures", "model_type")}
+    return {**text, **hf["text_config"], "architectures": [family.architecture], "model_type": family.model_type}
+
+
 def _architecture(hf: dict[str, Any]) -> Optional[str]:
     archs = hf.get("architectures") or []
     if archs:
@@ -229,6 +240,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
                        ) -> tuple[dict[str, Any], list[str]]:
     """The job's model keys a config.json decides, and what in it rayspeed cannot run (each naming the file)."""
     problems: list[str] = []
+    hf = text_model_config(hf)
     arch = _architecture(hf)
     family = families.find(arch)
     if family is None:

@@ -17,7 +17,7 @@ from typing import Optional
 from rayspeed.families.family import ROPE_TYPES, Family, TensorNames
 
 __all__ = ["DEFAULT", "FAMILIES", "ROPE_TYPES", "Family", "TensorNames", "by_architecture", "by_model_type",
-           "find", "names"]
+           "find", "names", "text_family"]
 
 
 def discover() -> tuple[Family, ...]:
@@ -39,6 +39,14 @@ def find(architecture: Optional[str]) -> Optional[Family]:
     """The family of a Hugging Face architecture name, or None when rayspeed does not run it."""
     for fam in FAMILIES:
         if architecture in fam.architectures:
+            return fam
+    return None
+
+
+def text_family(architecture: Optional[str]) -> Optional[Family]:
+    """The family whose text model a multimodal architecture nests under config.json's text_config, or None."""
+    for fam in FAMILIES:
+        if architecture in fam.multimodal:
             return fam
     return None
 

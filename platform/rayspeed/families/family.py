@@ -166,6 +166,10 @@ class Family:
     local_rope: bool = False
     """Sliding-window layers have their own RoPE base (Gemma 3: `rope_parameters.sliding_attention`, or
     `rope_local_base_freq` in transformers 4's form)."""
+    multimodal: tuple[str, ...] = ()
+    """Architectures whose config.json nests this family's text model under `text_config` (Gemma 3's
+    Gemma3ForConditionalGeneration): rayspeed reads and trains that text model and keeps the vision weights out;
+    an export is this family's text-only architecture."""
     softcapping: bool = False
     """config.json's attn_logit_softcapping and final_logit_softcapping are read (Gemma 2)."""
     partial_rotary: bool = False

@@ -50,4 +50,5 @@ FAMILY = Family(architectures=("Gemma3ForCausalLM",), model_type="gemma3_text", 
                 head_dim_rule=HEAD_DIM_FROM_CONFIG, qk_norm=True, norm=NORM_RMS_OFFSET, norms_per_block=4,
                 embed_scale=True, activations=("gelu_pytorch_tanh",), activation_key="hidden_activation",
                 local_rope=True, query_scale_key="query_pre_attn_scalar", sliding_window=SLIDING_LAYER_TYPES,
+                multimodal=("Gemma3ForConditionalGeneration",),
                 export_extras=gemma3_extras, block_module="gemma3_block")

@@ -18,7 +18,13 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from rayspeed.config.hf_checkpoint import checkpoint_layout, param_shapes, weight_files, weight_problems
+from rayspeed.config.hf_checkpoint import (
+    checkpoint_layout,
+    param_shapes,
+    stored_names,
+    weight_files,
+    weight_problems,
+)
 from rayspeed.config.hf_config import is_local_ref
 from rayspeed.config.shape import ModelShape
 
@@ -89,6 +95,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     if problems:
         raise HFWeightsError(f"{what}: " + "; ".join(problems))
     files, _ = weight_files(Path(model_dir))
+    stored = stored_names(files)
     expected = param_shapes(shape)
     layout = checkpoint_layout(shape)
     names = shape.family.tensor_names
@@ -97,13 +104,14 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
-        by_file.setdefault(files[layout[name][0]], []).append((name, layout[name][0], p))
+        hname = stored.get(layout[name][0], layout[name][0])
+        by_file.setdefault(files[hname], []).append((name, hname, p))
     elements = nbytes = 0
     with torch.no_grad():
         for f, entries in sorted(by_file.items()):
             with safe_open(str(f), framework="pt") as fh:
                 for name, hname, p in entries:
-                    fused = bool(names.fused_parts(hname))
+                    fused = bool(names.fused_parts(layout[name][0]))
                     value = _rank_slice(fh.get_slice(hname), names.partition_dim(name), tp, layout[name][1],
                                         expected[name][0] if fused else None)
                     if tuple(value.shape) != tuple(p.shape):
