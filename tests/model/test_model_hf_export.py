@@ -56,6 +56,30 @@ def test_rayspeed_model_written_as_hf_gives_the_same_logits(tmp_path):
     torch.testing.assert_close(_hf_logits(tmp_path / "hf"), expected, **TOL)
 
 
+def test_the_source_models_stop_ids_are_exported_so_generate_stops(tmp_path):
+    """A Qwen3-style checkpoint that stops at two ids (its generation_config.json, as Qwen3's <|im_end|> and
+    <|endoftext|>): the export of a job on its tokenizer (data.tokenizer: model) keeps both; generate stops at the
+    second."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from _hf_models import QWEN3, shape_of
+    from _hf_parity import build
+    from rayspeed.model.hf_export import write_hf_dir
+
+    src = tmp_path / "src"
+    save(src, QWEN3, seed=2, tokenizer=True)  # the byte tokenizer: EOS is id 0
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
+    shape = shape_of(str(src), SEQ)
+    write_hf_dir(build(shape, str(src)).full_state_dict(), shape, str(tmp_path / "out"), tokenizer=str(src))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == [0, 7]
+    assert GenerationConfig.from_pretrained(str(tmp_path / "out")).eos_token_id == [0, 7]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    with torch.no_grad():  # make id 7 the most likely next token everywhere: generation must stop right there
+        model.lm_head.weight[7] = model.model.norm.weight.sign() * 50
+        out = model.generate(torch.tensor([[65, 66]]), max_new_tokens=5, do_sample=False)
+    assert out[0, 2:].tolist() == [7]
+
+
 def test_byte_tokenizer_ids_are_the_bytes():
     from rayspeed.data.tokenizer import ByteTokenizer
     from rayspeed.model.hf_export import byte_tokenizer

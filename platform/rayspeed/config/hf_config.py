@@ -365,7 +365,7 @@ def apply_pretrained(explicit: Collection[str], model: Any) -> list[str]:
     return problems
 
 
-def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
+def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_token_id: Any = None,
                  dtype: str = "float32") -> dict[str, Any]:
     """config.json of `shape` in transformers 5's form, for the architecture the shape names."""
     family = shape.family

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -103,6 +103,7 @@ def write_hf_dir(state: dict[str, torch.Tensor], shape: ModelShape, out_dir: str
     tensors = {k: v.to(dtype) for k, v in hf_tensors(state, shape).items()}
     files = write_weights(tensors, out, max_shard_bytes)
     tok_files = write_tokenizer(tokenizer, out)
+    source = Path(str(tokenizer)) if isinstance(tokenizer, (str, Path)) and Path(str(tokenizer)).is_dir() else None
     bos = eos = None
     if tokenizer is not None and not hasattr(tokenizer, "eos_token_id") and tok_files:
         try:  # tokenizer files copied from a path: their special tokens go into config.json (generation stops at EOS)
@@ -113,12 +114,32 @@ def write_hf_dir(state: dict[str, torch.Tensor], shape: ModelShape, out_dir: str
             tokenizer = None
     if tokenizer is not None and hasattr(tokenizer, "eos_token_id"):
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    eos = stop_ids(eos, source)
     config = to_hf_config(shape, bos, eos, dtype=str(dtype).replace("torch.", ""))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: v for k, v in {"bos_token_id": bos, "eos_token_id": eos}.items() if v is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return {"dir": str(out), "weights": files, "tokenizer": tok_files,
             "parameters": sum(t.numel() for t in tensors.values())}
+
+
+def stop_ids(eos: Any, source: Optional[Path]) -> Any:
+    """The ids generation stops at: the tokenizer's EOS and every EOS id of the source model's
+    generation_config.json (Qwen3 stops at <|im_end|> and <|endoftext|>, Gemma 3 at <eos> and <end_of_turn>);
+    one id as an int, several as a list, as transformers writes them."""
+    ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    gen = source / "generation_config.json" if source is not None else None
+    if gen is not None and gen.is_file():
+        try:
+            theirs = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            theirs = None
+        for i in theirs if isinstance(theirs, list) else ([theirs] if theirs is not None else []):
+            if int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
 
 
 def hf_dir_from_export(export_dir: str, out_dir: str, tokenizer: Any = None,
