@@ -120,3 +120,57 @@ def test_labels_count_assistant_tokens_and_the_step_loss_is_their_mean(tok_dirs,
                     total += float(lk) * int((yk != -100).sum()) * scale
             # DeepSpeed divides by accumulation and averages over data-parallel ranks.
             assert total / (acc * dp) == pytest.approx(float(ref), rel=1e-5)
+
+
+# Written here with the behaviour of Qwen3's published template (its text is not shipped): an assistant turn
+# before the last user message is rendered without its reasoning, the turns after it with `<think>...</think>`.
+REASONING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- set content = m['content'] %}"
+    "{%- if m['role'] == 'assistant' %}{%- set answer = content.split('</think>')[-1] %}"
+    "{%- if loop.index0 > ns.last_user %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + answer + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+THINKING = [{"role": "user", "content": "What color is snow?"},
+            {"role": "assistant", "content": "<think>cold</think>Snow is white."},
+            {"role": "user", "content": "What do bees make?"},
+            {"role": "assistant", "content": "<think>sweet</think>Bees make honey."}]
+
+
+def test_a_template_that_drops_earlier_reasoning_trains_each_turn_as_it_is_generated(tok_dirs):
+    """Qwen3's rule: the full conversation renders turn 1 without its reasoning, which is not what the model
+    produced at turn 1. Each assistant turn becomes its own document: the conversation up to it as the template
+    renders it then, its reasoning and answer trained, nothing else."""
+    tok = load_tokenizer(tok_dirs["plain"])
+    tok.hf.chat_template = REASONING_TEMPLATE
+    renderer = ChatRenderer(tok)
+    (ids1, mask1), (ids2, mask2) = renderer.render_documents(THINKING, "r")
+    assert tok.decode(ids1[mask1 == 1]) == "<think>cold</think>Snow is white.<|im_end|>\n"
+    assert tok.decode(ids2[mask2 == 1]) == "<think>sweet</think>Bees make honey.<|im_end|>\n"
+    context = tok.decode(ids2[mask2 == 0])
+    assert "Snow is white." in context and "cold" not in context  # turn 1 as the template shows it later
+    with pytest.raises(ConfigError, match="one document per assistant turn"):
+        renderer.render(THINKING, "r")
+    assert len(renderer.render_documents(THINKING[:2], "r")) == 1  # one turn: one document, as before
+
+
+def test_a_template_that_refuses_a_role_is_exit_2_naming_the_record(tok_dirs, tmp_path):
+    """Gemma 2's template raises on a system turn (`raise_exception('System role not supported')`): a record with
+    one is a clear error naming its line, not a traceback, and nothing is written."""
+    tok = load_tokenizer(tok_dirs["plain"])
+    template = ("{%- if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                "{%- endif %}{%- for m in messages %}{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+                "{{ '<start_of_turn>' + role + '\\n' + m['content'] + "
+                "'<end_of_turn>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+                "{%- endif %}")
+    tok.hf.chat_template = template
+    tok.hf.save_pretrained(str(tmp_path / "tok"))
+    rows = [{"messages": CONVO[1:3]}, {"messages": CONVO}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DataSpec(source="files", path=(str(tmp_path / "c.jsonl"),), tokenizer=str(tmp_path / "tok"), format="chat")
+    with pytest.raises(ConfigError, match=r"c.jsonl:2: the chat template .* refuses this conversation: System role "
+                                          r"not supported"):
+        build_token_file(spec=spec, cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()

@@ -10,9 +10,13 @@ Two ways to find the assistant tokens:
 - every other template (most published ones): the conversation is rendered turn by turn, and assistant turn i
   is the text between render(messages[:i], add_generation_prompt=True) and render(messages[:i+1]): its content
   and the template's end-of-turn tokens (so the model learns to stop), not the header that announces it. The
-  whole conversation is then tokenized once and each token takes the mask of the character it starts at. A
-  template whose renderings are not prefixes of each other (one that rewrites earlier turns) is refused with a
-  message saying to add generation markers.
+  whole conversation is then tokenized once and each token takes the mask of the character it starts at.
+- a template that rewrites earlier turns once a later one is added (Qwen3's drops the reasoning of every assistant
+  turn before the last user message): one document per assistant turn, the conversation up to that turn as the
+  template renders it when that turn is the one being generated, only that turn trained. Each turn's loss tokens
+  are then exactly what the template produces for it, and no turn is trained in a form the model never sees.
+  A template whose generation prompt is not a prefix of the turn it announces is refused with a message saying to
+  add generation markers.
 """
 
 from __future__ import annotations
@@ -56,37 +60,65 @@ class ChatRenderer:
         self.tokenizer, self.hf = tokenizer, hf
         self.markers = bool(_GENERATION_TAG.search(template))
 
-    def _text(self, messages: list[dict[str, Any]], prompt: bool = False) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    def _text(self, messages: list[dict[str, Any]], prompt: bool = False, where: str = "") -> str:
+        return self._apply(where, messages, tokenize=False, add_generation_prompt=prompt)
+
+    def _apply(self, where: str, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        """apply_chat_template, with the template's own refusal (Gemma 2's `raise_exception('System role not
+        supported')`) as a ConfigError naming the record."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.hf.apply_chat_template(messages, **kwargs)
+        except TemplateError as e:
+            raise ConfigError(f"data.format: chat: {where}: the chat template of {self.tokenizer!r} refuses this "
+                              f"conversation: {e}; change the record (for instance fold a system message into the "
+                              "first user turn) or use a template that accepts it") from None
 
     def render(self, messages: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids int64, mask uint8) of one conversation."""
+        """(ids int64, mask uint8) of one conversation, as one document (ConfigError for a template that rewrites
+        earlier turns: render_documents splits those)."""
+        documents = self.render_documents(messages, where)
+        if len(documents) > 1:
+            raise ConfigError(f"data.format: chat: {where}: the chat template of {self.tokenizer!r} rewrites earlier "
+                              "turns; the conversation is one document per assistant turn")
+        return documents[0]
+
+    def render_documents(self, messages: Any, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The conversation's documents: (ids int64, mask uint8) each; one, or one per assistant turn for a
+        template that rewrites earlier turns (the module's docstring)."""
         messages = check_messages(messages, where)
         if self.markers:
-            out = self.hf.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                              return_assistant_tokens_mask=True)
-            ids = np.asarray(out["input_ids"], dtype=np.int64)
-            mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+            out = self._apply(where, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            documents = [(np.asarray(out["input_ids"], dtype=np.int64),
+                          np.asarray(out["assistant_masks"], dtype=np.uint8))]
         else:
-            ids, mask = self._render_by_turns(messages, where)
-        if not mask.any():
+            documents = self._render_by_turns(messages, where)
+        if not all(mask.any() for _, mask in documents):
             raise ConfigError(f"data.format: chat: {where}: the chat template renders no assistant tokens")
-        return ids, mask
+        return documents
 
-    def _render_by_turns(self, messages: list[dict[str, Any]], where: str) -> tuple[np.ndarray, np.ndarray]:
-        full = self._text(messages)
-        spans = []
+    def _render_by_turns(self, messages: list[dict[str, Any]], where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        full = self._text(messages, where=where)
+        turns = []  # (the text up to and with assistant turn i, where the turn starts in it)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self._text(messages[:i], prompt=True) if i else ""
-            upto = self._text(messages[: i + 1])
-            if not (upto.startswith(before) and full.startswith(upto)):
+            before = self._text(messages[:i], prompt=True, where=where) if i else ""
+            upto = self._text(messages[: i + 1], where=where)
+            if not upto.startswith(before):
                 raise ConfigError(f"data.format: chat: {where}: the chat template of {self.tokenizer!r} does not "
-                                  "render the conversation turn by turn (an earlier turn changes when a later one is "
-                                  "added); add {% generation %} markers around the assistant turns to the template")
-            spans.append((len(before), len(upto)))
-        enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
+                                  "render the conversation turn by turn (the generation prompt is not how the "
+                                  "assistant turn it announces starts); add {% generation %} markers around the "
+                                  "assistant turns to the template")
+            turns.append((upto, len(before)))
+        if all(full.startswith(upto) for upto, _ in turns):
+            return [self._masked(full, [(start, len(upto)) for upto, start in turns])]
+        return [self._masked(upto, [(start, len(upto))]) for upto, start in turns]
+
+    def _masked(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """text tokenized once, each token masked 1 when it starts inside one of the character spans."""
+        enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
         mask = np.zeros(ids.size, dtype=np.uint8)

@@ -67,8 +67,8 @@ def _documents(unit: Unit, spec: DataSpec, tok: Any) -> Any:
         if not isinstance(record, dict):
             raise ConfigError(f"data.path: {describe(loc)} is not an object with fields")
         if renderer is not None:
-            ids, mask = renderer.render(record.get("messages"), describe(loc))
-            yield ids, mask, loc
+            for ids, mask in renderer.render_documents(record.get("messages"), describe(loc)):
+                yield ids, mask, loc
             continue
         text = record.get(spec.text_field)
         if not isinstance(text, str):
