@@ -161,7 +161,8 @@ def test_a_template_that_refuses_a_role_is_exit_2_naming_the_record(tok_dirs, tm
     one is a clear error naming its line, not a traceback, and nothing is written."""
     tok = load_tokenizer(tok_dirs["plain"])
     template = ("{%- if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                "{%- endif %}{%- for m in messages %}{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+                "{%- endif %}{%- for m in messages %}"
+                "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
                 "{{ '<start_of_turn>' + role + '\\n' + m['content'] + "
                 "'<end_of_turn>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
                 "{%- endif %}")
