@@ -46,9 +46,14 @@ def answer(directory: str, question: str, max_new_tokens: int = 32, tokenizer_di
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)
+    # Every stop id the model's generation_config.json names (Qwen3 and Gemma 3 end a turn with another token than
+    # their tokenizer's EOS), and the tokenizer's.
+    stops = model.generation_config.eos_token_id
+    stops = [*(stops if isinstance(stops, list) else [stops] if stops is not None else [])]
+    stops += [tok.eos_token_id] if tok.eos_token_id not in stops else []
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+                             eos_token_id=stops, pad_token_id=tok.pad_token_id or tok.eos_token_id)
     return tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 

@@ -13,6 +13,12 @@ OUT/model/   LlamaForCausalLM (hidden 64, 2 layers, GQA, tied embeddings, transf
 OUT/chats/   chats-0.jsonl .. chats-3.jsonl: {"messages": [{"role", "content"}, ...]} records: short questions
              about a fixed set of facts, some with a system prompt, some with two exchanges.
 
+`--arch qwen3` makes a Qwen3ForCausalLM instead (head_dim 32 over 4 heads of a 64-wide model, ChatML tokens, a
+template that drops the reasoning of earlier assistant turns as Qwen3's does, answers with an empty
+`<think></think>`, stopping at <|im_end|> or <|endoftext|>); `--arch gemma3_text` a Gemma3ForCausalLM (local layers
+with an 8-token window, <start_of_turn>/<end_of_turn>, the assistant as `model`, a system prompt folded into the
+first user turn as Gemma 3's template does, stopping at <eos> or <end_of_turn>).
+
 Re-running with the same OUT rewrites the same files (fixed seed).
 """
 
@@ -65,6 +71,33 @@ CHAT_TEMPLATE = (
 )
 
 
+# Written here with the behaviour of the published templates (their text is not shipped).
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- set content = m['content'] %}"
+    "{%- if m['role'] == 'assistant' %}{%- set answer = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- if loop.index0 > ns.last_user and '</think>' not in content %}"
+    "{%- set content = '<think>\n\n</think>\n\n' + content %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + answer + '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\n' + content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set first = messages[0]['content'] + '\n\n' %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set first = '' %}{%- set loop_messages = messages %}"
+    "{%- endif %}{%- for m in loop_messages %}{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{- '<start_of_turn>' + role + '\n' + (first if loop.first else '') + m['content'] | trim + "
+    "'<end_of_turn>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}")
+FLAVOURS = {  # arch -> (special tokens, template, bos, eos, pad, the other stop token)
+    "llama": (SPECIAL, CHAT_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", None),
+    "qwen3": (QWEN3_SPECIAL, QWEN3_TEMPLATE, None, "<|im_end|>", "<|endoftext|>", "<|endoftext|>"),
+    "gemma3_text": (GEMMA_SPECIAL, GEMMA_TEMPLATE, "<bos>", "<eos>", "<pad>", "<end_of_turn>"),
+}
+
+
 def conversations(n: int = 800, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     out = []
@@ -82,21 +115,42 @@ def conversations(n: int = 800, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-def train_tokenizer(texts: list[str], vocab: int = 512) -> Any:
+def train_tokenizer(texts: list[str], vocab: int = 512, arch: str = "llama") -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special, template, bos, eos, pad, _ = FLAVOURS[arch]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-                                   pad_token="<|end_of_text|>", chat_template=CHAT_TEMPLATE)
+    extra = [t for t in ("<start_of_turn>", "<end_of_turn>", "<|im_start|>") if t in special]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   additional_special_tokens=extra, chat_template=template)
 
 
-def save(out: str, seed: int = 0) -> dict[str, Any]:
+def model_config(arch: str, tokenizer: Any) -> Any:
+    import transformers
+
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                  initializer_range=0.02, **ids)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6, use_sliding_window=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if arch == "gemma3_text":
+        return transformers.Gemma3TextConfig(**common, head_dim=32, rms_norm_eps=1e-6, sliding_window=8,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             query_pre_attn_scalar=32)
+    return transformers.LlamaConfig(**common, rms_norm_eps=1e-5,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def save(out: str, seed: int = 0, arch: str = "llama") -> dict[str, Any]:
     import torch
     import transformers
 
@@ -108,17 +162,14 @@ def save(out: str, seed: int = 0) -> dict[str, Any]:
             for r in records[i::4]:
                 f.write(json.dumps(r) + "\n")
     texts = [m["content"] for r in records for m in r["messages"]] + ["system user assistant"] * 10
-    tokenizer = train_tokenizer(texts)
+    tokenizer = train_tokenizer(texts, arch=arch)
     model_dir = os.path.join(out, "model")
     tokenizer.save_pretrained(model_dir)
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.02,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(model_config(arch, tokenizer), dtype=torch.float32)
+    other_stop = FLAVOURS[arch][5]
+    if other_stop is not None:  # the turn's end and the document's end both stop generation, as published
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(other_stop)]
     model.save_pretrained(model_dir)
     return {"model": model_dir, "chats": chats, "records": len(records), "vocab": len(tokenizer)}
 
@@ -127,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=sorted(FLAVOURS), default="llama")
     a = ap.parse_args(argv)
-    made = save(a.out, a.seed)
+    made = save(a.out, a.seed, a.arch)
     print(f"model and tokenizer (vocab {made['vocab']}, chat template): {made['model']}")
     print(f"{made['records']} chat records in {made['chats']}/chats-*.jsonl")
     return 0

@@ -1,0 +1,54 @@
+"""Chat fine-tuning of the 2026 families under Ray Train + DeepSpeed (2 CPU workers, ZeRO-2, jobs/train.py): a
+Qwen3-style checkpoint (head_dim 32 over 4 heads, q/k norms, a template that drops earlier reasoning, so its
+multi-turn chats become one document per assistant turn) and a Gemma-3-style one (local layers with an 8-token
+window under document masking, (1 + w) norms, a system prompt folded into the first user turn), each with its own
+tokenizer and chat template made here: the assistant-token loss falls, and the registered version answers in
+transformers as that architecture, stopping at the turn's end (its generation_config's second stop id)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from _cluster import ROOT, metric_history, run_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+chat_generate, chat_example = _load("chat_generate"), _load("make_tiny_chat_model")
+
+
+@pytest.mark.parametrize("arch,architecture", [("qwen3", "Qwen3ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM")])
+def test_a_family_chat_finetune_learns_and_its_registered_version_answers(ray_head, tmp_path, arch, architecture):
+    made = chat_example.save(str(tmp_path / "example"), 0, arch)
+    config = str(ROOT / "configs" / "tiny-chat-finetune-cpu.yaml")
+    r, summary = run_job(tmp_path, ["--config", config, "--set", f"model.pretrained={made['model']}",
+                                    "--set", f"data.path={made['chats']}/*.jsonl", "--set", "train.max_steps=100",
+                                    "--set", "train.eval_every_steps=0", "--set", f"name=chat-{arch}"],
+                         ray_head.address, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert summary["status"] == "finished" and summary["world_size"] == 2 and summary["launcher"] == "ray"
+    losses = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
+    (s0, first), (s1, last) = losses[0], losses[-1]
+    print(f"\n{arch}: assistant-token loss step {s0} {first:.4f} -> step {s1} {last:.4f}")
+    assert last < 0.5 * first
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model_dir, tok_dir = chat_generate.model_dirs(
+        f"models:/rayspeed-chat-{arch}/{summary['registered_model_version']}", uri, str(tmp_path / "dl"))
+    config_json = json.loads(open(f"{model_dir}/config.json").read())
+    generation = json.loads(open(f"{model_dir}/generation_config.json").read())
+    assert config_json["architectures"] == [architecture] and len(generation["eos_token_id"]) == 2
+    question = "What is the capital of Japan?"
+    answer = chat_generate.answer(model_dir, question, 24, tok_dir)
+    print(f"{arch} registered version: Q: {question} A: {answer}")
+    assert answer and "<|" not in answer and "<end_of_turn>" not in answer and len(answer.split()) >= 3
