@@ -1,7 +1,8 @@
 """Long-context RoPE against transformers: yarn (a Qwen3 checkpoint) and longrope (a Llama checkpoint), past their
 original context of 8 positions and, for longrope, within it (its short factors), fp32, rtol = atol = 1e-5:
 logits, loss and every gradient; each scaling changes the logits (so the parity sees it); tp2 with sequence
-parallelism; the export keeps the scaling and loads back to the same logits."""
+parallelism and pp2 (DeepSpeed's pipeline: the last stage's logits, every stage's loss); the export keeps the
+scaling and loads back to the same logits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import LLAMA_LONGROPE, QWEN3_YARN, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, reference, tokens
+from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, tokens
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SPECS = {"yarn": QWEN3_YARN, "longrope": LLAMA_LONGROPE}
@@ -50,6 +51,8 @@ def test_logits_loss_and_gradients_match_transformers(dirs, kind, seq):
 
 
 def _ranks(rank, world_size, model_dirs):
+    import torch.distributed as dist
+
     from rayspeed.parallel.groups import ParallelGroups
 
     init_deepspeed_gloo()
@@ -57,16 +60,22 @@ def _ranks(rank, world_size, model_dirs):
     out = {}
     for kind, model_dir in sorted(model_dirs.items()):
         shape = shape_of(model_dir, 16)
+        ids = tokens(256, 2, 16)
         with torch.no_grad():
-            out[kind] = build(shape, model_dir, groups.tp, sp=True)(tokens(256, 2, 16)[:, :-1])
+            logits = build(shape, model_dir, groups.tp, sp=True)(ids[:, :-1])
+        dist.barrier()
+        out[kind] = (logits, pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), ids))
     return out
 
 
-def test_tp2_sequence_parallel_matches_transformers(dirs):
-    expected = {kind: reference(d, tokens(256, 2, 16))["logits"] for kind, d in dirs.items()}
+def test_tp2_sequence_parallel_and_pp2_match_transformers(dirs):
+    refs = {kind: reference(d, tokens(256, 2, 16)) for kind, d in dirs.items()}
     for rank, got in enumerate(run_distributed(_ranks, 2, dirs, timeout_s=120)):
-        for kind, logits in got.items():
-            torch.testing.assert_close(logits, expected[kind], **TOL, msg=lambda m: f"{kind} rank {rank}: {m}")
+        for kind, (logits, (pp_logits, pp_loss)) in got.items():
+            torch.testing.assert_close(logits, refs[kind]["logits"], **TOL, msg=lambda m: f"{kind} rank {rank}: {m}")
+            torch.testing.assert_close(pp_loss, refs[kind]["loss"], **TOL, msg=lambda m: f"{kind} pp2 loss: {m}")
+            if rank == 1:
+                torch.testing.assert_close(pp_logits, refs[kind]["logits"], **TOL, msg=lambda m: f"{kind} pp2: {m}")
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))
