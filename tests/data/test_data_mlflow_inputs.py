@@ -30,7 +30,7 @@ def test_training_and_validation_inputs_with_digest_and_sizes(tmp_path):
     assert train["digest"] == tf.content_hash[:32] and train["source"] == str(tmp_path / "doc*.txt")
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = client.create_run(client.create_experiment("x"))
+    run = client.create_run(client.create_experiment("x", artifact_location=(tmp_path / "artifacts").as_uri()))
     assert log_dataset_inputs(client, run.info.run_id, items) == 2
     assert log_dataset_inputs(client, run.info.run_id, items) == 0  # a restart does not log them twice
     got = client.get_run(run.info.run_id).inputs.dataset_inputs

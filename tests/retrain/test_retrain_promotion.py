@@ -33,7 +33,8 @@ from rayspeed.tracking.client import mlflow_client
 from rayspeed.tracking.registry import log_and_register, set_alias
 c = mlflow_client(uri)
 exp = c.get_experiment_by_name("stub")
-exp_id = exp.experiment_id if exp else c.create_experiment("stub")
+from rayspeed.paths import artifact_root
+exp_id = exp.experiment_id if exp else c.create_experiment("stub", artifact_location=artifact_root(uri))
 def register(model_dir, val):
     run = c.create_run(exp_id).info.run_id
     return run, log_and_register(uri, run, model_dir, reg, metrics={"val/loss": val})
@@ -101,7 +102,7 @@ def _champion(home: Path, model_dir: str, val: float, data_hash: str | None = No
 
     uri = f"sqlite:///{home / 'mlflow.db'}"
     c = mlflow_client(uri)
-    run = c.create_run(c.create_experiment("earlier")).info.run_id
+    run = c.create_run(c.create_experiment("earlier", artifact_location=(home / "mlartifacts").as_uri())).info.run_id
     v = log_and_register(uri, run, model_dir, REG, metrics={"val/loss": val},
                          extra_tags={"rayspeed.data_hash": data_hash} if data_hash else None)
     assert v == "1" and set_alias(uri, REG, v)

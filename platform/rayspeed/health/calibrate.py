@@ -315,10 +315,12 @@ def record(cfg, profile: dict, path: str) -> str | None:
     try:
         from rayspeed.paths import tracking_uri
         from rayspeed.tracking.client import mlflow_client, set_terminated
+        from rayspeed.tracking.runs import experiment_id
 
-        client = mlflow_client(tracking_uri(cfg))
-        exp = client.get_experiment_by_name(EXPERIMENT)
-        exp_id = exp.experiment_id if exp else client.create_experiment(EXPERIMENT)
+        uri = tracking_uri(cfg)
+        client = mlflow_client(uri)
+        # Its artifacts beside a local store, as a job's: not in whatever directory calibrate was run from.
+        exp_id = experiment_id(client, EXPERIMENT, uri)
         name = f"calibrate-{profile['gpu']}-{profile['nodes']}n{profile['ranks']}r"
         run_id = client.create_run(exp_id, run_name=name,
                                    tags={"rayspeed.kind": "calibration", "rayspeed.job": cfg.name}).info.run_id
