@@ -196,6 +196,11 @@ class ModelShape:
         window = self.window_of(layer)
         return min(window, self.seq_len) if window else self.seq_len
 
+    @functools.cached_property  # read for every layout and stage a search costs
+    def windowed_layers(self) -> int:
+        """Layers whose sliding window is shorter than the sequence (they attend through a mask)."""
+        return sum(1 for i in range(self.num_layers) if self.attention_span(i) < self.seq_len)
+
     # ---- derived sizes
 
     @property

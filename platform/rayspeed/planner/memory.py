@@ -95,21 +95,16 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     elif document_mask:
         attn += sh.seq_len
     else:
-        attn += windowed_layers(sh) / sh.num_layers * sh.seq_len / max(1, micro_batch)
+        attn += sh.windowed_layers / sh.num_layers * sh.seq_len / max(1, micro_batch)
     attn += post_norm
     mlp = norm + 4 * sh.ffn_hidden_size / tp + post_norm
     return attn + mlp, attn, mlp
 
 
-def windowed_layers(sh: ModelShape) -> int:
-    """Layers whose sliding window is shorter than the sequence (they attend through a mask)."""
-    return sum(1 for i in range(sh.num_layers) if sh.attention_span(i) < sh.seq_len)
-
-
 def block_saved(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """layer_saved for this job's precision, kernels and masking at this layout."""
     flash = (ctx.hw.is_gpu and ctx.precision in ("bf16", "fp16") and not ctx.document_masking
-             and not windowed_layers(ctx.shape) and not ctx.shape.attn_logit_softcapping)
+             and not ctx.shape.windowed_layers and not ctx.shape.attn_logit_softcapping)
     return layer_saved(ctx.shape, lay.tp, lay.sequence_parallel, ctx.w_bytes, lay.micro_batch_size, flash,
                        ctx.document_masking)
 

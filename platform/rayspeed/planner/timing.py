@@ -100,7 +100,7 @@ def attention_keys(ctx: Ctx) -> float:
     sh = ctx.shape
     if ctx.document_masking or sh.attn_logit_softcapping:  # soft-capping runs the math path: every score
         return float(sh.seq_len)
-    masked = sum(1 for i in range(sh.num_layers) if sh.attention_span(i) < sh.seq_len)
+    masked = sh.windowed_layers
     return (masked * sh.seq_len + (sh.num_layers - masked) * sh.seq_len / 2) / sh.num_layers
 
 
