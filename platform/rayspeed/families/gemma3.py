@@ -15,9 +15,8 @@ from rayspeed.families.family import (
     Family,
     TensorNames,
     frozen,
-    layer_types_of,
 )
-from rayspeed.families.gemma2 import gemma2_tensor_names
+from rayspeed.families.gemma2 import gemma2_extras, gemma2_tensor_names
 
 
 def gemma3_tensor_names() -> TensorNames:
@@ -29,17 +28,12 @@ def gemma3_tensor_names() -> TensorNames:
 
 
 def gemma3_extras(shape: Any) -> dict[str, Any]:
+    """Gemma 2's keys, with one RoPE per layer type (the local layers' base) and no soft-capping."""
     full: dict[str, Any] = {"rope_type": shape.rope_type, "rope_theta": shape.rope_theta}
     full.update({k: v for k, v in (shape.rope_scaling or {}).items() if k != "rope_type"})
     local = {"rope_type": "default", "rope_theta": shape.rope_local_theta or shape.rope_theta}
-    scalar = shape.query_pre_attn_scalar
-    return {"hidden_activation": shape.hidden_act,
-            # Gemma3TextConfig is a strict dataclass whose query_pre_attn_scalar is an int.
-            "query_pre_attn_scalar": int(scalar) if scalar and float(scalar).is_integer() else scalar,
-            "sliding_window": shape.sliding_window, "layer_types": layer_types_of(shape),
-            "rope_parameters": {"full_attention": full, "sliding_attention": local},
-            "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
-            "use_bidirectional_attention": False}
+    return {**gemma2_extras(shape), "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False}
 
 
 FAMILY = Family(architectures=("Gemma3ForCausalLM",), model_type="gemma3_text", tensor_names=gemma3_tensor_names(),
