@@ -5,6 +5,8 @@ through DeepSpeed's pipeline engine) and a gradient's tp shard.
     ref = reference(model_dir, tokens)                     # {"logits", "loss", "grads"}, transformers, fp32
     model = build(shape, model_dir, groups.tp, sp=True)
     pp_logits, pp_loss = pipeline_logits_and_loss(shape, model_dir, groups, tokens)
+    assert_tp1_matches(model, ref, shape, ids)                  # logits, loss, every gradient, every tensor
+    assert_rank_matches(tp2_and_pp2(shape, model_dir, ids), rank, ref, shape)   # in each of 2 gloo processes
 """
 
 from __future__ import annotations
@@ -89,3 +91,65 @@ def pipeline_logits_and_loss(shape, model_dir, groups, ids):
 def shard(full: torch.Tensor, dim, rank: int, world: int) -> torch.Tensor:
     """This tp rank's part of a whole tensor split along `dim` (None: replicated, the whole)."""
     return full if dim is None else full.chunk(world, dim=dim)[rank]
+
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def reference_grad(ref: dict, shape, name: str, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """transformers' gradient of rayspeed parameter `name` (its rows of a fused tensor), this tp rank's shard."""
+    from rayspeed.config.hf_checkpoint import checkpoint_layout, param_shapes
+
+    hf, offset = checkpoint_layout(shape)[name]
+    whole = ref["grads"][hf][offset:offset + param_shapes(shape)[name][0]]
+    return shard(whole, shape.family.tensor_names.partition_dim(name), rank, world)
+
+
+def assert_tp1_matches(model, ref: dict, shape, ids: torch.Tensor) -> None:
+    """Logits, loss and every gradient equal transformers' (fp32, TOL), and the model's parameters cover every
+    tensor of the checkpoint."""
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
+    loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference_grad(ref, shape, name), **TOL, msg=lambda m: f"{name}: {m}")
+    names = shape.family.tensor_names
+    assert {names.hf_name(n) for n, _ in model.named_parameters()} == set(ref["grads"])
+
+
+def tp2_and_pp2(shape, model_dir: str, ids: torch.Tensor):
+    """In a 2-process gloo world: (logits, loss, every gradient) at tp2 with sequence parallelism, then pp2's
+    (logits, loss) through pipeline_logits_and_loss."""
+    import torch.distributed as dist
+
+    from rayspeed.parallel.groups import ParallelGroups
+
+    model = build(shape, model_dir, ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True)
+    with torch.no_grad():
+        logits = model(ids[:, :-1])
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    dist.barrier()
+    return logits, loss.detach(), grads, pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2),
+                                                                  ids)
+
+
+def assert_rank_matches(result, rank: int, ref: dict, shape, where: str = "") -> None:
+    """One rank's tp2_and_pp2 result against transformers: pp2's loss (and logits on the last stage), tp2's
+    logits, loss and this rank's shard of every gradient."""
+    logits, loss, grads, (pp_logits, pp_loss) = result
+    where = f"{where} rank {rank}".strip()
+    torch.testing.assert_close(pp_loss, ref["loss"], **TOL, msg=lambda m: f"{where} pp2 loss: {m}")
+    if rank == 1:  # the last stage holds the head
+        torch.testing.assert_close(pp_logits, ref["logits"], **TOL, msg=lambda m: f"{where} pp2 logits: {m}")
+    torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"{where} logits: {m}")
+    torch.testing.assert_close(loss, ref["loss"], **TOL, msg=lambda m: f"{where} loss: {m}")
+    from rayspeed.config.hf_checkpoint import checkpoint_layout
+
+    assert {checkpoint_layout(shape)[n][0] for n in grads} == set(ref["grads"])  # every checkpoint tensor
+    for name, g in grads.items():
+        torch.testing.assert_close(g, reference_grad(ref, shape, name, rank, 2), **TOL,
+                                   msg=lambda m: f"{where} {name}: {m}")

@@ -14,10 +14,18 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import GEMMA2, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
+from _hf_parity import (
+    TOL,
+    assert_rank_matches,
+    assert_tp1_matches,
+    build,
+    init_deepspeed_gloo,
+    reference,
+    tokens,
+    tp2_and_pp2,
+)
 
 SEQ, BATCH = 16, 2
-TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _tokens(seed=5):
@@ -40,16 +48,7 @@ def test_tp1_logits_loss_and_gradients_match_transformers(gemma2):
     assert (shape.attn_logit_softcapping, shape.final_logit_softcapping, shape.sliding_window) == (2.0, 3.0, 5)
     model = build(shape, gemma2["dir"])
     assert sum(p.numel() for p in model.parameters()) == shape.params
-    ids = _tokens()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids[:, :-1]), gemma2["logits"], **TOL)
-    loss = model(ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(loss.detach(), gemma2["loss"], **TOL)
-    loss.backward()
-    names = shape.family.tensor_names
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, gemma2["grads"][names.hf_name(name)], **TOL, msg=lambda m: f"{name}: {m}")
-    assert {names.hf_name(n) for n, _ in model.named_parameters()} == set(gemma2["grads"])
+    assert_tp1_matches(model, gemma2, shape, _tokens())
 
 
 @pytest.mark.parametrize("change", [dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
@@ -62,37 +61,14 @@ def test_each_cap_and_the_window_change_the_logits(gemma2, change):
 
 
 def _ranks(rank, world_size, model_dir):
-    import torch.distributed as dist
-
-    from rayspeed.parallel.groups import ParallelGroups
-
     init_deepspeed_gloo()
-    shape = shape_of(model_dir, SEQ)
-    model = build(shape, model_dir, ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True)
-    ids = _tokens()
-    with torch.no_grad():
-        logits = model(ids[:, :-1])
-    loss = model(ids[:, :-1], ids[:, 1:])
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    dist.barrier()
-    return logits, loss.detach(), grads, pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2),
-                                                                  ids)
+    return tp2_and_pp2(shape_of(model_dir, SEQ), model_dir, _tokens())
 
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(gemma2):
     shape = shape_of(gemma2["dir"], SEQ)
-    names = shape.family.tensor_names
-    for rank, (logits, loss, grads, (pp_logits, pp_loss)) in enumerate(
-            run_distributed(_ranks, 2, gemma2["dir"], timeout_s=120)):
-        torch.testing.assert_close(pp_loss, gemma2["loss"], **TOL, msg=lambda m: f"pp2 rank {rank} loss: {m}")
-        if rank == 1:
-            torch.testing.assert_close(pp_logits, gemma2["logits"], **TOL, msg=lambda m: f"pp2 logits: {m}")
-        torch.testing.assert_close(logits, gemma2["logits"], **TOL, msg=lambda m: f"rank {rank} logits: {m}")
-        torch.testing.assert_close(loss, gemma2["loss"], **TOL, msg=lambda m: f"rank {rank} loss: {m}")
-        for name, g in grads.items():
-            ref = shard(gemma2["grads"][names.hf_name(name)], names.partition_dim(name), rank, 2)
-            torch.testing.assert_close(g, ref, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+    for rank, result in enumerate(run_distributed(_ranks, 2, gemma2["dir"], timeout_s=120)):
+        assert_rank_matches(result, rank, gemma2, shape)
 
 
 def test_the_export_loads_back_with_the_same_logits(tmp_path, gemma2):

@@ -15,10 +15,18 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import GEMMA3, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
+from _hf_parity import (
+    TOL,
+    assert_rank_matches,
+    assert_tp1_matches,
+    build,
+    init_deepspeed_gloo,
+    reference,
+    tokens,
+    tp2_and_pp2,
+)
 
 SEQ, BATCH = 16, 2
-TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _tokens(vocab, seed=5):
@@ -50,19 +58,7 @@ def test_the_shape_is_gemma3s(gemma3):
 
 def test_tp1_logits_loss_and_gradients_match_transformers(gemma3):
     shape = shape_of(gemma3["dir"], SEQ)
-    model = build(shape, gemma3["dir"])
-    ids = _tokens(shape.vocab_size)
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids[:, :-1]), gemma3["logits"], **TOL)
-    loss = model(ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(loss.detach(), gemma3["loss"], **TOL)
-    loss.backward()
-    names = shape.family.tensor_names
-    seen = set()
-    for name, p in model.named_parameters():
-        seen.add(names.hf_name(name))
-        torch.testing.assert_close(p.grad, gemma3["grads"][names.hf_name(name)], **TOL, msg=lambda m: f"{name}: {m}")
-    assert seen == set(gemma3["grads"])  # every tensor of the checkpoint is a parameter here, and none more
+    assert_tp1_matches(build(shape, gemma3["dir"]), gemma3, shape, _tokens(shape.vocab_size))
 
 
 @pytest.mark.parametrize("change", [dict(sliding_window=None), dict(rope_local_theta=None),
@@ -92,39 +88,15 @@ def test_a_packed_row_of_documents_longer_than_the_window_equals_each_alone(gemm
 
 
 def _ranks(rank, world_size, model_dir):
-    import torch.distributed as dist
-
-    from rayspeed.parallel.groups import ParallelGroups
-
     init_deepspeed_gloo()
     shape = shape_of(model_dir, SEQ)
-    groups = ParallelGroups(dp=1, tp=2, pp=1)
-    model = build(shape, model_dir, groups.tp, sp=True)
-    ids = _tokens(shape.vocab_size)
-    with torch.no_grad():
-        logits = model(ids[:, :-1])
-    loss = model(ids[:, :-1], ids[:, 1:])
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    dist.barrier()
-    pipeline = pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), ids)
-    return logits, loss.detach(), grads, pipeline
+    return tp2_and_pp2(shape, model_dir, _tokens(shape.vocab_size))
 
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(gemma3):
     shape = shape_of(gemma3["dir"], SEQ)
-    names = shape.family.tensor_names
-    for rank, (logits, loss, grads, (pp_logits, pp_loss)) in enumerate(
-            run_distributed(_ranks, 2, gemma3["dir"], timeout_s=120)):
-        torch.testing.assert_close(pp_loss, gemma3["loss"], **TOL, msg=lambda m: f"pp2 rank {rank} loss: {m}")
-        if rank == 1:  # the last stage holds the head
-            torch.testing.assert_close(pp_logits, gemma3["logits"], **TOL, msg=lambda m: f"pp2 logits: {m}")
-        torch.testing.assert_close(logits, gemma3["logits"], **TOL, msg=lambda m: f"rank {rank} logits: {m}")
-        torch.testing.assert_close(loss, gemma3["loss"], **TOL, msg=lambda m: f"rank {rank} loss: {m}")
-        assert len(grads) == len(gemma3["grads"])
-        for name, g in grads.items():
-            ref = shard(gemma3["grads"][names.hf_name(name)], names.partition_dim(name), rank, 2)
-            torch.testing.assert_close(g, ref, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+    for rank, result in enumerate(run_distributed(_ranks, 2, gemma3["dir"], timeout_s=120)):
+        assert_rank_matches(result, rank, gemma3, shape)
 
 
 def test_a_gemma3_written_as_hf_loads_in_transformers_with_the_same_logits(tmp_path, gemma3):

@@ -12,10 +12,18 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import PHI3, PHI4_MINI, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
+from _hf_parity import (
+    TOL,
+    assert_rank_matches,
+    assert_tp1_matches,
+    build,
+    init_deepspeed_gloo,
+    reference,
+    tokens,
+    tp2_and_pp2,
+)
 
 SEQ, BATCH = 16, 2
-TOL = dict(rtol=1e-5, atol=1e-5)
 SPECS = {"phi3": PHI3, "phi4_mini": PHI4_MINI}
 
 
@@ -34,16 +42,6 @@ def refs(tmp_path_factory):
     return out
 
 
-def _expected_grad(ref, shape, name, rank=0, world=1):
-    """transformers' gradient of rayspeed parameter `name`: its rows of a fused tensor, then this tp rank's shard."""
-    from rayspeed.config.hf_checkpoint import checkpoint_layout, param_shapes
-
-    hf, offset = checkpoint_layout(shape)[name]
-    rows = param_shapes(shape)[name][0]
-    whole = ref["grads"][hf][offset:offset + rows]
-    return shard(whole, shape.family.tensor_names.partition_dim(name), rank, world)
-
-
 def test_the_shapes_read_the_window_longrope_and_the_partial_rotary(refs):
     phi3, mini = shape_of(refs["phi3"]["dir"], SEQ), shape_of(refs["phi4_mini"]["dir"], SEQ)
     assert (phi3.sliding_window, phi3.rope_type, phi3.rope_original_max_positions, phi3.rotary_dim) == (
@@ -55,53 +53,20 @@ def test_the_shapes_read_the_window_longrope_and_the_partial_rotary(refs):
 def test_tp1_logits_loss_and_gradients_match_transformers(refs, name):
     ref = refs[name]
     shape = shape_of(ref["dir"], SEQ)
-    model = build(shape, ref["dir"])
-    ids = _tokens()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
-    loss = model(ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
-    loss.backward()
-    for pname, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, _expected_grad(ref, shape, pname), **TOL, msg=lambda m: f"{pname}: {m}")
+    assert_tp1_matches(build(shape, ref["dir"]), ref, shape, _tokens())  # a fused part against its rows
 
 
 def _ranks(rank, world_size, dirs):
-    import torch.distributed as dist
-
-    from rayspeed.parallel.groups import ParallelGroups
-
     init_deepspeed_gloo()
-    out = {}
-    for name, model_dir in sorted(dirs.items()):
-        shape = shape_of(model_dir, SEQ)
-        model = build(shape, model_dir, ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True)
-        ids = _tokens()
-        with torch.no_grad():
-            logits = model(ids[:, :-1])
-        loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        dist.barrier()
-        out[name] = (logits, loss.detach(), grads,
-                     pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), ids))
-    return out
+    return {name: tp2_and_pp2(shape_of(model_dir, SEQ), model_dir, _tokens())
+            for name, model_dir in sorted(dirs.items())}
 
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(refs):
     results = run_distributed(_ranks, 2, {n: r["dir"] for n, r in refs.items()}, timeout_s=180)
     for rank, by_name in enumerate(results):
-        for name, (logits, loss, grads, (pp_logits, pp_loss)) in by_name.items():
-            ref, where = refs[name], f"{name} rank {rank}"
-            shape = shape_of(ref["dir"], SEQ)
-            torch.testing.assert_close(pp_loss, ref["loss"], **TOL, msg=lambda m: f"{where} pp2 loss: {m}")
-            if rank == 1:
-                torch.testing.assert_close(pp_logits, ref["logits"], **TOL, msg=lambda m: f"{where} pp2 logits: {m}")
-            torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"{where} logits: {m}")
-            torch.testing.assert_close(loss, ref["loss"], **TOL, msg=lambda m: f"{where} loss: {m}")
-            for pname, g in grads.items():
-                torch.testing.assert_close(g, _expected_grad(ref, shape, pname, rank, 2), **TOL,
-                                           msg=lambda m: f"{where} {pname}: {m}")
+        for name, result in by_name.items():
+            assert_rank_matches(result, rank, refs[name], shape_of(refs[name]["dir"], SEQ), name)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -13,10 +13,18 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import MISTRAL_SWA, QWEN2_SWA, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
+from _hf_parity import (
+    TOL,
+    assert_rank_matches,
+    assert_tp1_matches,
+    build,
+    init_deepspeed_gloo,
+    reference,
+    tokens,
+    tp2_and_pp2,
+)
 
 SEQ, BATCH = 16, 2
-TOL = dict(rtol=1e-5, atol=1e-5)
 SPECS = {"mistral": MISTRAL_SWA, "qwen2": QWEN2_SWA}
 
 
@@ -44,20 +52,12 @@ def test_the_shapes_say_which_layers_slide(refs):
 def test_tp1_logits_loss_and_gradients_match_transformers(refs, family):
     ref = refs[family]
     shape = shape_of(ref["dir"], SEQ)
-    model = build(shape, ref["dir"])
     ids = _tokens(shape.vocab_size)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
         # The window matters at this length: without it the logits are another model's.
         full = build(dataclasses.replace(shape, sliding_window=None), ref["dir"])(ids[:, :-1])
         assert (full - ref["logits"]).abs().max() > 1e-3
-    loss = model(ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
-    loss.backward()
-    names = shape.family.tensor_names
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref["grads"][names.hf_name(name)], **TOL, msg=lambda m: f"{name}: {m}")
-    assert {names.hf_name(n) for n, _ in model.named_parameters()} == set(ref["grads"])
+    assert_tp1_matches(build(shape, ref["dir"]), ref, shape, ids)
 
 
 @pytest.mark.parametrize("family", sorted(SPECS))
@@ -78,42 +78,19 @@ def test_a_packed_row_of_documents_longer_than_the_window_equals_each_alone(refs
 
 
 def _ranks(rank, world_size, dirs):
-    import torch.distributed as dist
-
-    from rayspeed.parallel.groups import ParallelGroups
-
     init_deepspeed_gloo()
     out = {}
     for family, model_dir in sorted(dirs.items()):
         shape = shape_of(model_dir, SEQ)
-        model = build(shape, model_dir, ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True)
-        ids = _tokens(shape.vocab_size)
-        with torch.no_grad():
-            logits = model(ids[:, :-1])
-        loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        dist.barrier()
-        pipeline = pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), ids)
-        out[family] = (logits, loss.detach(), grads, pipeline)
+        out[family] = tp2_and_pp2(shape, model_dir, _tokens(shape.vocab_size))
     return out
 
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(refs):
     results = run_distributed(_ranks, 2, {f: r["dir"] for f, r in refs.items()}, timeout_s=180)
     for rank, by_family in enumerate(results):
-        for family, (logits, loss, grads, (pp_logits, pp_loss)) in by_family.items():
-            ref, where = refs[family], f"{family} rank {rank}"
-            names = shape_of(ref["dir"], SEQ).family.tensor_names
-            torch.testing.assert_close(pp_loss, ref["loss"], **TOL, msg=lambda m: f"{where} pp2 loss: {m}")
-            if rank == 1:
-                torch.testing.assert_close(pp_logits, ref["logits"], **TOL, msg=lambda m: f"{where} pp2 logits: {m}")
-            torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"{where} logits: {m}")
-            torch.testing.assert_close(loss, ref["loss"], **TOL, msg=lambda m: f"{where} loss: {m}")
-            assert len(grads) == len(ref["grads"])
-            for name, g in grads.items():
-                expected = shard(ref["grads"][names.hf_name(name)], names.partition_dim(name), rank, 2)
-                torch.testing.assert_close(g, expected, **TOL, msg=lambda m: f"{where} {name}: {m}")
+        for family, result in by_family.items():
+            assert_rank_matches(result, rank, refs[family], shape_of(refs[family]["dir"], SEQ), family)
 
 
 @pytest.mark.parametrize("family", sorted(SPECS))
