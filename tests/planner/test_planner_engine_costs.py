@@ -10,8 +10,9 @@ from rayspeed.config.layout import Layout
 from rayspeed.config.load import parse
 from rayspeed.errors import ConfigError
 from rayspeed.planner import evaluate_layout, plan_job
+from rayspeed.planner.grad_pass import HP_GRAD_BYTES_PER_PARAM, grad_pass_bytes_per_param
 from rayspeed.planner.search import build_ctx, enumerate_layouts
-from rayspeed.planner.timing import HP_GRAD_BYTES_PER_PARAM, grad_pass_bytes_per_param, stage_parts, step_time
+from rayspeed.planner.timing import stage_parts, step_time
 
 JOB = {"model": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "ffn_hidden_size": 5632,
                  "vocab_size": 32000, "seq_len": 2048},

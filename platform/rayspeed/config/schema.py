@@ -17,6 +17,32 @@ AUTO: Final = "auto"
 
 
 @dataclass
+class AdapterConfig:
+    type: Literal["none", "lora"] = "none"
+    """none: every parameter trains; lora: the base weights are frozen and low-rank adapters A (rank x in) and
+    B (out x rank, zeros at start) train beside the targeted linear layers, y = W x + scale * B A x."""
+    rank: int = 16
+    """LoRA rank r: A is r x in, B is out x r (8 to 64 is usual; the adapter's size and time grow with it)."""
+    alpha: float = 32.0
+    """LoRA alpha: scale = alpha / rank (alpha / sqrt(rank) with rslora)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (the base path sees the input unchanged)."""
+    targets: list[str] = field(default_factory=lambda: ["all"])
+    """Roles whose linear layers get an adapter: q, k, v, o, gate, up, down, or all (every linear layer of every
+    block, as Axolotl's all-linear)."""
+    trainable: list[str] = field(default_factory=list)
+    """Parameters that train in full beside the adapters: embed (the input embedding), head (the output head;
+    with tied embeddings the one shared matrix), norms."""
+    rslora: bool = False
+    """rsLoRA: scale = alpha / sqrt(rank), stable at large ranks."""
+    dora: bool = False
+    """DoRA: a trained magnitude per output feature times the row-normalised W + scale * B A (needs the whole base
+    weight each forward: ZeRO 0-2)."""
+    base_precision: Literal["auto", "nf4"] = "auto"
+    """auto: the base weights in the job's precision; nf4: 4-bit NormalFloat base weights (QLoRA, bitsandbytes)."""
+
+
+@dataclass
 class ModelConfig:
     pretrained: Optional[str] = None
     """A Hugging Face causal LM: a local directory or a hub id (resolved and cached by huggingface_hub as
@@ -87,6 +113,8 @@ class ModelConfig:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """Adapter fine-tuning (LoRA, rsLoRA, DoRA, QLoRA) instead of training every parameter."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from rayspeed import families
+from rayspeed.config import adapter
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
@@ -175,6 +176,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
         p.append(f"model.vocab_size ({m.vocab_size}) must be >= 256 with data.tokenizer: bytes")
     p += data_problems(cfg)
+    p += adapter.problems(cfg, family)
     if t.global_batch_size < 1:
         p.append(f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
     if t.max_steps < 1:

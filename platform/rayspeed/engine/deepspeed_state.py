@@ -61,15 +61,19 @@ def with_universal_load(ds_config: dict[str, Any]) -> dict[str, Any]:
 class DeepSpeedState:
     def __init__(self, engine: Any):
         self.engine = engine
+        # An adapter job's frozen base is not saved (the build reloads it from model.pretrained): the checkpoint
+        # holds what trains, its optimizer state, schedule and RNG.
+        self.frozen = any(not p.requires_grad for p in engine.module.parameters())
 
     def save(self, folder: Path, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(folder), tag=TAG, client_state=client_state, save_latest=False)
+        self.engine.save_checkpoint(str(folder), tag=TAG, client_state=client_state, save_latest=False,
+                                    exclude_frozen_parameters=self.frozen)
 
     def load(self, folder: Path, *, universal: bool = False, module_only: bool = False) -> Optional[dict[str, Any]]:
         full = not module_only
         _, client = self.engine.load_checkpoint(str(folder), tag=UNIVERSAL_TAG if universal else TAG,
                                                 load_optimizer_states=full, load_lr_scheduler_states=full,
-                                                load_module_only=module_only)
+                                                load_module_only=module_only, load_module_strict=not self.frozen)
         return client
 
     def capture(self, folder: Path, client_state: dict[str, Any], copy: Callable[[Any], Any]) -> list[tuple[str, Any]]:

@@ -68,6 +68,30 @@ def _activation_checkpointing(model: torch.nn.Module, cfg: Any, groups: Any, on_
     return f"{mode} on {len(blocks)} blocks"
 
 
+def _adapters(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
+    from rayspeed.adapters.attach import add_adapters, trainable_count
+    from rayspeed.config import adapter as spec
+    from rayspeed.model.transformer import OutputHead, RMSNorm
+    from rayspeed.parallel.layers import VocabParallelEmbedding
+
+    a = cfg.model.adapter
+    if not spec.enabled(a):
+        return None
+    tp = groups.tp if cfg.parallel.tp > 1 else None
+    adapted = add_adapters(model, a, tp, bool(cfg.parallel.sequence_parallel), cfg.train.seed)
+    kinds = {"embed": VocabParallelEmbedding, "head": OutputHead, "norms": RMSNorm}
+    full = tuple(kinds[w] for w in a.trainable)
+    for m in model.modules():
+        if full and isinstance(m, full):
+            for p in m.parameters(recurse=False):
+                p.requires_grad_(True)
+    train, total = trainable_count(model)
+    kind = "DoRA" if a.dora else "rsLoRA" if a.rslora else "LoRA"
+    extra = f", {'+'.join(a.trainable)} in full" if a.trainable else ""
+    return (f"{kind} rank {a.rank} scale {spec.scale(a):g} on {len(adapted)} layers "
+            f"({','.join(spec.target_roles(a))}){extra}; {train} of {total} parameters of this rank train")
+
+
 def compile_decision(cfg: Any, on_gpu: bool) -> tuple[bool, str]:
     """(compile?, why). torch.compile runs on the model *before* deepspeed.initialize: that keeps part of the
     compile gain under DeepSpeed (H200 anchor: 124M ZeRO-1 71.3 ms compiled first vs 75.8 ms eager), where
@@ -122,7 +146,8 @@ ORDER = (
     Transform("expert_parallel", "slot: each rank holds its experts"),
     Transform("pipeline_split", "each stage holds its layers under their global names (layers.{i}.*)",
               at_build=_pipeline_split),
-    Transform("adapters", "slot: adapter weights beside the frozen base names"),
+    Transform("adapters", "adapter weights beside the frozen base names (<layer>.adapter.lora_A / lora_B / "
+              "magnitude)", apply=_adapters),
     Transform("context_parallel", "slot: none (attention over a sequence split)"),
     Transform("activation_checkpointing", "none", apply=_activation_checkpointing),
     Transform("compile", "none (nn.Module.compile keeps parameter names)", apply=_compile),

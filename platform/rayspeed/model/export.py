@@ -9,6 +9,8 @@ Directory layout (logged as the run's `model/` artifact and registered, see trac
     model_config.json   the model section of the resolved job config (+ the seed)
     export.json         how it was made: layout, dtype, complete, limitation notes, versions
     README.md           how to load it
+    adapter/            a job with model.adapter: its adapter in PEFT's files (adapter_config.json,
+                        adapter_model.safetensors); weights.pt then holds the merged model
 
 Where the weights come from:
   * fp32 master weights when DeepSpeed keeps them apart from the module (bf16/fp16 training, ZeRO 1-3):
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 WEIGHTS = "weights.pt"
 CONFIG = "model_config.json"
 META = "export.json"
+ADAPTER_DIR = "adapter"
 
 _README = """# {name}: exported rayspeed model
 
@@ -81,6 +84,11 @@ def _full_fp32(p: Any, tp: Any) -> Any:
         from deepspeed.utils import safe_get_full_fp32_param
 
         value = safe_get_full_fp32_param(p)
+        if value is None and hasattr(p, "ds_id"):  # ZeRO-3 keeps no fp32 master of a frozen (adapter job's) base
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                value = p.detach().clone()
     if value is None:
         value = p.detach()
     value = value.float()
@@ -205,6 +213,7 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
     weights_from = "module parameters (fp32 training)"
     if precision in ("bf16", "fp16") or layout.get("zero_stage") == 3:
         weights_from = "DeepSpeed fp32 master weights (safe_get_full_fp32_param)"
+    adapter = _fold_adapter(cfg, state, out, model_cfg)
     if state:
         # The Transformer's state_dict also lists a tied head under its own name.
         if model_cfg.get("tie_embeddings") and "embed.weight" in state and "head.weight" not in state:
@@ -226,6 +235,7 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
         "num_parameters": int(sum(v.numel() for k, v in state.items()
                                   if not (k == "head.weight" and model_cfg.get("tie_embeddings")))),
         "limitations": limitations,
+        "adapter": adapter,
         "job": getattr(cfg, "name", None),
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seconds": round(time.perf_counter() - t0, 3),
@@ -243,6 +253,30 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
         ))
     log.info("model exported to %s (%s, %.1f s)", out, "complete" if meta["complete"] else "INCOMPLETE",
              meta["seconds"])
+
+
+def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A job with adapters exports the merged model (self-contained: it loads without its base) and the adapter in
+    PEFT's files beside it (ADAPTER_DIR); `state` and `model_cfg` become the merged model's. Returns what
+    export.json records of it (None: no adapter)."""
+    from rayspeed.config import adapter as spec
+
+    a = getattr(cfg.model, "adapter", None)
+    if not spec.enabled(a) or not state:
+        return None
+    from rayspeed.adapters.merge import adapted_layers, merged
+    from rayspeed.adapters.peft_files import write_peft_dir
+    from rayspeed.config.shape import ModelShape
+
+    base = str(cfg.model.pretrained) if cfg.model.pretrained else ""
+    write_peft_dir(state, a, ModelShape.from_config(cfg.model), str(out / ADAPTER_DIR), base)
+    record = {"section": dict(model_cfg["adapter"]), "merged_layers": len(adapted_layers(state)),
+              "peft_dir": ADAPTER_DIR, "base": base}
+    state.update(merged(state, a))
+    for name in [n for n in state if ".adapter." in n]:
+        del state[name]
+    model_cfg["adapter"] = {**model_cfg["adapter"], "type": "none"}  # the weights hold it now
+    return record
 
 
 def _barrier() -> None:

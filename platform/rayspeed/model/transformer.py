@@ -394,6 +394,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
+        if dims.tie_embeddings:
+            self.register_state_dict_post_hook(_frozen_tied_head_once)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -416,6 +418,13 @@ class Transformer(nn.Module):
         return {name: gather_full(p, p, self.tp).clone() for name, p in self.named_parameters()}
 
     full_state_dict_reference = full_state_dict
+
+
+def _frozen_tied_head_once(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """A frozen tied head is the frozen embedding: a checkpoint that leaves frozen parameters out (an adapter
+    job's) must not keep the matrix under its second name."""
+    if not module.embed.weight.requires_grad:
+        state.pop(prefix + "head.weight", None)
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -162,11 +162,14 @@ class ColumnParallelLinear(nn.Module):
         )
         self.bias = (sharded_parameter((out_features,), 0, self.tp, std=0.0, seed=seed, key=f"{name}.bias", dtype=dtype)
                      if bias else None)
+        self.adapter: Optional[nn.Module] = None  # rayspeed.adapters: (x, y, weight, bias) -> y plus its share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_input:
             x = enter_tp_region(x, self.tp, self.sequence_parallel)
         y = F.linear(x, self.weight, self.bias)
+        if self.adapter is not None:
+            y = self.adapter(x, y, self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -207,12 +210,13 @@ class RowParallelLinear(nn.Module):
         self.weight = sharded_parameter(
             (out_features, in_features), 1, self.tp, std=init_std, seed=seed, key=f"{name}.weight", dtype=dtype
         )
+        self.adapter: Optional[nn.Module] = None  # rayspeed.adapters: (x, reduced y, weight) -> y plus its share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)
-        y = F.linear(x, self.weight)
-        return leave_tp_region(y, self.tp, self.sequence_parallel)
+        y = leave_tp_region(F.linear(x, self.weight), self.tp, self.sequence_parallel)
+        return y if self.adapter is None else self.adapter(x, y, self.weight)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.world_size}, "

@@ -73,6 +73,30 @@ def time_table(e: Estimate) -> list[str]:
     return lines
 
 
+def adapter_lines(e: Estimate) -> list[str]:
+    """An adapter job: what trains, its share of the memory, and the same layout as a full fine-tune."""
+    ap = e.ctx.adapter
+    if ap is None:
+        return []
+    import dataclasses
+
+    from rayspeed.planner.memory import worst_stage
+    from rayspeed.planner.timing import step_time
+
+    full_ctx = dataclasses.replace(e.ctx, adapter=None)
+    full_mem = sum(worst_stage(full_ctx, e.layout)[1].values()) / GIB
+    full_s = step_time(full_ctx, e.layout).step_s
+    trains = sum(e.memory.get(k, 0.0) for k in ("gradients", "master_weights", "optimizer_states")) / GIB
+    kind = "DoRA" if ap.dora else "LoRA"
+    return ["", f"adapters: {kind} rank {ap.rank} on {','.join(ap.roles)}"
+            + (f", {'+'.join(ap.full)} in full" if ap.full else "") + "; the base is frozen",
+            f"  memory: the frozen base's weights and the adapters' {trains:.2f} GiB of gradients, master weights and "
+            f"optimizer state per rank; as a full fine-tune this layout needs {full_mem:.1f} GiB"
+            + (" (does not fit)" if full_mem > e.ctx.usable_gib else ""),
+            f"  time: {e.step_s:.4f} s per step, {100 * (1 - e.step_s / full_s):.0f}% less than the full fine-tune's "
+            f"{full_s:.4f} s at this layout (no weight gradients for frozen layers; the adapters' thin GEMMs)"]
+
+
 def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: list[Estimate], rules: dict,
            fixed: dict, notes: list[str], job_name: str, counts: dict, claims: list[dict]) -> str:
     sh = ctx.shape
@@ -104,6 +128,7 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
     L += memory_table(best)
     L.append("")
     L += time_table(best)
+    L += adapter_lines(best)
     L.append("")
     faster = [c for c in claims if c["kind"] == "faster_not_chosen"]
     if faster:

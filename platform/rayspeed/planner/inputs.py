@@ -4,7 +4,7 @@ rayspeed.config.layout.Layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.planner.hardware import Hardware
@@ -32,6 +32,7 @@ class Ctx:
     # no tree all-gather or reduce-scatter and runs those as rings).
     nccl_algo: str = ""
     document_masking: bool = False  # data.document_masking: a [b, 1, s, s] mask per block, k/v expanded (memory.py)
+    adapter: Any = None  # planner.adapter_terms.AdapterPlan of model.adapter (None: every parameter trains)
     # Costs shared by many layouts of one search (block, head, split), keyed by what they depend on; never
     # copied by dataclasses.replace (init=False), so a changed context starts empty.
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)

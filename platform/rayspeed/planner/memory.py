@@ -10,6 +10,7 @@ import functools
 
 from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
+from rayspeed.planner.adapter_terms import activation_elems_per_token, trained_and_frozen
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.model_math import split_of, stage_params
@@ -134,6 +135,7 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
         # buffer shared by activations and gradients on every stage but the first; the last stage's backward
         # returns before freeing its outputs, so two old outputs stay alive there.
         pipe = (2 * in_flight + (1 if stage > 0 else 0) + (2 if stage == lay.pp - 1 else 0)) * sh.hidden_size / out_div
+    kept += activation_elems_per_token(ctx, lay)
     elems = tokens * (in_flight * layers * kept + working + transient + pipe)
     return elems * ctx.w_bytes
 
@@ -225,8 +227,11 @@ def communicators(lay: Layout) -> int:
 
 def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
     """Bytes per component for one rank of `stage`."""
-    n = stage_params(ctx.shape, lay.tp, lay.pp, stage, split_of(ctx.shape, lay)[stage])
-    out = model_state_bytes(n, ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.dp)
+    layers = split_of(ctx.shape, lay)[stage]
+    trained, frozen = trained_and_frozen(ctx, lay, stage, layers)
+    out = model_state_bytes(round(trained), ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.dp)
+    if frozen:  # an adapter job's base: its weights only (planner/adapter_terms.py)
+        out["weights"] += frozen * ctx.w_bytes / (lay.dp if lay.zero_stage == 3 else 1)
     out["activations"] = activation_bytes(ctx, lay, stage)
     out["logits_loss"] = logits_bytes(ctx, lay, stage)
     out["zero3_gathered"] = zero3_gathered_bytes(ctx, lay, stage)

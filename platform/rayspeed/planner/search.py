@@ -13,6 +13,7 @@ from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import default_sequence_parallel, sequence_parallel_problem, shape_split_problems
 from rayspeed.errors import ConfigError
 from rayspeed.planner import hardware, hwprofile
+from rayspeed.planner.adapter_terms import AdapterPlan
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.margin import margin_bytes
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
@@ -79,9 +80,11 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
     elif precision == "bf16" and hw.is_gpu and not hw.bf16:
         raise ConfigError(f"train.precision: bf16 is not supported on {hw.name}; use fp16 or auto")
     extra = prof.ctx_fields() if prof is not None else {}
-    return Ctx(shape=ModelShape.from_config(cfg.model), hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
+    shape = ModelShape.from_config(cfg.model)
+    return Ctx(shape=shape, hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
                world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
-               notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)), **extra)
+               notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)),
+               adapter=AdapterPlan.of(cfg.model.adapter, shape), **extra)
 
 
 # ---------------------------------------------------------------- constraints
@@ -288,7 +291,8 @@ class Estimate:
     @property
     def mfu(self) -> float:
         hw = self.ctx.hw
-        return self.tokens_per_s_per_gpu * self.ctx.shape.flops_per_token / hw.peak(self.ctx.precision)
+        flops = self.ctx.adapter.flops_per_token if self.ctx.adapter else self.ctx.shape.flops_per_token
+        return self.tokens_per_s_per_gpu * flops / hw.peak(self.ctx.precision)
 
     def overshoot_gib(self) -> float:
         return self.memory_gib - self.ctx.usable_gib

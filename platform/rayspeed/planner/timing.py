@@ -11,11 +11,14 @@ import math
 from dataclasses import dataclass, field
 
 from rayspeed.config.layout import Layout
+from rayspeed.planner import adapter_terms
 from rayspeed.planner import gemm as gemm_model
+from rayspeed.planner.adapter_terms import trained_and_frozen
 from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, nccl_s
+from rayspeed.planner.grad_pass import grad_pass_bytes_per_param
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
-from rayspeed.planner.model_math import max_stage_params, split_of, stage_params
+from rayspeed.planner.model_math import max_stage_params, split_of
 from rayspeed.planner.terms import time_terms
 
 __all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost",
@@ -27,9 +30,6 @@ OVERLAP_TAX = 0.1  # overlapped communication still slows the compute it hides b
 KERNELS_FWD_PER_LAYER = 30  # eager ops in one block's forward (norms, projections, RoPE, attention, SwiGLU)
 KERNELS_BWD_PER_LAYER = 50
 OPTIMIZER_BYTES_PER_PARAM = 36  # fused Adam: read w,g,m,v + write w,m,v (fp32), grad norm, bf16 copy-out
-# BF16_Optimizer's per-micro-batch `hp_grad.add_(lp_grad.to(fp32))`: read the bf16 gradient and write its fp32 copy
-# (2 + 4), then read that copy and the fp32 gradient and write the sum (4 + 4 + 4).
-HP_GRAD_BYTES_PER_PARAM = 18
 
 
 @dataclass
@@ -134,14 +134,21 @@ def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     return g + ew, 2 * g + attn_bwd_extra + 2 * ew
 
 
+def dense_gemm_s(ctx: Ctx, lay: Layout) -> float:
+    """One block's projections (q, k, v, o, gate, up, down) forward for one micro-batch."""
+    h, q, f, kv, t, T = ctx.shape.hidden_size, ctx.shape.q_dim, ctx.shape.ffn_hidden_size, ctx.shape.kv_dim, lay.tp, \
+        lay.micro_batch_size * ctx.shape.seq_len
+    return (gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h) + gemm_s(ctx, T, h, 2 * f / t)
+            + gemm_s(ctx, T, f / t, h))
+
+
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """One block's forward for one micro-batch: (gemm+attention s, element-wise s, host launch s)."""
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
     # q/o widths are heads * head_dim (q), k/v kv_heads * head_dim: hidden only where the family's rule says so.
     h, q, f, kv = sh.hidden_size, sh.q_dim, sh.ffn_hidden_size, sh.kv_dim
     T = lay.micro_batch_size * sh.seq_len
-    g = (gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h)
-         + gemm_s(ctx, T, h, 2 * f / t) + gemm_s(ctx, T, f / t, h))
+    g = dense_gemm_s(ctx, lay)
     attn_flops = 4.0 * T * attention_keys(ctx) * q / t  # QK^T and AV over the keys the kernel computes
     g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor
     out_div = t if lay.sequence_parallel else 1
@@ -178,17 +185,22 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
     T = lay.micro_batch_size * sh.seq_len
     g, ew, host = layer_fwd(ctx, lay)
+    g_fwd, g_bwd = g, 2 * g
+    if ctx.adapter is not None:  # frozen projections: no weight gradient; the adapters' thin GEMMs (adapter_terms)
+        dense = dense_gemm_s(ctx, lay)
+        a_fwd, a_bwd = adapter_terms.gemm_seconds(ctx, lay, gemm_s, dense)
+        g_fwd, g_bwd = g - dense + a_fwd, 2 * (g - dense) + a_bwd
     attn_bwd_extra = (6.0 * T * attention_keys(ctx) * sh.q_dim / t
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
     # A calibrated profile anchors the block at the real block it measured (work_scale_*: measured / modelled
     # at its reference layout); elsewhere the model's ratio to that reference carries it.
-    fwd = _combine(ctx, g + ew, host) * hw.work_scale_fwd
-    bwd = _combine(ctx, 2 * g + attn_bwd_extra + 2 * ew, engine_overheads(ctx, lay)[1]) * hw.work_scale_bwd
+    fwd = _combine(ctx, g_fwd + ew, host) * hw.work_scale_fwd
+    bwd = _combine(ctx, g_bwd + attn_bwd_extra + 2 * ew, engine_overheads(ctx, lay)[1]) * hw.work_scale_bwd
     rec = 0.0
     if lay.activation_checkpointing == "full":
         rec = fwd
     elif lay.activation_checkpointing == "selective":
-        rec = _combine(ctx, g + 0.8 * ew, host)  # residual adds are not rebuilt
+        rec = _combine(ctx, g_fwd + 0.8 * ew, host)  # residual adds are not rebuilt
     tp = 0.0
     if t > 1:
         act = T * sh.hidden_size * ctx.w_bytes
@@ -299,31 +311,6 @@ def p2p_s(ctx: Ctx, lay: Layout, nbytes: float) -> float:
 # ---------------------------------------------------------------- the step
 
 
-def bf16_optimizer(ctx: Ctx, lay: Layout) -> bool:
-    """Whether DeepSpeed 0.19.8 wraps the optimizer in its BF16_Optimizer (engine `_do_optimizer_sanity_check`):
-    bf16 weights with fp32 gradient accumulation at ZeRO-1, or bf16 accumulation under the pipeline engine at
-    ZeRO-0. It adds each micro-batch's bf16 gradients into full fp32 gradients after that micro-batch's backward
-    (`backward_epilogue` -> `update_hp_grads`; under the pipeline engine in `_exec_backward_pass`)."""
-    if ctx.precision != "bf16":
-        return False
-    if ctx.grad_accum_dtype == "fp32":
-        return lay.zero_stage == 1
-    return lay.zero_stage == 0 and lay.pp > 1
-
-
-def grad_pass_bytes_per_param(ctx: Ctx, lay: Layout) -> float:
-    """Memory traffic per parameter of the stage that every micro-batch's gradients cost beyond the backward itself:
-    BF16_Optimizer's fp32 accumulation (HP_GRAD_BYTES_PER_PARAM, on every rank's whole stage), or ZeRO-2's copy of
-    each gradient into its reduce bucket in the communication dtype (DeepSpeed stage_1_and_2: the backward hooks
-    copy into the ipg buffer) plus the add of the reduced bucket into this rank's fp32 partition (read the bucket's
-    slice and the partition, write the partition: 12 bytes over dp)."""
-    if bf16_optimizer(ctx, lay):
-        return HP_GRAD_BYTES_PER_PARAM
-    if lay.zero_stage == 2:
-        return ctx.w_bytes + ctx.comm_bytes + 12 / max(1, lay.dp)
-    return 0.0
-
-
 def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]]:
     """Per stage, one micro-batch: (compute, recompute, tp comm, backward compute)."""
     split = split_of(ctx.shape, lay)
@@ -340,7 +327,7 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
     for i, n in enumerate(split):
         comp = n * (bc.fwd + bc.bwd + bc.rec)
         if hp:  # every micro-batch's gradients pass through memory once more (grad_pass_bytes_per_param)
-            comp += _mem_s(ctx, hp * stage_params(ctx.shape, lay.tp, lay.pp, i, n))
+            comp += _mem_s(ctx, hp * trained_and_frozen(ctx, lay, i, n)[0])
         back = n * (bc.bwd + bc.rec)
         tp = n * bc.tp
         last = i == lay.pp - 1
@@ -379,8 +366,8 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
 
     # Data parallel / ZeRO, for the stage whose parameters are largest (the one the others wait for).
     n_stage = max_stage_params(sh, lay.tp, p, split)
-    grads = n_stage * ctx.comm_bytes
-    weights = n_stage * ctx.w_bytes
+    n_train = trained_and_frozen(ctx, lay, 0, max(split), n_stage)[0]  # an adapter job reduces what trains only
+    grads, weights, updated = n_train * ctx.comm_bytes, n_stage * ctx.w_bytes, n_train * ctx.w_bytes
     b = buckets(ctx, lay)
     grp = dp_group(ctx, lay)
 
@@ -398,7 +385,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
             # DeepSpeed 0.19.8 ZeRO-1/2 reduce every bucket with an all-reduce (use_multi_rank_bucket_allreduce,
             # stage_1_and_2.average_tensor), then keep their partition: all-reduce volume, not reduce-scatter.
             red = reduce_(grads)
-            gather = gather_(weights) if lay.zero_stage == 1 else 0.0
+            gather = gather_(updated) if lay.zero_stage == 1 else 0.0
             # ZeRO-1's backward hooks reduce buckets during the last micro-batch's backward (overlap_comm).
             # Not hidden: ZeRO-0 (the flat gradients are all-reduced after backward), the pipeline engine
             # (reduces after the flush), CPU workers (no side stream).
@@ -407,7 +394,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
             dp_exposed = _exposed(red, hidden) + gather
         elif lay.zero_stage == 2:  # reduced in every micro-batch's backward (gradients are partitioned)
             red = reduce_(grads)
-            gather = gather_(weights)
+            gather = gather_(updated)
             dp_total = m * red + gather
             dp_exposed = m * _exposed(red, back) + gather
         else:  # ZeRO-3: per micro-batch, gather weights module by module in forward and backward, reduce grads
@@ -428,7 +415,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
         tie = _group(ctx, 2, 1 if ctx.world > ctx.node_size else 2)
         dp_exposed += coll_s(ctx, "allreduce", sh.vocab_size * sh.hidden_size / lay.tp * ctx.comm_bytes, tie)
 
-    owned = n_stage / (d if lay.zero_stage >= 1 else 1)
+    owned = n_train / (d if lay.zero_stage >= 1 else 1)
     opt = _mem_s(ctx, owned * OPTIMIZER_BYTES_PER_PARAM) + engine_overheads(ctx, lay)[3]
     # Synchronous steps wait for the slowest GPU: the expected maximum of n draws is sigma * sqrt(2 ln n)
     # above the mean (a normal spread; Sinha et al. SC22 for the spread itself).

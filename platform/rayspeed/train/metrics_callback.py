@@ -33,13 +33,15 @@ COMM_SAMPLE_EVERY = 10
 
 
 def mfu_terms(cfg: JobConfig) -> tuple[float, Optional[float]]:
-    """(model FLOPs per token: ModelShape.flops_per_token, PaLM's 6 N non-embedding + 12 L h s, the one definition;
-    peak FLOP/s of one GPU from the planner's tables); no MFU on CPU."""
+    """(model FLOPs per token: ModelShape.flops_per_token, PaLM's 6 N non-embedding + 12 L h s, the one definition,
+    an adapter job's frozen weights without their weight gradient (config.adapter.flops_per_token); peak FLOP/s of
+    one GPU from the planner's tables); no MFU on CPU."""
     try:
+        from rayspeed.config import adapter
         from rayspeed.config.shape import ModelShape
         from rayspeed.planner.hardware import get as hardware
 
-        flops = ModelShape.from_config(cfg.model).flops_per_token
+        flops = adapter.flops_per_token(ModelShape.from_config(cfg.model), cfg.model.adapter)
         if not cfg.cluster.use_gpu:
             return float(flops), None
         return float(flops), float(hardware(cfg.cluster.gpu, cfg.cluster.hardware).peak(cfg.train.precision))

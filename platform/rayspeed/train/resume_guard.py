@@ -13,6 +13,8 @@ import time
 from typing import Any
 
 from rayspeed.checkpoint import manifest
+from rayspeed.checkpoint.base_identity import base_identity
+from rayspeed.config import adapter, hf_config
 from rayspeed.config.load import flatten, to_dict
 from rayspeed.config.schema import JobConfig
 from rayspeed.errors import ConfigError
@@ -32,7 +34,13 @@ def run_identity(job: JobConfig) -> dict[str, Any]:
     ident = {"model": d["model"],
              "data": {k: v for k, v in d["data"].items() if k not in _DATA_EXEMPT},
              "train": {k: v for k, v in d["train"].items() if k not in _TRAIN_EXEMPT}}
-    return {k: v for k, v in flatten(ident).items()}
+    out = {k: v for k, v in flatten(ident).items()}
+    m = job.model
+    if adapter.enabled(m.adapter) and m.pretrained and m.init == "pretrained" and not job.train.init_from:
+        # The checkpoints hold the adapter only: its base is part of what the run computes.
+        out["model.pretrained (weights)"] = base_identity(str(m.pretrained),
+                                                          str(hf_config.resolve_file(str(m.pretrained)).parent))
+    return out
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -1,0 +1,79 @@
+"""Adapters in PEFT's files: rayspeed's adapter names <-> peft's keys, and the adapter_config.json peft reads.
+
+    layers.0.attn.wq.adapter.lora_A    <->  base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+    layers.0.attn.wq.adapter.lora_B    <->  base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight
+    layers.0.attn.wq.adapter.magnitude <->  base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector
+
+The base module path comes from the family's checkpoint names (TensorNames), so every family maps the same way.
+`peft.PeftModel.from_pretrained(base, folder)` loads what write_peft_dir writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from rayspeed.config import adapter as spec
+
+PREFIX = "base_model.model."
+_PEFT_SUFFIX = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def is_adapter(name: str) -> bool:
+    return ".adapter." in name
+
+
+def peft_key(name: str, shape: Any) -> str:
+    """peft's key of rayspeed adapter parameter `name`."""
+    layer, _, kind = name.partition(".adapter.")
+    hf = shape.family.tensor_names.hf_name(f"{layer}.weight")
+    return PREFIX + hf[: -len(".weight")] + "." + _PEFT_SUFFIX[kind]
+
+
+def rayspeed_name(key: str, shape: Any) -> Optional[str]:
+    """rayspeed's adapter parameter of peft key `key` (None: not an adapter key rayspeed knows)."""
+    if not key.startswith(PREFIX):
+        return None
+    rest = key[len(PREFIX):]
+    for kind, suffix in _PEFT_SUFFIX.items():
+        if rest.endswith("." + suffix):
+            layer = shape.family.tensor_names.rayspeed_name(rest[: -len(suffix)] + "weight")
+            return None if layer is None else f"{layer[: -len('.weight')]}.adapter.{kind}"
+    return None
+
+
+def target_modules(adapter: Any, shape: Any) -> list[str]:
+    """peft's target_modules: the leaf names of the checkpoint's modules the roles name (q_proj, ...)."""
+    names = shape.family.tensor_names
+    return [names.hf_name(f"layers.0.{spec.ROLES[r]}.weight").split(".")[-2] for r in spec.target_roles(adapter)]
+
+
+def adapter_config(adapter: Any, shape: Any, base: str) -> dict[str, Any]:
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+        "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": adapter.dropout,
+        "target_modules": target_modules(adapter, shape), "use_rslora": adapter.rslora, "use_dora": adapter.dora,
+        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def peft_state(state: dict[str, torch.Tensor], shape: Any) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a whole (unsharded) state dict under peft's keys."""
+    return {peft_key(n, shape): t.detach().contiguous() for n, t in state.items() if is_adapter(n)}
+
+
+def write_peft_dir(state: dict[str, torch.Tensor], adapter: Any, shape: Any, out: str, base: str) -> Path:
+    """adapter_config.json + adapter_model.safetensors of the adapter in `state` (whole tensors), for base `base`
+    (what peft records as base_model_name_or_path: a hub id or the directory the base was read from)."""
+    from safetensors.torch import save_file
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(peft_state(state, shape), str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(adapter, shape, base), indent=2) + "\n")
+    return folder

@@ -1,0 +1,92 @@
+"""What `model.adapter` means, without torch: which linear layers a target role names, the LoRA scale, and the
+job checks (each problem names its key and the fix).
+
+Roles are the same for every family: q, k, v, o of the attention and gate, up, down of the MLP, named after the
+projections of transformers' Llama (q_proj ... down_proj). A family whose checkpoint fuses projections (Phi-3's
+qkv_proj and gate_up_proj) holds one A for the fused tensor in peft; rayspeed keeps the parts as separate layers,
+so adapters on those families are refused until the shared-A form exists (an adapter per part would be a
+different model than the peft adapter users load).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+ROLES: dict[str, str] = {
+    "q": "attn.wq", "k": "attn.wk", "v": "attn.wv", "o": "attn.wo",
+    "gate": "mlp.w_gate", "up": "mlp.w_up", "down": "mlp.w_down",
+}
+"""role -> the linear layer of a block it names (rayspeed's module path under layers.{i})."""
+COLUMN_ROLES = ("q", "k", "v", "gate", "up")
+"""Column-parallel under tp (the output features split): the adapter's B is split by rows, A is whole."""
+ALL = "all"
+TRAINABLE = ("embed", "head", "norms")
+
+
+def enabled(adapter: Any) -> bool:
+    return adapter is not None and adapter.type != "none"
+
+
+def target_roles(adapter: Any) -> tuple[str, ...]:
+    """The roles an adapter covers, in ROLES' order (`all`: every one)."""
+    wanted = set(adapter.targets)
+    return tuple(r for r in ROLES if ALL in wanted or r in wanted)
+
+
+def scale(adapter: Any) -> float:
+    """alpha / rank, or alpha / sqrt(rank) with rsLoRA (peft's `scaling`)."""
+    return float(adapter.alpha) / (math.sqrt(adapter.rank) if adapter.rslora else adapter.rank)
+
+
+def role_dims(shape: Any) -> dict[str, tuple[int, int]]:
+    """role -> (in, out) features of its linear layer in a model of `shape` (a ModelShape)."""
+    h, q, kv, f = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.ffn_hidden_size
+    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
+
+
+def adapter_params(shape: Any, adapter: Any) -> int:
+    """Adapter parameters of the whole model: rank x (in + out) per adapted layer, DoRA's magnitude (out) too."""
+    dims = role_dims(shape)
+    per_layer = sum(adapter.rank * (dims[r][0] + dims[r][1]) + (dims[r][1] if adapter.dora else 0)
+                    for r in target_roles(adapter))
+    return shape.num_layers * per_layer
+
+
+def flops_per_token(shape: Any, adapter: Any) -> float:
+    """Model FLOPs per token of a job (MFU's numerator, everywhere): ModelShape.flops_per_token, and with adapters
+    the frozen projections' weight gradient (2 FLOPs per weight) left out, the adapters' 6 per parameter added."""
+    if not enabled(adapter):
+        return float(shape.flops_per_token)
+    return shape.flops_per_token - 2.0 * shape.non_embedding_params + 6.0 * adapter_params(shape, adapter)
+
+
+def problems(cfg: Any, family: Any) -> list[str]:
+    a = cfg.model.adapter
+    if not enabled(a):
+        return []
+    p: list[str] = []
+    if a.rank < 1:
+        p.append(f"model.adapter.rank: must be >= 1, got {a.rank}")
+    if a.alpha <= 0:
+        p.append(f"model.adapter.alpha: must be > 0, got {a.alpha}")
+    if not 0.0 <= a.dropout < 1.0:
+        p.append(f"model.adapter.dropout: must be in [0, 1), got {a.dropout}")
+    unknown = [t for t in a.targets if t != ALL and t not in ROLES]
+    if unknown or not a.targets:
+        p.append(f"model.adapter.targets: {unknown or '[]'} is not a list of roles; use all, or some of "
+                 f"{', '.join(ROLES)}")
+    bad = [t for t in a.trainable if t not in TRAINABLE]
+    if bad:
+        p.append(f"model.adapter.trainable: {bad} unknown; use some of {', '.join(TRAINABLE)}")
+    if family is not None and family.tensor_names.fused:
+        p.append(f"model.adapter: {family.architecture} fuses projections in its checkpoint "
+                 f"({', '.join(sorted(family.tensor_names.fused))}); adapters on it are not supported yet: "
+                 "fine-tune it in full (remove model.adapter)")
+    if a.base_precision == "nf4":
+        p.append("model.adapter.base_precision: nf4 (QLoRA) is not available in this version yet; use auto "
+                 "(the base in the job's precision)")
+    if a.dora and cfg.parallel.zero_stage == 3:
+        p.append("model.adapter.dora: DoRA reads each whole base weight every forward, which ZeRO-3 partitions; "
+                 "use parallel.zero_stage 0, 1 or 2 (or auto), or set dora: false")
+    return p

@@ -1,0 +1,107 @@
+"""What adapters change in the memory and time of a step (docs/PLANNER.md, "Adapters").
+
+Memory per rank: the frozen base keeps only its weights (in the working dtype; ZeRO-3 shards them over dp; no
+gradient, fp32 master or Adam state), what trains (the adapters and any module `trainable` names) keeps the full
+16 (or 20) bytes per parameter of playbook part A, divided by ZeRO as usual; the base's activations are kept as
+without adapters, plus per adapted layer and token the rank-r product A x (and, with dropout, the dropped input)
+when nothing is recomputed.
+
+Time: a frozen layer's backward computes the input gradient only (one GEMM where training computes two: the
+weight gradient is skipped), the adapter adds two thin GEMMs forward (x A^T, then (A x) B^T) and four backward;
+DoRA also reads the whole base weight for its row norms each forward (an element-wise pass over W and B A).
+Data parallelism reduces and gathers only what trains; ZeRO-3 still gathers the frozen base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rayspeed.config import adapter as spec
+from rayspeed.planner.model_math import stage_params
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    rank: int
+    roles: tuple[str, ...]
+    dora: bool
+    dropout: bool
+    full: tuple[str, ...]  # modules trained in full: embed, head, norms
+    flops_per_token: float  # the job's model FLOPs per token (config.adapter.flops_per_token)
+
+    @classmethod
+    def of(cls, adapter: Any, shape: Any) -> Optional["AdapterPlan"]:
+        if not spec.enabled(adapter):
+            return None
+        return cls(rank=adapter.rank, roles=spec.target_roles(adapter), dora=adapter.dora,
+                   dropout=adapter.dropout > 0, full=tuple(adapter.trainable),
+                   flops_per_token=spec.flops_per_token(shape, adapter))
+
+
+def layer_adapter_params(sh: Any, ap: AdapterPlan, tp: int) -> float:
+    """Adapter elements of one block on one tp rank: a column layer's A whole and B split, a row layer's A split
+    and B whole (rayspeed.adapters.lora), DoRA's magnitude split like the output."""
+    n = 0.0
+    for role in ap.roles:
+        i, o = spec.role_dims(sh)[role]
+        column = role in spec.COLUMN_ROLES
+        n += ap.rank * (i + o / tp) if column else ap.rank * (i / tp + o)
+        if ap.dora:
+            n += o / tp if column else o
+    return n
+
+
+def full_trained_params(sh: Any, ap: AdapterPlan, lay: Any, stage: int, layers: int) -> float:
+    n = 0.0
+    if "embed" in ap.full and stage == 0:
+        n += sh.embedding_params / lay.tp
+    if "head" in ap.full and stage == lay.pp - 1 and (not sh.tie_embeddings or lay.pp > 1 or "embed" not in ap.full):
+        n += sh.vocab_size * sh.hidden_size / lay.tp
+    if "norms" in ap.full:
+        n += layers * sh.layer_norm_params + (sh.hidden_size if stage == lay.pp - 1 else 0)
+    return n
+
+
+def trained_and_frozen(ctx: Any, lay: Any, stage: int, layers: int, n_stage: Optional[float] = None
+                       ) -> tuple[float, float]:
+    """(parameters that train, frozen parameters) of one rank of `stage` holding `layers` blocks (of n_stage
+    parameters in all; None: that stage's own count)."""
+    if n_stage is None:
+        n_stage = stage_params(ctx.shape, lay.tp, lay.pp, stage, layers)
+    ap = ctx.adapter
+    if ap is None:
+        return n_stage, 0.0
+    full = full_trained_params(ctx.shape, ap, lay, stage, layers)
+    return layers * layer_adapter_params(ctx.shape, ap, lay.tp) + full, max(0.0, n_stage - full)
+
+
+def activation_elems_per_token(ctx: Any, lay: Any) -> float:
+    """Working-dtype elements per token and block the adapters save for backward (nothing recomputed): A x (rank)
+    per adapted layer, and with dropout the dropped input and its mask."""
+    ap = ctx.adapter
+    if ap is None or lay.activation_checkpointing != "none":
+        return 0.0
+    dims = spec.role_dims(ctx.shape)
+    n = 0.0
+    for role in ap.roles:
+        i, _ = dims[role]
+        n += ap.rank + (2 * i / (1 if role in spec.COLUMN_ROLES else lay.tp) if ap.dropout else 0.0)
+    return n
+
+
+def gemm_seconds(ctx: Any, lay: Any, gemm_s: Any, dense_fwd: float) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds of one block for one micro-batch with adapters, given the dense forward
+    GEMMs `dense_fwd` (the base's): the base's backward is its input gradient only, the adapters' GEMMs added
+    (gemm_s: the time model's GEMM time)."""
+    ap = ctx.adapter
+    if ap is None:
+        return dense_fwd, 2 * dense_fwd
+    sh, t = ctx.shape, lay.tp
+    T = lay.micro_batch_size * sh.seq_len
+    fwd = 0.0
+    for role in ap.roles:
+        i, o = spec.role_dims(sh)[role]
+        column = role in spec.COLUMN_ROLES
+        fwd += gemm_s(ctx, T, i if column else i / t, ap.rank) + gemm_s(ctx, T, ap.rank, o / t if column else o)
+    return dense_fwd + fwd, dense_fwd + 2 * fwd

@@ -1,0 +1,89 @@
+"""An adapter job end to end with --launcher local (jobs/train.py in a subprocess, DeepSpeed ZeRO-2, a real MLflow
+store): killed at step 5 and resubmitted, it resumes its step-3 checkpoint and continues the uninterrupted run's
+loss curve to 1e-5 (adapter dropout 0.1: the masks are restored with the RNG); its checkpoints hold the adapter
+only; its exported model is the merged one, with the PEFT adapter beside it that peft loads on the base to the same
+logits; and a resubmission on other base weights (same directory, new files) is exit 2 naming both."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from _cluster import metric_history, run_job
+from _hf_models import LLAMA_TIED, save
+
+pytestmark = pytest.mark.timeout(600)
+
+SETTINGS = ["--launcher", "local", "--set", "name=lora-job", "--set", "model.adapter.type=lora",
+            "--set", "model.adapter.rank=4", "--set", "model.adapter.dropout=0.1", "--set", "model.seq_len=32",
+            "--set", "train.global_batch_size=4", "--set", "train.max_steps=6", "--set", "train.lr=1e-3",
+            "--set", "resilience.checkpoint_every_steps=3", "--set", "tracking.log_every_steps=1"]
+
+
+def _args(base):
+    return ["--config", "configs/tiny-pretrained-cpu.yaml", "--set", f"model.pretrained={base}", *SETTINGS]
+
+
+def _losses(home, summary):
+    per_step = dict(metric_history(home, summary["mlflow_run_id"], "train/loss"))  # the last value of each step
+    return [per_step[s] for s in sorted(per_step)]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base") / "llama"
+    save(d, LLAMA_TIED, seed=11, tokenizer=True)
+    return d
+
+
+def test_killed_adapter_job_resumes_to_the_same_loss_curve_and_exports_a_peft_adapter(tmp_path, base):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    r, s = run_job(whole, _args(base), None)
+    assert r.returncode == 0 and s["steps"] == 6, r.stderr[-3000:]
+    assert "adapters: LoRA rank 4 scale 8 on 14 layers" in r.stderr
+
+    r, _ = run_job(killed, [*_args(base), "--set", "chaos.kill_rank_at_step={rank: 0, step: 5}"], None)
+    assert r.returncode != 0 and "chaos: killing rank 0 at step 5" in r.stderr
+    r, s2 = run_job(killed, [*_args(base), "--set", "chaos.kill_rank_at_step={rank: 0, step: 5}"], None)
+    assert r.returncode == 0 and s2["steps"] == 6, r.stderr[-3000:]
+    assert "resumed from checkpoint_step00000003 at step 3" in r.stderr
+    want, got = _losses(whole, s), _losses(killed, s2)
+    assert len(want) == len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
+
+    # The checkpoint: the adapter's tensors only (the base is model.pretrained's, reloaded at build).
+    states = torch.load(whole / "runs" / "lora-job" / "checkpoint_step00000006" / "ds" / "mp_rank_00_model_states.pt",
+                        weights_only=False)
+    assert states["module"] and all(".adapter.lora_" in k for k in states["module"])
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.model.export import load_model
+
+    model_dir = whole / "runs" / "lora-job" / "model"
+    merged = load_model(str(model_dir))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
+                                     str(model_dir / "adapter")).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(peft(ids).logits, merged(ids), rtol=1e-5, atol=1e-5)
+        plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)(ids).logits
+    assert (plain - merged(ids)).abs().max() > 1e-4  # the adapter trained: the merged model is not the base
+
+
+def test_resuming_on_other_base_weights_is_refused_naming_both(tmp_path, base):
+    own = tmp_path / "llama"
+    shutil.copytree(base, own)
+    args = [*_args(own), "--set", "train.max_steps=3"]
+    r, s = run_job(tmp_path, args, None)
+    assert r.returncode == 0 and s["steps"] == 3, r.stderr[-3000:]
+    save(tmp_path / "other", LLAMA_TIED, seed=12, tokenizer=True)
+    shutil.copy(tmp_path / "other" / "model.safetensors", own / "model.safetensors")
+    r, s = run_job(tmp_path, args, None)
+    assert r.returncode == 2 and s is None
+    err = r.stderr.strip().splitlines()[-1]
+    assert "model.pretrained (weights): 'sha256:" in err and "' -> 'sha256:" in err, err
+    assert "Traceback" not in r.stderr

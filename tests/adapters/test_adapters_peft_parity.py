@@ -1,0 +1,211 @@
+"""LoRA, rsLoRA and DoRA parity with peft on the same base (a Qwen2 checkpoint made locally: q/k/v biases, so DoRA's
+base output without its bias is exercised) and the same adapter weights, fp32, rtol = atol = 1e-5: logits, loss and
+every adapter gradient at tp1, at tp2 with sequence parallelism (each rank's shard of each gradient) and at pp2 (the
+two stages run by hand, the activation and its gradient sent between them); the PEFT folder rayspeed writes loads
+in peft (PeftModel.from_pretrained) to the same logits. Dropout 0: the parity of dropout masks is not claimed
+against peft (different draws), only between rayspeed's layouts (tests/adapters/test_adapters_layouts.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _dist import run_distributed
+from _hf_models import QWEN, save, shape_of
+from _hf_parity import TOL, build, init_deepspeed_gloo, shard, tokens
+
+SEQ, BATCH = 16, 2
+VARIANTS = {"lora": dict(), "rslora": dict(rslora=True), "dora": dict(dora=True)}
+
+
+def _adapter(variant, targets=("all",)):
+    from rayspeed.config.schema import AdapterConfig
+
+    return AdapterConfig(type="lora", rank=4, alpha=8.0, targets=list(targets), **VARIANTS[variant])
+
+
+def _ids():
+    return tokens(256, BATCH, SEQ, 5)
+
+
+def randomize_b(model) -> None:
+    """Every lora_B from N(0, 0.1) drawn whole from its name (B starts at zero: its gradients alone would not
+    see A), this rank's shard kept: the same adapter on every layout."""
+    from rayspeed.adapters.lora import LoraAdapter
+    from rayspeed.parallel.layers import full_normal
+
+    for m in model.modules():
+        if isinstance(m, LoraAdapter):
+            full = full_normal((m.out_features, m.rank), 0.1, 7, m.name)
+            m.lora_B.data.copy_(shard(full, 0 if (m.tp.enabled and not m.row) else None, m.tp.rank,
+                                      m.tp.world_size))
+
+
+def adapted(shape, model_dir, adapter, tp=None, sp=False):
+    from rayspeed.adapters.attach import add_adapters
+
+    model = build(shape, model_dir, tp, sp)
+    add_adapters(model, adapter, tp, sp, seed=1)
+    randomize_b(model)
+    return model
+
+
+def peft_reference(model_dir, state, adapter, shape):
+    """peft's logits, loss and adapter gradients with rayspeed's adapter weights (whole) loaded into it."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.adapters import peft_files
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, use_rslora=adapter.rslora, use_dora=adapter.dora,
+                        target_modules=peft_files.target_modules(adapter, shape))
+    peft = get_peft_model(hf, config)
+    result = set_peft_model_state_dict(peft, peft_files.peft_state(state, shape))
+    assert not result.unexpected_keys
+    ids = _ids()
+    logits = peft(ids[:, :-1]).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {_saved_key(n): p.grad.detach().clone() for n, p in peft.named_parameters() if p.requires_grad}
+    return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads}
+
+
+def _saved_key(name: str) -> str:
+    """peft's parameter name -> its key in adapter_model.safetensors (the adapter name dropped)."""
+    if name.endswith("lora_magnitude_vector.default.weight"):
+        return name[: -len(".default.weight")]
+    return name.replace(".default.", ".")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen") / "m"
+    save(d, QWEN, seed=3)
+    return str(d)
+
+
+def _adapter_grads(named):
+    return {n: (p.grad.detach().clone(), getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel",
+                                                                                    False) else None)
+            for n, p in named if p.requires_grad}
+
+
+def _check_grads(grads, ref, shape, rank=0, world=1, where=""):
+    from rayspeed.adapters import peft_files
+
+    assert grads and all(peft_files.is_adapter(n) for n in grads)
+    for name, (g, dim) in grads.items():
+        want = shard(ref["grads"][peft_files.peft_key(name, shape)], dim, rank, world)
+        torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"{where} {name}: {m}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tp1_logits_loss_and_adapter_gradients_match_peft(base, variant):
+    shape = shape_of(base, SEQ)
+    model = adapted(shape, base, _adapter(variant))
+    ref = peft_reference(base, model.full_state_dict(), _adapter(variant), shape)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
+    loss.backward()
+    grads = _adapter_grads(model.named_parameters())
+    assert len(grads) == len(ref["grads"]) == 2 * 7 * shape.num_layers + (7 * shape.num_layers if variant == "dora"
+                                                                           else 0)
+    _check_grads(grads, ref, shape)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)  # the base is frozen
+
+
+def _pp2(shape, model_dir, adapter):
+    """pp2 by hand: stage 0 sends its activation, stage 1 computes the logits and loss and sends the activation's
+    gradient back; (logits or None, loss or None, this stage's adapter gradients)."""
+    import torch.distributed as dist
+
+    from rayspeed.adapters.attach import add_adapters
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.pipeline import build_pipeline_module, canonical_named_parameters
+    from rayspeed.parallel.groups import ParallelGroups
+    from rayspeed.parallel.layers import deferred_init
+
+    groups = ParallelGroups(dp=1, tp=1, pp=2)
+    with deferred_init():
+        module = build_pipeline_module(shape, groups, num_stages=2, partition_method="type:Block")
+    load_hf_weights(module, model_dir, shape)
+    add_adapters(module, adapter, seed=1)
+    randomize_b(module)
+    ids = _ids()
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    logits = loss = None
+    if groups.pp_rank == 0:
+        out = module(inputs)
+        dist.send(out.detach().contiguous(), dst=1)
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=1)
+        out.backward(grad)
+    else:
+        full = torch.empty(inputs.shape[0], inputs.shape[1], shape.hidden_size)
+        dist.recv(full, src=0)
+        full.requires_grad_(True)
+        hidden, weight = module(full)
+        logits = F.linear(hidden, weight)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        dist.send(full.grad.contiguous(), dst=0)
+        logits, loss = logits.detach(), loss.detach()
+    return logits, loss, _adapter_grads(canonical_named_parameters(module))
+
+
+def _ranks(rank, world_size, model_dir, variant):
+    from rayspeed.parallel.groups import ParallelGroups
+
+    init_deepspeed_gloo()
+    shape = shape_of(model_dir, SEQ)
+    model = adapted(shape, model_dir, _adapter(variant), ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True)
+    state = model.full_state_dict()
+    ids = _ids()
+    with torch.no_grad():
+        logits = model(ids[:, :-1])
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    tp2 = (logits, loss.detach(), _adapter_grads(model.named_parameters()))
+    return state if rank == 0 else None, tp2, _pp2(shape, model_dir, _adapter(variant))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tp2_sequence_parallel_and_pp2_match_peft(base, variant):
+    shape = shape_of(base, SEQ)
+    results = run_distributed(_ranks, 2, base, variant, timeout_s=180)
+    ref = peft_reference(base, results[0][0], _adapter(variant), shape)
+    pp_names = set()
+    for rank, (_, (logits, loss, grads), (pp_logits, pp_loss, pp_grads)) in enumerate(results):
+        torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"tp2 rank {rank} logits: {m}")
+        torch.testing.assert_close(loss, ref["loss"], **TOL, msg=lambda m: f"tp2 rank {rank} loss: {m}")
+        assert len(grads) == len(ref["grads"])
+        _check_grads(grads, ref, shape, rank, 2, where=f"tp2 rank {rank}")
+        _check_grads(pp_grads, ref, shape, where=f"pp2 stage {rank}")
+        pp_names |= set(pp_grads)
+        if rank == 1:
+            torch.testing.assert_close(pp_logits, ref["logits"], **TOL)
+            torch.testing.assert_close(pp_loss, ref["loss"], **TOL)
+    assert len(pp_names) == len(ref["grads"])  # the two stages hold every adapter once
+
+
+def test_the_peft_folder_loads_in_peft_to_the_same_logits(base, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.adapters.peft_files import write_peft_dir
+
+    shape = shape_of(base, SEQ)
+    adapter = _adapter("dora", targets=("q", "v", "down"))
+    model = adapted(shape, base, adapter).eval()
+    write_peft_dir(model.full_state_dict(), adapter, shape, str(tmp_path / "peft"), base)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                       str(tmp_path / "peft")).eval()
+    ids = _ids()[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids), **TOL)
+    assert sorted(loaded.peft_config["default"].target_modules) == ["down_proj", "q_proj", "v_proj"]
