@@ -44,6 +44,9 @@ Lines (in this order; "bench" names each):
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
                 steps/s while the background write runs, both runs' wall time, same_loss.
+  adapters      the same model (512 wide, 8 layers, seq 256) fine-tuned in full and with LoRA rank 16 on every
+                linear layer, one CPU worker (--launcher local), ZeRO-2: full_step_s / lora_step_s (median after
+                10 steps) and each engine's model-state bytes per rank, side by side; about 13 minutes on 2 cores.
 
 Everything runs in a scratch RAYSPEED_HOME (its own mlflow.db and runs/), deleted unless --keep.
 """
@@ -227,11 +230,12 @@ def steady_state(windows: list[float], skip: int) -> Optional[float]:
     return statistics.median(kept)
 
 
-def run_platform(home: Path, config: str, name: str, overrides: list[str], timeout_s: float) -> dict[str, Any]:
+def run_platform(home: Path, config: str, name: str, overrides: list[str], timeout_s: float,
+                 options: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     """Run jobs/train.py in its own process; return the summary, the output's first-step lines and timings."""
     env = dict(os.environ, RAYSPEED_HOME=str(home))
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [PY, str(ROOT / "jobs" / "train.py"), "--config", config, "--set", f"name={name}"]
+    cmd = [PY, str(ROOT / "jobs" / "train.py"), "--config", config, "--set", f"name={name}", *options]
     for o in overrides:
         cmd += ["--set", o]
     log_path = home / f"{name}.log"
@@ -561,6 +565,35 @@ def bench_gpu(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "gpu", "status": "failed", "rc": proc.returncode}]
 
 
+ADAPTER_MODEL = ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=4",
+                 "model.ffn_hidden_size=1408", "model.seq_len=256", "train.global_batch_size=8", "train.max_steps=40",
+                 "train.eval_every_steps=0", "parallel.zero_stage=2", "tracking.log_every_steps=5",
+                 "resilience.checkpoint_every_steps=0", "tracking.loss_landscape=false", "health.preflight=false"]
+
+
+def bench_adapters(args, home: Path) -> dict[str, Any]:
+    """The same model (512 wide, 8 layers, 23.7M parameters; seq 256, batch 8, one CPU worker, ZeRO-2, fp32)
+    fine-tuned in full and with LoRA (rank 16, all linear layers) one after the other: the median step time after
+    warm-up and the model-state bytes per rank each run's engine reports (weights, master weights, optimizer
+    states; DeepSpeed's ZeRO-2 keeps fp32 gradients in its partitions besides)."""
+    _note("adapters: full fine-tune vs LoRA rank 16 (all linear layers), same model, one CPU worker")
+    out: dict[str, Any] = {"bench": "adapters", "config": args.config, "model": ADAPTER_MODEL[:6]}
+    for kind, extra in (("full", []), ("lora", ["model.adapter.type=lora", "model.adapter.rank=16"])):
+        res = run_platform(home, args.config, f"bench-adapters-{kind}", [*ADAPTER_MODEL, *extra], args.timeout,
+                           ["--launcher", "local"])
+        times = [v for step, v, _ in res.get("step_times", []) if step > 10]
+        out[f"{kind}_step_s"] = _r(_median(times))
+        states = res["summary"].get("model_state_bytes") or {}
+        out[f"{kind}_model_state_bytes"] = states
+        out[f"{kind}_model_state_bytes_total"] = sum(states.values()) if states else None
+        out[f"{kind}_final_loss"] = _r(res["summary"].get("final_loss"))
+    if out.get("full_step_s") and out.get("lora_step_s"):
+        out["lora_step_time_ratio"] = _r(out["lora_step_s"] / out["full_step_s"], 3)
+    if out.get("full_model_state_bytes_total") and out.get("lora_model_state_bytes_total"):
+        out["lora_model_state_ratio"] = _r(out["lora_model_state_bytes_total"] / out["full_model_state_bytes_total"], 3)
+    return out
+
+
 def bench_checkpoint(args) -> list[dict[str, Any]]:
     _note("checkpoint: sync vs async save of a ~300M-parameter model (scripts/bench_checkpoint.py)")
     proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_checkpoint.py")], cwd=str(ROOT), stdout=subprocess.PIPE,
@@ -580,8 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint",
-                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, plan_accuracy, "
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters",
+                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, plan_accuracy, "
                     "activation_memory, pipeline_overhead (the last three not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
@@ -616,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_gpu(args)
         if "checkpoint" in only:
             lines += bench_checkpoint(args)
+        if "adapters" in only:
+            lines.append(bench_adapters(args, home))
         for line in lines:
             _emit({**line, **stamp})
     except Exception as e:  # one clear line, not a traceback

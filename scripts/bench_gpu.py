@@ -10,6 +10,8 @@ most run first if --budget-s runs short:
                    the model compiled before deepspeed.initialize (RAYSPEED_COMPILE=1)
   eager            bare PyTorch as `compile` without the compile
   platform_eager   the platform with RAYSPEED_COMPILE=0
+  platform_lora    `platform` with LoRA (model.adapter: rank 16, every linear layer): the same model's adapter
+                   fine-tune beside its full one (step_s, peak_gib, the engine's model-state bytes)
 Both sides read the loss on the host only at window ends (every --window steps) and time each window;
 step_s is the median window after --warmup steps. Same Transformer (rayspeed.model.transformer), same
 token file, same batch (micro = global = --batch, no accumulation), no activation checkpointing.
@@ -48,7 +50,7 @@ except ImportError:
     sys.path.insert(0, str(ROOT / "platform"))
 
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16, datasheet
-MODES = ("compile", "platform", "eager", "platform_eager")
+MODES = ("compile", "platform", "eager", "platform_eager", "platform_lora")
 SIZES = {
     "1b": dict(hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4, ffn_hidden_size=5632, vocab_size=32000,
                tie_embeddings=False),
@@ -89,15 +91,18 @@ def model_cfg(a) -> dict[str, Any]:
     return {**SIZES[a.size], "seq_len": a.seq}
 
 
-def flops_per_token(a) -> tuple[int, float]:
+def flops_per_token(a, lora: bool = False) -> tuple[int, float]:
     """(parameters, model FLOPs per token): rayspeed.config.shape.ModelShape's, the one definition of MFU (PaLM's
-    6 N non-embedding + 12 L h s) that perf/mfu and the planner use."""
+    6 N non-embedding + 12 L h s) that perf/mfu and the planner use; with LoRA the frozen projections' weight
+    gradients left out and the adapters' FLOPs added (rayspeed.config.adapter.flops_per_token)."""
     from types import SimpleNamespace
 
+    from rayspeed.config import adapter
     from rayspeed.config.shape import ModelShape
 
     shape = ModelShape.from_config(SimpleNamespace(**model_cfg(a)))
-    return shape.params, shape.flops_per_token
+    lora_section = SimpleNamespace(type="lora", rank=16, targets=["all"], dora=False)
+    return shape.params, adapter.flops_per_token(shape, lora_section if lora else None)
 
 
 def token_file(workdir: Path, a) -> Path:
@@ -123,7 +128,7 @@ def result_line(a, mode: str, windows: list[float], peak_gib: Optional[float], f
                 extra: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    n_total, fpt = flops_per_token(a)
+    n_total, fpt = flops_per_token(a, lora=mode == "platform_lora")
     step = steady(windows, a.warmup // a.window)
     tokens = a.batch * a.seq
     tps = tokens / step if step else None
@@ -228,7 +233,7 @@ class _StepLog(logging.Handler):
             self.first = float(record.args[0])
 
 
-def job_yaml(a, workdir: Path, name: str) -> Path:
+def job_yaml(a, workdir: Path, name: str, lora: bool = False) -> Path:
     import yaml
 
     storage = workdir / "runs"
@@ -250,6 +255,8 @@ def job_yaml(a, workdir: Path, name: str) -> Path:
         "storage": {"path": str(storage)},
         "health": {"preflight": False},
     }
+    if lora:
+        job["model"]["adapter"] = {"type": "lora", "rank": 16, "alpha": 32, "targets": ["all"]}
     if a.device == "cuda":
         job["cluster"]["gpu"] = "h200"
     path = workdir / f"{name}.yaml"
@@ -257,16 +264,16 @@ def job_yaml(a, workdir: Path, name: str) -> Path:
     return path
 
 
-def worker_platform(a, workdir: Path, compiled: bool) -> dict[str, Any]:
+def worker_platform(a, workdir: Path, compiled: bool, lora: bool = False) -> dict[str, Any]:
     import torch
 
-    mode = "platform" if compiled else "platform_eager"
+    mode = "platform_lora" if lora else "platform" if compiled else "platform_eager"
     os.environ["RAYSPEED_COMPILE"] = "1" if compiled else "0"
     home = workdir / f"home-{mode}"
     home.mkdir(parents=True, exist_ok=True)
     os.environ["RAYSPEED_HOME"] = str(home)
     os.environ.pop("MLFLOW_TRACKING_URI", None)
-    cfg_path = job_yaml(a, workdir, f"bench-gpu-{mode}")
+    cfg_path = job_yaml(a, workdir, f"bench-gpu-{mode}", lora)
     catcher = _StepLog()
     logging.getLogger("rayspeed.worker").addHandler(catcher)
     from rayspeed.cli import main as cli
@@ -307,7 +314,7 @@ def worker_platform(a, workdir: Path, compiled: bool) -> dict[str, Any]:
         pass
     return result_line(a, mode, windows, peak, catcher.first, {
         "launcher": "local", "step_times_from": source, "run_wall_s": round(wall, 1), **plan,
-        "final_loss": summary.get("final_loss"),
+        "final_loss": summary.get("final_loss"), "model_state_bytes": summary.get("model_state_bytes"),
     })
 
 
@@ -318,8 +325,8 @@ def run_worker(a, workdir: Path) -> int:
     mode = a.worker
     if mode in ("eager", "compile"):
         line = worker_bare(a, workdir, compiled=mode == "compile")
-    elif mode in ("platform", "platform_eager"):
-        line = worker_platform(a, workdir, compiled=mode == "platform")
+    elif mode in ("platform", "platform_eager", "platform_lora"):
+        line = worker_platform(a, workdir, compiled=mode != "platform_eager", lora=mode == "platform_lora")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print(json.dumps(line), flush=True)
@@ -389,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
               "peak_gib": {m: by[m]["peak_gib"] for m in by},
               # < 1: the platform is faster than that bare loop
               "platform_vs_compile": ratio("platform", "compile"), "platform_vs_eager": ratio("platform", "eager"),
-              "platform_eager_vs_eager": ratio("platform_eager", "eager")})
+              "platform_eager_vs_eager": ratio("platform_eager", "eager"),
+              "lora_vs_platform": ratio("platform_lora", "platform")})
     finally:
         if not a.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -148,7 +148,9 @@ def _export(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="an MLflow run id, or a rayspeed checkpoint directory (checkpoint_stepN or the "
                                   "job's folder under the storage path)")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
-    p.add_argument("--format", choices=("hf",), required=True, help="hf: Hugging Face transformers format")
+    p.add_argument("--format", choices=("hf", "peft"), required=True,
+                   help="hf: Hugging Face transformers format (an adapter job's adapter merged into its base); "
+                        "peft: an adapter job's adapter alone, in PEFT's files")
     p.add_argument("--tracking-uri", default=None, help="MLflow store of the run (default: MLFLOW_TRACKING_URI, "
                                                          "else the repository's mlflow.db)")
     p.add_argument("--config", default=None, help="the job file, for a checkpoint whose manifest has no model "

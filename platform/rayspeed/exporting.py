@@ -1,4 +1,8 @@
-"""`rayspeed export <run id | checkpoint dir> --format hf OUT`: a directory transformers loads.
+"""`rayspeed export <run id | checkpoint dir> --format hf|peft OUT`: a directory transformers (or peft) loads.
+
+  * --format peft (an adapter job): adapter_config.json + adapter_model.safetensors, which
+    peft.PeftModel.from_pretrained(base, OUT) loads on the job's base; --format hf of an adapter job merges the
+    adapter into the base weights re-read from model.pretrained;
 
   * a checkpoint dir (`<storage>/<job>/checkpoint_stepN/`, or the job's folder: its newest verified
     checkpoint) is verified against its manifest, consolidated with DeepSpeed's tools
@@ -60,14 +64,60 @@ def _from_checkpoint(args: argparse.Namespace, out: Path) -> list[str]:
     from rayspeed.model.hf_export import write_hf_dir
 
     meta = read_manifest(ckpt) or {}
-    tokenizer = _tokenizer(str(meta.get("tokenizer", "bytes")), model.get("pretrained"), args.byte_tokenizer)
     shape = ModelShape.from_config(SimpleNamespace(**model))
+    adapter = _adapter_section(model)
+    if args.format == "peft":
+        return notes + _write_peft(state, adapter, shape, model, out, str(ckpt))
+    if adapter is not None:  # the checkpoint holds the adapter only: merged into the base it was trained on
+        state, merge_note = _merged_into_base(state, adapter, shape, model)
+        notes.append(merge_note)
+    tokenizer = _tokenizer(str(meta.get("tokenizer", "bytes")), model.get("pretrained"), args.byte_tokenizer)
     try:
         report = write_hf_dir(state, shape, str(out), tokenizer, int(args.max_shard_size * 1e9))
     except (KeyError, ValueError) as e:
         raise ExportInputError(f"{ckpt}: the weights do not fit the model section ({e})") from None
     return notes + [f"{len(report['weights'])} safetensors file(s), tokenizer: "
                     f"{', '.join(report['tokenizer']) or 'none (byte tokenizer)'}"]
+
+
+def _adapter_section(model: dict[str, Any]) -> Any:
+    from types import SimpleNamespace
+
+    from rayspeed.config import adapter
+
+    section = model.get("adapter")
+    ns = SimpleNamespace(**section) if isinstance(section, dict) else None
+    return ns if adapter.enabled(ns) else None
+
+
+def _write_peft(state: dict[str, Any], adapter: Any, shape: Any, model: dict[str, Any], out: Path,
+                where: str) -> list[str]:
+    from rayspeed.adapters.peft_files import WEIGHTS_FILE, write_peft_dir
+
+    if adapter is None:
+        raise ExportInputError(f"--format peft: {where} is a full fine-tune (its model section has no adapter); "
+                               "use --format hf")
+    from rayspeed.adapters.merge import adapted_layers
+
+    write_peft_dir(state, adapter, shape, str(out), str(model.get("pretrained") or ""))
+    return [f"adapter: rank {adapter.rank} on {len(adapted_layers(state))} layers, base {model.get('pretrained')}",
+            f"{WEIGHTS_FILE} + adapter_config.json"]
+
+
+def _merged_into_base(state: dict[str, Any], adapter: Any, shape: Any, model: dict[str, Any]
+                      ) -> tuple[dict[str, Any], str]:
+    from rayspeed.adapters.merge import adapted_layers, merged
+    from rayspeed.model.hf_weights import HFWeightsError, local_model_dir, read_whole
+
+    base = model.get("pretrained")
+    if not base:
+        raise ExportInputError("--format hf: the adapter job has no model.pretrained to merge into")
+    try:
+        whole = read_whole(local_model_dir(str(base)), shape)
+    except (HFWeightsError, OSError) as e:
+        raise ExportInputError(f"--format hf: cannot read the base {base} to merge the adapter into ({e})") from None
+    whole.update(state)  # the adapter, and what trained in full
+    return merged(whole, adapter), f"{len(adapted_layers(state))} adapted layers merged into {base}'s weights"
 
 
 def _tokenizer(setting: str, pretrained: Optional[str], byte_files: bool) -> Any:
@@ -96,6 +146,8 @@ def _from_run(args: argparse.Namespace, out: Path) -> list[str]:
         models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
                                              filter_string=f"source_run_id = '{args.source}'")
     with tempfile.TemporaryDirectory(prefix="rayspeed-export-") as tmp:
+        if args.format == "peft":
+            return _peft_from_run(client, args.source, Path(tmp), out)
         if models:
             model_id = sorted(models, key=lambda m: m.creation_timestamp)[-1].model_id
             with mlflow_process_store(uri):  # models:/ URIs resolve against the process-wide store
@@ -128,6 +180,22 @@ def _from_run(args: argparse.Namespace, out: Path) -> list[str]:
         return [f"run {args.source}: converted its model/ export", f"{len(report['weights'])} safetensors file(s)"]
 
 
+def _peft_from_run(client: Any, run_id: str, tmp: Path, out: Path) -> list[str]:
+    from rayspeed.model.export import ADAPTER_DIR
+
+    try:
+        src = Path(client.download_artifacts(run_id, f"model/{ADAPTER_DIR}", str(tmp)))
+    except Exception:
+        src = None
+    if src is None or not src.is_dir():
+        raise ExportInputError(f"--format peft: run {run_id} logged no adapter (model/{ADAPTER_DIR}: a full "
+                               "fine-tune, or it did not finish); use --format hf")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        shutil.copy2(f, out / f.name)
+    return [f"run {run_id}: its adapter (model/{ADAPTER_DIR})"]
+
+
 def export_command(args: argparse.Namespace) -> int:
     from rayspeed.errors import ConfigError
 
@@ -146,5 +214,7 @@ def export_command(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     for line in lines:
         print(line)
-    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    how = ("peft.PeftModel.from_pretrained(base, OUT)" if args.format == "peft"
+           else "transformers.AutoModelForCausalLM.from_pretrained")
+    print(f"wrote {out} (load with {how})")
     return EXIT_OK

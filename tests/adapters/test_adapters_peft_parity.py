@@ -3,7 +3,8 @@ base output without its bias is exercised) and the same adapter weights, fp32, r
 every adapter gradient at tp1, at tp2 with sequence parallelism (each rank's shard of each gradient) and at pp2 (the
 two stages run by hand, the activation and its gradient sent between them); the PEFT folder rayspeed writes loads
 in peft (PeftModel.from_pretrained) to the same logits. Dropout 0: the parity of dropout masks is not claimed
-against peft (different draws), only between rayspeed's layouts (tests/adapters/test_adapters_layouts.py)."""
+against peft (different draws), only between rayspeed's layouts: tp2 with sequence parallelism draws tp1's masks
+(test_dropout_masks_are_tp1s_at_tp2)."""
 
 from __future__ import annotations
 
@@ -209,3 +210,64 @@ def test_the_peft_folder_loads_in_peft_to_the_same_logits(base, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids), **TOL)
     assert sorted(loaded.peft_config["default"].target_modules) == ["down_proj", "q_proj", "v_proj"]
+
+
+def _dropout_run(model, ids):
+    model.train()
+    torch.manual_seed(3)  # every rank's generator, as the job seeds it
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.detach(), _adapter_grads(model.named_parameters())
+
+
+def _dropout_ranks(rank, world_size, model_dir):
+    from rayspeed.parallel.groups import ParallelGroups
+
+    init_deepspeed_gloo()
+    shape = shape_of(model_dir, SEQ)
+    adapter = _adapter("lora")
+    adapter.dropout = 0.3
+    return _dropout_run(adapted(shape, model_dir, adapter, ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True), _ids())
+
+
+def test_dropout_masks_are_tp1s_at_tp2(base):
+    shape = shape_of(base, SEQ)
+    adapter = _adapter("lora")
+    adapter.dropout = 0.3
+    loss, grads = _dropout_run(adapted(shape, base, adapter), _ids())
+    with torch.no_grad():
+        plain = adapted(shape, base, _adapter("lora"))(_ids()[:, :-1], _ids()[:, 1:])
+    assert abs(loss - plain) > 1e-4  # dropout changed the loss
+    for rank, (loss2, grads2) in enumerate(run_distributed(_dropout_ranks, 2, base, timeout_s=120)):
+        torch.testing.assert_close(loss2, loss, **TOL)
+        for name, (g, dim) in grads2.items():
+            torch.testing.assert_close(g, shard(grads[name][0], dim, rank, 2), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("trainable", [["embed", "norms"], ["head"]])
+def test_modules_trained_in_full_go_to_peft_as_modules_to_save(tmp_path, trainable):
+    """A tied embedding (and so the head) and every norm trained in full: peft's modules_to_save, the tie kept."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from _hf_models import LLAMA_TIED
+    from rayspeed.adapters.peft_files import write_peft_dir
+    from rayspeed.config.schema import AdapterConfig
+
+    d = tmp_path / "tied"
+    save(d, LLAMA_TIED, seed=4)
+    shape = shape_of(str(d), SEQ)
+    adapter = AdapterConfig(type="lora", rank=4, alpha=8.0, targets=["q", "v"], trainable=trainable)
+    model = adapted(shape, str(d), adapter).eval()
+    with torch.no_grad():  # what training in full would have changed
+        model.embed.weight.add_(0.05)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "norms" in trainable:
+                p.mul_(1.5)
+    write_peft_dir(model.full_state_dict(), adapter, shape, str(tmp_path / "peft"), str(d))
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32),
+                                       str(tmp_path / "peft")).eval()
+    ids = _ids()[:, :-1]
+    with torch.no_grad():  # (only the tied head trained: the embedding is the same matrix, saved once with its tie)
+        torch.testing.assert_close(loaded(ids).logits, model(ids), **TOL)
+    assert loaded.peft_config["default"].modules_to_save  # written, not dropped

@@ -32,7 +32,7 @@ class StandInEngine:
         self.checkpoint_engine = TorchCheckpointEngine()
         self.w = torch.zeros(n)
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         ce = self.checkpoint_engine
         ce.makedirs(os.path.join(save_dir, tag), exist_ok=True)
         ce.create(None)

@@ -3,7 +3,8 @@ Qwen3-style checkpoint (head_dim 32 over 4 heads, q/k norms, a template that dro
 multi-turn chats become one document per assistant turn) and a Gemma-3-style one (local layers with an 8-token
 window under document masking, (1 + w) norms, a system prompt folded into the first user turn), each with its own
 tokenizer and chat template made here: the assistant-token loss falls, and the registered version answers in
-transformers as that architecture, stopping at the turn's end (its generation_config's second stop id)."""
+transformers as that architecture, stopping at the turn's end (its generation_config's second stop id). And the Qwen3
+one as a LoRA fine-tune."""
 
 from __future__ import annotations
 
@@ -53,3 +54,49 @@ def test_a_family_chat_finetune_learns_and_its_registered_version_answers(ray_he
     visible = answer.split("</think>")[-1].strip()  # Qwen3 answers after its (here empty) reasoning block
     print(f"{arch} registered version: Q: {question} A: {visible!r} (whole output {answer!r})")
     assert visible and "<|" not in answer and "<end_of_turn>" not in answer and len(visible.split()) >= 3
+
+
+def test_a_lora_chat_finetune_learns_and_its_registered_version_answers(ray_head, tmp_path):
+    """The same chat fine-tune with LoRA (rank 16, every linear layer; embedding and norms in full) on the frozen
+    Qwen3-style base: the loss falls, the registered version (the merged model) answers in transformers, and the
+    run's PEFT adapter on the base gives the merged model's logits."""
+    import torch
+    from mlflow.tracking import MlflowClient
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    made = chat_example.save(str(tmp_path / "example"), 0, "qwen3")
+    config = str(ROOT / "configs" / "tiny-chat-finetune-cpu.yaml")
+    r, summary = run_job(tmp_path, ["--config", config, "--set", f"model.pretrained={made['model']}",
+                                    "--set", f"data.path={made['chats']}/*.jsonl", "--set", "train.max_steps=100",
+                                    "--set", "train.eval_every_steps=0", "--set", "name=chat-lora",
+                                    "--set", "model.adapter.type=lora", "--set", "model.adapter.rank=16",
+                                    # The base's (tied) embedding and norms train in full: the chats' tokens are new
+                                    # to it (a random base: the adapters alone plateau at 5.0 from 6.1).
+                                    "--set", "model.adapter.trainable=[embed, norms]"],
+                         ray_head.address, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert summary["world_size"] == 2 and summary["layout"]["zero_stage"] == 2
+    said = "adapters: LoRA rank 16 scale 2 on 14 layers (q,k,v,o,gate,up,down), embed+norms in full"
+    assert said in r.stdout + r.stderr
+    losses = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
+    (s0, first), (s1, last) = losses[0], losses[-1]
+    print(f"\nLoRA: assistant-token loss step {s0} {first:.4f} -> step {s1} {last:.4f}")
+    assert last < 0.5 * first
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model_dir, tok_dir = chat_generate.model_dirs(
+        f"models:/rayspeed-chat-lora/{summary['registered_model_version']}", uri, str(tmp_path / "dl"))
+    question = "What is the capital of Japan?"
+    answer = chat_generate.answer(model_dir, question, 24, tok_dir)
+    visible = answer.split("</think>")[-1].strip()
+    print(f"LoRA registered version: Q: {question} A: {visible!r}")
+    assert visible and "<|" not in answer and len(visible.split()) >= 3
+
+    adapter = MlflowClient(uri).download_artifacts(summary["mlflow_run_id"], "model/adapter", str(tmp_path / "ad"))
+    base = AutoModelForCausalLM.from_pretrained(made["model"], dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(peft(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)

@@ -52,19 +52,50 @@ def target_modules(adapter: Any, shape: Any) -> list[str]:
     return [names.hf_name(f"layers.0.{spec.ROLES[r]}.weight").split(".")[-2] for r in spec.target_roles(adapter)]
 
 
+def fully_trained(name: str, adapter: Any, shape: Any) -> bool:
+    """Whether rayspeed parameter `name` trains in full beside the adapters (model.adapter.trainable)."""
+    which = set(getattr(adapter, "trainable", ()) or ())
+    if name == "embed.weight":
+        return "embed" in which or ("head" in which and shape.tie_embeddings)
+    if name == "head.weight":
+        return "head" in which and not shape.tie_embeddings
+    return "norms" in which and name.endswith("norm.weight")
+
+
+def modules_to_save(adapter: Any, shape: Any) -> Optional[list[str]]:
+    """peft's modules_to_save: the leaf names of the checkpoint's modules that train in full (embed_tokens, lm_head,
+    the norms), or None."""
+    from rayspeed.config.hf_checkpoint import param_shapes
+
+    leaves = {shape.family.tensor_names.hf_name(n)[: -len(".weight")].split(".")[-1]
+              for n in param_shapes(shape) if fully_trained(n, adapter, shape)}
+    return sorted(leaves) or None
+
+
 def adapter_config(adapter: Any, shape: Any, base: str) -> dict[str, Any]:
+    full = modules_to_save(adapter, shape)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": adapter.dropout,
         "target_modules": target_modules(adapter, shape), "use_rslora": adapter.rslora, "use_dora": adapter.dora,
         "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": full,
+        # A tied head trained in full is the embedding: peft ties lm_head to its trained copy.
+        "ensure_weight_tying": bool(full and shape.tie_embeddings and "embed_tokens" in full),
     }
 
 
-def peft_state(state: dict[str, torch.Tensor], shape: Any) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a whole (unsharded) state dict under peft's keys."""
-    return {peft_key(n, shape): t.detach().contiguous() for n, t in state.items() if is_adapter(n)}
+def peft_state(state: dict[str, torch.Tensor], shape: Any, adapter: Any = None) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a whole (unsharded) state dict under peft's keys, and those `adapter` trains in full
+    (peft's modules_to_save, under the checkpoint's own names)."""
+    out = {peft_key(n, shape): t.detach().contiguous() for n, t in state.items() if is_adapter(n)}
+    if adapter is not None:
+        names = shape.family.tensor_names
+        out.update({PREFIX + names.hf_name(n): t.detach().contiguous()
+                    for n, t in state.items() if not is_adapter(n) and fully_trained(n, adapter, shape)})
+        if shape.tie_embeddings and fully_trained("embed.weight", adapter, shape) and "embed.weight" in state:
+            out[PREFIX + names.hf_name("head.weight")] = out[PREFIX + names.hf_name("embed.weight")].clone()  # tie
+    return out
 
 
 def write_peft_dir(state: dict[str, torch.Tensor], adapter: Any, shape: Any, out: str, base: str) -> Path:
@@ -74,6 +105,6 @@ def write_peft_dir(state: dict[str, torch.Tensor], adapter: Any, shape: Any, out
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(peft_state(state, shape), str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(peft_state(state, shape, adapter), str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(adapter, shape, base), indent=2) + "\n")
     return folder

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from rayspeed import families
 from rayspeed.checkpoint import manifest
+from rayspeed.config import adapter
 from rayspeed.engine import deepspeed_state
 from rayspeed.families import TensorNames
 
@@ -63,7 +64,7 @@ def _merge_tp(parts: list[dict[str, Any]], names: TensorNames) -> dict[str, Any]
 
     out = {}
     for name in parts[0]:
-        dim = names.partition_dim(name)
+        dim = adapter.partition_dim(name) if ".adapter." in name else names.partition_dim(name)
         tensors = [p[name].float() for p in parts]
         out[name] = torch.cat(tensors, dim=dim) if dim is not None and len(parts) > 1 else tensors[0]
     return out

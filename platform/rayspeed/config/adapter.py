@@ -11,7 +11,7 @@ different model than the peft adapter users load).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 ROLES: dict[str, str] = {
     "q": "attn.wq", "k": "attn.wk", "v": "attn.wv", "o": "attn.wo",
@@ -22,6 +22,16 @@ COLUMN_ROLES = ("q", "k", "v", "gate", "up")
 """Column-parallel under tp (the output features split): the adapter's B is split by rows, A is whole."""
 ALL = "all"
 TRAINABLE = ("embed", "head", "norms")
+
+
+def partition_dim(name: str) -> Optional[int]:
+    """The dimension tensor parallelism splits adapter parameter `name` (`layers.{i}.<path>.adapter.<kind>`)
+    along, as rayspeed.adapters.lora shards it (None: whole on every rank)."""
+    layer, _, kind = name.partition(".adapter.")
+    column = layer.split(".", 2)[-1] in {ROLES[r] for r in COLUMN_ROLES}
+    if kind == "lora_A":
+        return None if column else 1
+    return 0 if column else None  # lora_B, magnitude: split like the output of a column layer
 
 
 def enabled(adapter: Any) -> bool:

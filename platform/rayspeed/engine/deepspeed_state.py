@@ -63,7 +63,8 @@ class DeepSpeedState:
         self.engine = engine
         # An adapter job's frozen base is not saved (the build reloads it from model.pretrained): the checkpoint
         # holds what trains, its optimizer state, schedule and RNG.
-        self.frozen = any(not p.requires_grad for p in engine.module.parameters())
+        module = getattr(engine, "module", None)
+        self.frozen = module is not None and any(not p.requires_grad for p in module.parameters())
 
     def save(self, folder: Path, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(str(folder), tag=TAG, client_state=client_state, save_latest=False,

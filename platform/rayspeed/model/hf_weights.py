@@ -124,6 +124,29 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
             "elements": elements, "bytes_read": nbytes}
 
 
+def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained") -> dict[str, torch.Tensor]:
+    """Every parameter of the checkpoint in model_dir, whole, under rayspeed's names (fp32): the base an adapter
+    is merged into (`rayspeed export --format hf` of an adapter job)."""
+    from safetensors import safe_open
+
+    problems = weight_problems(model_dir, shape)
+    if problems:
+        raise HFWeightsError(f"{what}: " + "; ".join(problems))
+    files, _ = weight_files(Path(model_dir))
+    stored, layout, expected = stored_names(files), checkpoint_layout(shape), param_shapes(shape)
+    names = shape.family.tensor_names
+    out: dict[str, torch.Tensor] = {}
+    for name in expected:
+        if name == "head.weight" and shape.tie_embeddings:
+            continue
+        hname = stored.get(layout[name][0], layout[name][0])
+        with safe_open(str(files[hname]), framework="pt") as fh:
+            fused = bool(names.fused_parts(layout[name][0]))
+            out[name] = _rank_slice(fh.get_slice(hname), None, None, layout[name][1],
+                                    expected[name][0] if fused else None).float()
+    return out
+
+
 def hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """A full rayspeed state dict under transformers' names, contiguous (a tied head is left out, as
     save_pretrained leaves lm_head out of tied models). KeyError names a parameter the shape lacks."""
