@@ -107,3 +107,11 @@ def test_a_70b_lora_job_plans_on_8_h100s_and_its_full_fine_tune_does_not():
     assert res.layout.world_size == 8 and res.best["fits_with_margin"]
     with pytest.raises(ConfigError, match="does not fit in memory on 8 x h100-sxm-80gb"):
         plan_job(load(path, SEVENTY_B))
+
+
+def test_the_search_never_gives_dora_zero3():
+    from rayspeed.planner.search import enumerate_layouts
+
+    for dora, zeros in ((True, {0, 1, 2}), (False, {0, 1, 2, 3})):
+        cfg = parse({"model": {"adapter": {"type": "lora", "dora": dora}}, "cluster": {"num_workers": 2}})
+        assert {lay.zero_stage for lay in enumerate_layouts(build_ctx(cfg), {}).layouts} == zeros

@@ -138,6 +138,8 @@ def zero_problem(ctx: Ctx, zero: int) -> str | None:
                 f"{ctx.grad_accum_dtype}: DeepSpeed has no ZeRO-0 path for half-precision weights whose gradients "
                 "accumulate in another dtype; use parallel.zero_stage 1 (the same weights and gradients per rank, "
                 f"the optimizer state divided){alt}")
+    if zero == 3 and ctx.adapter is not None and ctx.adapter.dora:
+        return "parallel.zero_stage 3 with model.adapter.dora: DoRA reads each whole base weight every forward"
     return None
 
 
