@@ -66,9 +66,14 @@ def _from_checkpoint(args: argparse.Namespace, out: Path) -> list[str]:
     meta = read_manifest(ckpt) or {}
     shape = ModelShape.from_config(SimpleNamespace(**model))
     adapter = _adapter_section(model)
+    base = meta.get("init_from") or model.get("pretrained")  # the weights the adapter was trained on
     if args.format == "peft":
-        return notes + _write_peft(state, adapter, shape, model, out, str(ckpt))
+        return notes + _write_peft(state, adapter, shape, base, out, str(ckpt))
     if adapter is not None:  # the checkpoint holds the adapter only: merged into the base it was trained on
+        if meta.get("init_from"):
+            raise ExportInputError(f"--format hf: {ckpt.name}'s adapter was trained on train.init_from "
+                                   f"{meta['init_from']}'s weights; export the run id (its model is merged) or "
+                                   "--format peft")
         state, merge_note = _merged_into_base(state, adapter, shape, model)
         notes.append(merge_note)
     tokenizer = _tokenizer(str(meta.get("tokenizer", "bytes")), model.get("pretrained"), args.byte_tokenizer)
@@ -90,7 +95,7 @@ def _adapter_section(model: dict[str, Any]) -> Any:
     return ns if adapter.enabled(ns) else None
 
 
-def _write_peft(state: dict[str, Any], adapter: Any, shape: Any, model: dict[str, Any], out: Path,
+def _write_peft(state: dict[str, Any], adapter: Any, shape: Any, base: Optional[str], out: Path,
                 where: str) -> list[str]:
     from rayspeed.adapters.peft_files import WEIGHTS_FILE, write_peft_dir
 
@@ -99,8 +104,8 @@ def _write_peft(state: dict[str, Any], adapter: Any, shape: Any, model: dict[str
                                "use --format hf")
     from rayspeed.adapters.merge import adapted_layers
 
-    write_peft_dir(state, adapter, shape, str(out), str(model.get("pretrained") or ""))
-    return [f"adapter: rank {adapter.rank} on {len(adapted_layers(state))} layers, base {model.get('pretrained')}",
+    write_peft_dir(state, adapter, shape, str(out), str(base or ""))
+    return [f"adapter: rank {adapter.rank} on {len(adapted_layers(state))} layers, base {base}",
             f"{WEIGHTS_FILE} + adapter_config.json"]
 
 

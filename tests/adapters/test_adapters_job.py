@@ -6,6 +6,7 @@ logits; and a resubmission on other base weights (same directory, new files) is 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -86,6 +87,21 @@ def test_killed_adapter_job_resumes_to_the_same_loss_curve_and_exports_a_peft_ad
         torch.testing.assert_close(hf(ids).logits, want, rtol=1e-5, atol=1e-5)  # both merged the same way
         plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)(ids).logits
     assert (plain - want).abs().max() > 1e-3  # the adapter trained: the merged model is not the base
+
+    # A new adapter warm-started from that merged model: its PEFT base is the model it trained on, and its
+    # checkpoint cannot be merged into model.pretrained's weights (exit 2 saying where to export from).
+    warm = tmp_path / "warm"
+    r, s3 = run_job(warm, [*_args(base), "--set", "name=lora-warm", "--set", "train.max_steps=3",
+                           "--set", f"train.init_from={model_dir}"], None)
+    assert r.returncode == 0 and s3["steps"] == 3, r.stderr[-3000:]
+    ckpt = warm / "runs" / "lora-warm" / "checkpoint_step00000003"
+    r = _cli("export", str(ckpt), str(tmp_path / "warm-peft"), "--format", "peft", home=warm)
+    assert r.returncode == 0, r.stderr[-2000:]
+    config = json.loads((tmp_path / "warm-peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(model_dir)
+    r = _cli("export", str(ckpt), str(tmp_path / "warm-hf"), "--format", "hf", home=warm)
+    assert r.returncode == 2 and "trained on train.init_from" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "warm-hf").exists()
 
 
 def _cli(*args, home):

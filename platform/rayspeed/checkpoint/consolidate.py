@@ -36,7 +36,7 @@ def manifest_model_meta(cfg: Any) -> dict[str, Any]:
     import dataclasses
 
     return {"model": dataclasses.asdict(cfg.model), "tokenizer": cfg.data.tokenizer,
-            "precision": cfg.train.precision}
+            "precision": cfg.train.precision, "init_from": cfg.train.init_from}
 
 
 def find_checkpoint(path: str) -> Path:

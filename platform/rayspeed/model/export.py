@@ -268,7 +268,8 @@ def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[st
     from rayspeed.adapters.peft_files import write_peft_dir
     from rayspeed.config.shape import ModelShape
 
-    base = str(cfg.model.pretrained) if cfg.model.pretrained else ""
+    # The weights the adapter was trained on: a warm start's (train.init_from) when the job had one.
+    base = str(getattr(cfg.train, "init_from", None) or cfg.model.pretrained or "")
     write_peft_dir(state, a, ModelShape.from_config(cfg.model), str(out / ADAPTER_DIR), base)
     record = {"section": dict(model_cfg["adapter"]), "merged_layers": len(adapted_layers(state)),
               "peft_dir": ADAPTER_DIR, "base": base}
