@@ -12,7 +12,7 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import QWEN3, first_batch_loss, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
+from _hf_parity import build, init_deepspeed_gloo, reference, shard, tokens, tp2_and_pp2
 
 SEQ, BATCH = 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -56,23 +56,9 @@ def test_tp1_logits_loss_and_gradients_match_transformers(qwen3):
 
 
 def _ranks(rank, world_size, model_dir):
-    import torch.distributed as dist
-
-    from rayspeed.parallel.groups import ParallelGroups
-
     init_deepspeed_gloo()
     shape = shape_of(model_dir, SEQ)
-    groups = ParallelGroups(dp=1, tp=2, pp=1)
-    model = build(shape, model_dir, groups.tp, sp=True)
-    ids = _tokens(shape.vocab_size)
-    with torch.no_grad():
-        logits = model(ids[:, :-1])
-    loss = model(ids[:, :-1], ids[:, 1:])
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    dist.barrier()
-    pipeline = pipeline_logits_and_loss(shape, model_dir, ParallelGroups(dp=1, tp=1, pp=2), ids)
-    return logits, loss.detach(), grads, pipeline
+    return tp2_and_pp2(shape, model_dir, _tokens(shape.vocab_size))
 
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(qwen3):

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from rayspeed.adapters.peft_files import is_adapter
 from rayspeed.config import adapter as spec
+from rayspeed.config.adapter import is_adapter
 
 
 def adapted_layers(state: dict[str, Any]) -> list[str]:

@@ -17,14 +17,11 @@ from typing import Any, Optional
 import torch
 
 from rayspeed.config import adapter as spec
+from rayspeed.config.adapter import is_adapter
 
 PREFIX = "base_model.model."
 _PEFT_SUFFIX = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-
-
-def is_adapter(name: str) -> bool:
-    return ".adapter." in name
 
 
 def peft_key(name: str, shape: Any) -> str:

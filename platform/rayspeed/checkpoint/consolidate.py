@@ -64,7 +64,7 @@ def _merge_tp(parts: list[dict[str, Any]], names: TensorNames) -> dict[str, Any]
 
     out = {}
     for name in parts[0]:
-        dim = adapter.partition_dim(name) if ".adapter." in name else names.partition_dim(name)
+        dim = adapter.partition_dim(name) if adapter.is_adapter(name) else names.partition_dim(name)
         tensors = [p[name].float() for p in parts]
         out[name] = torch.cat(tensors, dim=dim) if dim is not None and len(parts) > 1 else tensors[0]
     return out

@@ -24,6 +24,11 @@ ALL = "all"
 TRAINABLE = ("embed", "head", "norms")
 
 
+def is_adapter(name: str) -> bool:
+    """Whether rayspeed parameter `name` is an adapter's (`<layer>.adapter.lora_A` ...)."""
+    return ".adapter." in name
+
+
 def partition_dim(name: str) -> Optional[int]:
     """The dimension tensor parallelism splits adapter parameter `name` (`layers.{i}.<path>.adapter.<kind>`)
     along, as rayspeed.adapters.lora shards it (None: whole on every rank)."""

@@ -273,9 +273,9 @@ def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[st
     write_peft_dir(state, a, ModelShape.from_config(cfg.model), str(out / ADAPTER_DIR), base)
     record = {"section": dict(model_cfg["adapter"]), "merged_layers": len(adapted_layers(state)),
               "peft_dir": ADAPTER_DIR, "base": base}
-    state.update(merged(state, a))
-    for name in [n for n in state if ".adapter." in n]:
-        del state[name]
+    whole = merged(state, a)
+    state.clear()
+    state.update(whole)
     model_cfg["adapter"] = {**model_cfg["adapter"], "type": "none"}  # the weights hold it now
     return record
 
