@@ -89,8 +89,8 @@ def _worker(args: argparse.Namespace) -> int:
     model = Transformer(mcfg, seed=t.seed)
     ddp = DDP(model)
     # Fused AdamW, as the platform uses (torch supports it on CPU too): the same optimizer kernel on both sides.
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=float(t.lr), betas=(t.adam_beta1, t.adam_beta2),
-                            eps=1e-8, fused=not args.unfused_adamw)
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay, float(t.lr)), lr=float(t.lr),
+                            betas=(t.adam_beta1, t.adam_beta2), eps=1e-8, fused=not args.unfused_adamw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
 
     home = Path(os.environ.get("RAYSPEED_HOME", str(ROOT)))

@@ -128,3 +128,40 @@ def test_resuming_on_other_base_weights_is_refused_naming_both(tmp_path, base):
     err = r.stderr.strip().splitlines()[-1]
     assert "model.pretrained (weights): 'sha256:" in err and "' -> 'sha256:" in err, err
     assert "Traceback" not in r.stderr
+
+
+def test_a_qlora_job_trains_on_4bit_weights_and_merges_into_the_original_ones(tmp_path, base):
+    """base_precision nf4: the job trains against NF4 weights, its export and `rayspeed export --format hf` merge
+    the adapter into model.pretrained's own fp32 weights (W + s B A), not into the dequantized ones."""
+    from safetensors.torch import load_file
+
+    from rayspeed.model.export import load_model
+
+    pytest.importorskip("bitsandbytes")
+    r, s = run_job(tmp_path, [*_args(base), "--set", "name=qlora-job", "--set", "model.adapter.base_precision=nf4",
+                              "--set", "train.max_steps=4", "--set", "resilience.checkpoint_every_steps=4"], None)
+    assert r.returncode == 0 and s["steps"] == 4, r.stderr[-3000:]
+    assert "14 base linear layers in NF4 (double quant)" in r.stderr
+    losses = _losses(tmp_path, s)
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    model_dir = tmp_path / "runs" / "qlora-job" / "model"
+    adapter = load_file(str(model_dir / "adapter" / "adapter_model.safetensors"))
+    original = load_file(str(base / "model.safetensors"))
+    merged = torch.load(model_dir / "weights.pt", weights_only=True)
+    for hf_name, ours in (("model.layers.0.self_attn.q_proj", "layers.0.attn.wq"),
+                          ("model.layers.1.mlp.down_proj", "layers.1.mlp.w_down")):
+        peft = f"base_model.model.{hf_name}"
+        want = original[f"{hf_name}.weight"] + 8.0 * adapter[f"{peft}.lora_B.weight"] @ adapter[f"{peft}.lora_A.weight"]
+        torch.testing.assert_close(merged[f"{ours}.weight"], want, rtol=1e-6, atol=1e-6)
+    assert (adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]).abs().max() > 0
+
+    out = tmp_path / "export-hf"
+    r = _cli("export", str(tmp_path / "runs" / "qlora-job" / "checkpoint_step00000004"), str(out), "--format", "hf",
+             home=tmp_path)
+    assert r.returncode == 0 and "wrote" in r.stdout, r.stderr[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        torch.testing.assert_close(hf(ids).logits, load_model(str(model_dir))(ids), rtol=1e-5, atol=1e-5)

@@ -115,3 +115,33 @@ def test_the_search_never_gives_dora_zero3():
     for dora, zeros in ((True, {0, 1, 2}), (False, {0, 1, 2, 3})):
         cfg = parse({"model": {"adapter": {"type": "lora", "dora": dora}}, "cluster": {"num_workers": 2}})
         assert {lay.zero_stage for lay in enumerate_layouts(build_ctx(cfg), {}).layouts} == zeros
+
+
+def test_qlora_holds_half_a_byte_per_base_weight_and_never_gets_zero3():
+    from rayspeed.planner.adapter_terms import linear_weights
+    from rayspeed.planner.memory import stage_breakdown
+    from rayspeed.planner.search import enumerate_layouts
+
+    nf4 = {**LORA, "base_precision": "nf4"}
+    for double_quant, tp, per_weight in ((True, 1, 0.5 + 1 / 64 + 4 / (64 * 256)), (False, 1, 0.5 + 4 / 64),
+                                         (True, 2, 0.5 + 4 / 64)):
+        cfg = _job({**nf4, "double_quant": double_quant}, tp=tp)
+        ctx, lay = build_ctx(cfg), dataclasses.replace(_layout(cfg), tp=tp)
+        trained, frozen = trained_and_frozen(ctx, lay, 0, 2)
+        packed = 2 * linear_weights(ctx.shape, tp)
+        want = trained * 4 + packed * per_weight + (frozen - packed) * 4  # fp32 on CPU: embeddings, norms, head
+        assert stage_breakdown(ctx, lay, 0)["weights"] == pytest.approx(want)
+        assert stage_breakdown(ctx, lay, 0)["nf4_dequantized"] == pytest.approx(64 * ctx.shape.ffn_hidden_size * 4 / tp)
+    cfg = parse({"model": {"adapter": nf4}, "cluster": {"num_workers": 2}})
+    assert {lay.zero_stage for lay in enumerate_layouts(build_ctx(cfg), {}).layouts} == {0, 1, 2}
+
+
+def test_a_70b_qlora_job_plans_on_one_h100_where_lora_does_not():
+    from rayspeed.planner.plan import plan_job
+
+    path = str(ROOT / "configs" / "llama-70b-64xh100.yaml")
+    one = ["cluster.num_workers=1", "train.global_batch_size=8", "model.adapter.type=lora"]
+    res = plan_job(load(path, one + ["model.adapter.base_precision=nf4"]))
+    assert res.layout.world_size == 1 and res.best["fits_with_margin"]
+    with pytest.raises(ConfigError, match="does not fit in memory on 1 x h100-sxm-80gb"):
+        plan_job(load(path, one))

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from rayspeed.adapters.lora import LoraAdapter
 from rayspeed.config import adapter as spec
-from rayspeed.parallel.layers import NO_TP, ColumnParallelLinear, RowParallelLinear
+from rayspeed.parallel.layers import NO_TP, ColumnParallelLinear, RowParallelLinear, dense_weight
 
 
 def blocks(model: nn.Module) -> Iterator[nn.Module]:
@@ -37,11 +37,13 @@ def add_adapters(model: nn.Module, adapter: Any, tp: Any = None, sequence_parall
             if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 raise TypeError(f"{block.canonical_prefix}.{path} is a {type(layer).__name__}, not a parallel linear")
             name = f"{block.canonical_prefix}.{path}"
+            weight = dense_weight(layer)  # DoRA's magnitude starts from it (peft: the dequantized 4-bit one)
+            dtype = layer.weight.dtype if layer.quantized is None else layer.quantized.dtype
             layer.adapter = LoraAdapter(
                 layer.in_features, layer.out_features, isinstance(layer, RowParallelLinear), tp,
                 rank=adapter.rank, scale=spec.scale(adapter), dropout=adapter.dropout, dora=adapter.dora,
-                sequence_parallel=sequence_parallel, seed=seed, name=f"{name}.adapter", weight=layer.weight,
-            ).to(device=layer.weight.device, dtype=layer.weight.dtype)
+                sequence_parallel=sequence_parallel, seed=seed, name=f"{name}.adapter", weight=weight,
+            ).to(device=weight.device, dtype=dtype)
             adapted.append(name)
         if adapter.dropout > 0:
             block.preserve_rng_state = True  # recomputation must draw the same dropout masks

@@ -91,28 +91,32 @@ class LoraAdapter(nn.Module):
         return copy_to_tp(p, self.tp)
 
     def delta_weight(self) -> torch.Tensor:
-        """This rank's part of s * B A (the rows, or the columns, that its base weight holds)."""
-        return self.scale * (self.lora_B @ self.lora_A)
+        """This rank's part of B A (the rows, or the columns, that its base weight holds), computed as peft's DoRA
+        does (through the layers, on an identity) so that the row norms round alike."""
+        eye = torch.eye(self.lora_A.shape[1], device=self.lora_A.device, dtype=self.lora_A.dtype)
+        return F.linear(F.linear(eye, self.lora_A), self.lora_B).T
 
     def weight_norm(self, weight: torch.Tensor) -> torch.Tensor:
         """||W + s B A|| over each output row of the whole matrix (no gradient: DoRA detaches it)."""
         with torch.no_grad():
-            sq = (weight + self.delta_weight().to(weight.dtype)).float().square().sum(dim=1)
-            if self.row and self.tp.enabled:
-                sq = sum_over_tp(sq, self.tp)
-            return sq.sqrt()
+            w = weight + self.scale * self.delta_weight().to(weight.dtype)
+            if not (self.row and self.tp.enabled):
+                return torch.linalg.norm(w, dim=1)
+            return sum_over_tp(w.float().square().sum(dim=1), self.tp).sqrt().to(w.dtype)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.dropped(x)
         if self.row:
             z = leave_tp_region(F.linear(h, self.lora_A), self.tp, self.sequence_parallel)
             b = self.replicated(self.lora_B) if self.sequence_parallel else self.lora_B
-            delta = F.linear(z, b) * self.scale
+            lora = F.linear(z, b)
         else:
-            delta = F.linear(F.linear(h, self.replicated(self.lora_A)), self.lora_B) * self.scale
+            lora = F.linear(F.linear(h, self.replicated(self.lora_A)), self.lora_B)
         if self.magnitude is None:
-            return y + delta
+            return y + lora * self.scale
+        if weight is None:
+            raise ValueError(f"{self.name}: DoRA needs its base weight every forward")
         m = self.replicated(self.magnitude) if (self.row and self.sequence_parallel) else self.magnitude
         mag = m / self.weight_norm(weight).to(m.dtype)
         if h is x:  # the base output without its bias (peft's base_result)
@@ -121,7 +125,7 @@ class LoraAdapter(nn.Module):
             base = F.linear(h, weight)
             if self.row:
                 base = leave_tp_region(base, self.tp, self.sequence_parallel)
-        return y + (mag - 1) * base + mag * delta
+        return y + ((mag - 1) * base + mag * lora * self.scale)  # peft's order of the same terms
 
     def extra_repr(self) -> str:
         kind = "row" if self.row else "column"

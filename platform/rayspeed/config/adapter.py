@@ -87,6 +87,8 @@ def problems(cfg: Any, family: Any) -> list[str]:
         p.append(f"model.adapter.alpha: must be > 0, got {a.alpha}")
     if not 0.0 <= a.dropout < 1.0:
         p.append(f"model.adapter.dropout: must be in [0, 1), got {a.dropout}")
+    if a.lora_plus_ratio < 0:
+        p.append(f"model.adapter.lora_plus_ratio: must be >= 0 (0: off; LoRA+ suggests 16), got {a.lora_plus_ratio}")
     unknown = [t for t in a.targets if t != ALL and t not in ROLES]
     if unknown or not a.targets:
         p.append(f"model.adapter.targets: {unknown or '[]'} is not a list of roles; use all, or some of "
@@ -98,10 +100,19 @@ def problems(cfg: Any, family: Any) -> list[str]:
         p.append(f"model.adapter: {family.architecture} fuses projections in its checkpoint "
                  f"({', '.join(sorted(family.tensor_names.fused))}); adapters on it are not supported yet: "
                  "fine-tune it in full (remove model.adapter)")
-    if a.base_precision == "nf4":
-        p.append("model.adapter.base_precision: nf4 (QLoRA) is not available in this version yet; use auto "
-                 "(the base in the job's precision)")
+    p += _nf4_problems(cfg)
     if a.dora and cfg.parallel.zero_stage == 3:
         p.append("model.adapter.dora: DoRA reads each whole base weight every forward, which ZeRO-3 partitions; "
                  "use parallel.zero_stage 0, 1 or 2 (or auto), or set dora: false")
     return p
+
+
+def _nf4_problems(cfg: Any) -> list[str]:
+    a = cfg.model.adapter
+    if a.base_precision != "nf4":
+        return ([f"model.adapter.compute_dtype: {a.compute_dtype} applies to 4-bit base weights only; set "
+                 "base_precision: nf4 or remove compute_dtype"] if a.compute_dtype != "auto" else [])
+    if cfg.parallel.zero_stage == 3:
+        return ["model.adapter.base_precision: nf4 packs the base weights in 4 bits, which ZeRO-3 does not "
+                "partition; use parallel.zero_stage 0, 1 or 2 (or auto)"]
+    return []

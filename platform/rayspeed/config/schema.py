@@ -39,7 +39,18 @@ class AdapterConfig:
     """DoRA: a trained magnitude per output feature times the row-normalised W + scale * B A (needs the whole base
     weight each forward: ZeRO 0-2)."""
     base_precision: Literal["auto", "nf4"] = "auto"
-    """auto: the base weights in the job's precision; nf4: 4-bit NormalFloat base weights (QLoRA, bitsandbytes)."""
+    """auto: the base weights in the job's precision; nf4: the base's linear layers quantized at load to 4-bit
+    NormalFloat in blocks of 64 (QLoRA, through bitsandbytes; embeddings, norms and the head stay in the job's
+    precision). Needs bitsandbytes and ZeRO 0-2."""
+    lora_plus_ratio: float = 0.0
+    """LoRA+: the learning rate of every B is this many times train.lr (the LoRA+ paper suggests 16; its schedule
+    follows train.lr's); 0: one learning rate for all."""
+    double_quant: bool = True
+    """With nf4: store each block's scale in 8 bits too (QLoRA's double quantization, about 0.37 bit per weight
+    saved; under tensor parallelism the scales of each rank's blocks stay in fp32, exactly the whole matrix's)."""
+    compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """With nf4: the dtype the 4-bit weights are dequantized to for each product (bnb_4bit_compute_dtype); auto is
+    the job's precision."""
 
 
 @dataclass

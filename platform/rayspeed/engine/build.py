@@ -113,3 +113,25 @@ def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None) -> di
     log.info("warm start from %s (%s): %d parameters, %d elements loaded; optimizer starts fresh",
              spec, model_dir, report["parameters"], report["elements"])
     return report
+
+
+def base_state(cfg: JobConfig) -> dict[str, Any]:
+    """The whole fp32 weights the job started from, under rayspeed's names, re-read from where warm_start or the
+    pretrained load took them (train.init_from, else model.pretrained): what a QLoRA job's adapter merges into,
+    instead of the 4-bit weights it trained against."""
+    from pathlib import Path
+
+    from rayspeed.model.hf_weights import local_model_dir, read_whole
+    from rayspeed.model.warm_start import CONFIG, WEIGHTS, find_model_dir
+    from rayspeed.paths import model_cache_dir, storage_path, tracking_uri
+    from rayspeed.tracking.model_fetch import resolve_init_from
+
+    shape = ModelShape.from_config(cfg.model)
+    if not cfg.train.init_from:
+        return read_whole(local_model_dir(str(cfg.model.pretrained)), shape)
+    root = Path(resolve_init_from(str(cfg.train.init_from), tracking_uri(cfg), model_cache_dir(storage_path(cfg))))
+    model_dir = find_model_dir(root) or root
+    if (model_dir / CONFIG).is_file():
+        state = torch.load(model_dir / WEIGHTS, map_location="cpu", weights_only=True)
+        return {k: v.float() for k, v in state.items()}
+    return read_whole(str(model_dir), shape, what="train.init_from")

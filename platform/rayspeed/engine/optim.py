@@ -23,16 +23,22 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: norms and other 1-D parameters are not decayed."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float, lora_plus_ratio: float = 0.0) -> list[dict]:
+    """Weight decay on matrices only: norms and other 1-D parameters are not decayed. LoRA+: the adapters' B in a
+    group of their own at lr x lora_plus_ratio (the schedule scales every group's lr by the same factor)."""
+    decay, no_decay, b = [], [], []
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+        if lora_plus_ratio > 0 and name.endswith(".adapter.lora_B"):
+            b.append(p)
+        else:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "lr": lr}]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "lr": lr})
+    if b:
+        groups.append({"params": b, "weight_decay": weight_decay, "lr": lr * lora_plus_ratio})
     return groups
 
 
@@ -55,8 +61,10 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig, on_gpu: bool) -> tor
     # Fused: one kernel per parameter for the whole update, on GPUs and on CPUs alike (torch's CPU default is a
     # Python loop of ~10 ops per parameter; fused measured -6% CPU time per step on tiny-cpu's bare loop).
     fused = on_gpu or "cpu" in compat.fused_optimizer_devices()
+    a = cfg.model.adapter
+    groups = param_groups(model, t.weight_decay, float(t.lr), a.lora_plus_ratio if a.type != "none" else 0.0)
     return GuardedAdamW(
-        param_groups(model, t.weight_decay), lr=float(t.lr), betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
+        groups, lr=float(t.lr), betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         **({"fused": True} if fused else {}),
     )
 

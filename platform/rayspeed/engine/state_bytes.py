@@ -17,6 +17,8 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
     weights = 0
     for p in engine.module.parameters():
         weights += _bytes(getattr(p, "ds_tensor", None)) if hasattr(p, "ds_tensor") else _bytes(p)
+    for m in engine.module.modules():  # QLoRA's 4-bit base weights are buffers (rayspeed.adapters.nf4)
+        weights += m.nbytes() if callable(getattr(m, "nbytes", None)) else 0
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)  # DeepSpeed's ZeRO wrappers hold the torch optimizer
     states = 0

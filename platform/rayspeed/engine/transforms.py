@@ -78,6 +78,12 @@ def _adapters(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Op
     if not spec.enabled(a):
         return None
     tp = groups.tp if cfg.parallel.tp > 1 else None
+    packed = ""
+    if a.base_precision == "nf4":  # before the adapters: DoRA's magnitude starts from the 4-bit weight (peft's)
+        from rayspeed.adapters.nf4 import quantize_base
+
+        n = quantize_base(model, double_quant=a.double_quant, compute=a.compute_dtype, tp=tp)
+        packed = f"; {n} base linear layers in NF4{' (double quant)' if a.double_quant else ''}"
     adapted = add_adapters(model, a, tp, bool(cfg.parallel.sequence_parallel), cfg.train.seed)
     kinds = {"embed": VocabParallelEmbedding, "head": OutputHead, "norms": RMSNorm}
     full = tuple(kinds[w] for w in a.trainable)
@@ -89,7 +95,7 @@ def _adapters(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Op
     kind = "DoRA" if a.dora else "rsLoRA" if a.rslora else "LoRA"
     extra = f", {'+'.join(a.trainable)} in full" if a.trainable else ""
     return (f"{kind} rank {a.rank} scale {spec.scale(a):g} on {len(adapted)} layers "
-            f"({','.join(spec.target_roles(a))}){extra}; {train} of {total} parameters of this rank train")
+            f"({','.join(spec.target_roles(a))}){extra}; {train} of {total} parameters of this rank train{packed}")
 
 
 def compile_decision(cfg: Any, on_gpu: bool) -> tuple[bool, str]:

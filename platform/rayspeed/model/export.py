@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _model_section(cfg: Any) -> dict[str, Any]:
 
 
 def export_model(engine_or_module: Any, cfg: Any, out_dir: str, groups: Any = None,
-                 max_host_gib: float = 64.0) -> str:
+                 max_host_gib: float = 64.0, base: Optional[Callable[[], dict[str, Any]]] = None) -> str:
     """Write the reloadable model into out_dir (created); returns out_dir on every rank.
 
     Collective: every rank calls it (dp/tp/pp gathers). Only global rank 0 writes files. groups: the
@@ -195,7 +195,7 @@ def export_model(engine_or_module: Any, cfg: Any, out_dir: str, groups: Any = No
         _barrier()
         return str(out)
     try:
-        _write(out, cfg, state, layout, precision, complete, limitations, t0)
+        _write(out, cfg, state, layout, precision, complete, limitations, t0, base)
     except Exception as e:  # a full disk must not take the job down at its last step
         log.warning("model export to %s failed while writing (%s)", out, e)
     finally:
@@ -204,7 +204,7 @@ def export_model(engine_or_module: Any, cfg: Any, out_dir: str, groups: Any = No
 
 
 def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], precision: str, complete: bool,
-           limitations: list[str], t0: float) -> None:
+           limitations: list[str], t0: float, base: Optional[Callable[[], dict[str, Any]]] = None) -> None:
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +213,7 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
     weights_from = "module parameters (fp32 training)"
     if precision in ("bf16", "fp16") or layout.get("zero_stage") == 3:
         weights_from = "DeepSpeed fp32 master weights (safe_get_full_fp32_param)"
-    adapter = _fold_adapter(cfg, state, out, model_cfg)
+    adapter = _fold_adapter(cfg, state, out, model_cfg, base)
     if state:
         # The Transformer's state_dict also lists a tied head under its own name.
         if model_cfg.get("tie_embeddings") and "embed.weight" in state and "head.weight" not in state:
@@ -255,10 +255,12 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
              meta["seconds"])
 
 
-def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
+def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[str, Any],
+                  base_weights: Optional[Callable[[], dict[str, Any]]] = None) -> Optional[dict[str, Any]]:
     """A job with adapters exports the merged model (self-contained: it loads without its base) and the adapter in
     PEFT's files beside it (ADAPTER_DIR); `state` and `model_cfg` become the merged model's. Returns what
-    export.json records of it (None: no adapter)."""
+    export.json records of it (None: no adapter). A QLoRA job's module holds its linear weights in 4 bits: the
+    adapter merges into the original weights, `base_weights()` (the trainer's engine.build.base_state)."""
     from rayspeed.config import adapter as spec
 
     a = getattr(cfg.model, "adapter", None)
@@ -273,6 +275,11 @@ def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[st
     write_peft_dir(state, a, ModelShape.from_config(cfg.model), str(out / ADAPTER_DIR), base)
     record = {"section": dict(model_cfg["adapter"]), "merged_layers": len(adapted_layers(state)),
               "peft_dir": ADAPTER_DIR, "base": base}
+    if a.base_precision == "nf4":
+        if base_weights is None:
+            raise ValueError("a QLoRA export needs the job's original base weights to merge into")
+        state.update({k: v for k, v in base_weights().items() if k not in state})
+        record["merged_into"] = "the original base weights (the adapter trained against their NF4 quantization)"
     whole = merged(state, a)
     state.clear()
     state.update(whole)

@@ -123,6 +123,26 @@ def leave_tp_region(x: torch.Tensor, tp: TensorParallel, sequence_parallel: bool
     return reduce_scatter_to_sequence(x, tp) if sequence_parallel else reduce_from_tp(x, tp)
 
 
+def base_product(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x W^T (+ bias) of a parallel linear layer's own weight shard, dense or packed in 4 bits."""
+    if layer.quantized is not None:
+        return layer.quantized(x, bias)
+    return F.linear(x, layer.weight, bias)
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """A parallel linear layer's weight shard as a dense tensor (a 4-bit one dequantized)."""
+    return layer.weight if layer.quantized is None else layer.quantized.dequantize()
+
+
+def adapter_weight(layer: nn.Module) -> Optional[torch.Tensor]:
+    """What the layer's adapter reads of the base weight: DoRA the whole shard each forward, LoRA nothing (a
+    4-bit weight is then not dequantized twice)."""
+    if layer.quantized is not None and getattr(layer.adapter, "magnitude", None) is None:
+        return None
+    return dense_weight(layer)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split along its output rows: rank r computes output features [r*n/tp, (r+1)*n/tp).
 
@@ -163,13 +183,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (sharded_parameter((out_features,), 0, self.tp, std=0.0, seed=seed, key=f"{name}.bias", dtype=dtype)
                      if bias else None)
         self.adapter: Optional[nn.Module] = None  # rayspeed.adapters: (x, y, weight, bias) -> y plus its share
+        self.quantized: Optional[nn.Module] = None  # rayspeed.adapters.nf4: the frozen weight in 4 bits (QLoRA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_input:
             x = enter_tp_region(x, self.tp, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = base_product(self, x, self.bias)
         if self.adapter is not None:
-            y = self.adapter(x, y, self.weight, self.bias)
+            y = self.adapter(x, y, adapter_weight(self), self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -211,12 +232,13 @@ class RowParallelLinear(nn.Module):
             (out_features, in_features), 1, self.tp, std=init_std, seed=seed, key=f"{name}.weight", dtype=dtype
         )
         self.adapter: Optional[nn.Module] = None  # rayspeed.adapters: (x, reduced y, weight) -> y plus its share
+        self.quantized: Optional[nn.Module] = None  # rayspeed.adapters.nf4: the frozen weight in 4 bits (QLoRA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)
-        y = leave_tp_region(F.linear(x, self.weight), self.tp, self.sequence_parallel)
-        return y if self.adapter is None else self.adapter(x, y, self.weight)
+        y = leave_tp_region(base_product(self, x, None), self.tp, self.sequence_parallel)
+        return y if self.adapter is None else self.adapter(x, y, adapter_weight(self))
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.world_size}, "

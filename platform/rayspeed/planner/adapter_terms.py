@@ -19,6 +19,10 @@ from typing import Any, Optional
 
 from rayspeed.config import adapter as spec
 from rayspeed.planner.model_math import stage_params
+from rayspeed.planner.terms import MemoryTerm, register
+
+NF4_BLOCK = 64
+"""Elements per NF4 block, each block with one scale (bitsandbytes' blocksize)."""
 
 
 @dataclass(frozen=True)
@@ -29,14 +33,21 @@ class AdapterPlan:
     dropout: bool
     full: tuple[str, ...]  # modules trained in full: embed, head, norms
     flops_per_token: float  # the job's model FLOPs per token (config.adapter.flops_per_token)
+    nf4: bool = False  # QLoRA: the blocks' linear weights packed in 4 bits
+    double_quant: bool = True
+    compute_bytes: Optional[int] = None  # bytes per element of the dequantized weight (None: the working dtype's)
 
     @classmethod
     def of(cls, adapter: Any, shape: Any) -> Optional["AdapterPlan"]:
         if not spec.enabled(adapter):
             return None
+        nf4 = getattr(adapter, "base_precision", "auto") == "nf4"
+        compute = getattr(adapter, "compute_dtype", "auto")
         return cls(rank=adapter.rank, roles=spec.target_roles(adapter), dora=adapter.dora,
                    dropout=adapter.dropout > 0, full=tuple(adapter.trainable),
-                   flops_per_token=spec.flops_per_token(shape, adapter))
+                   flops_per_token=spec.flops_per_token(shape, adapter), nf4=nf4,
+                   double_quant=bool(getattr(adapter, "double_quant", True)),
+                   compute_bytes=None if compute == "auto" else (4 if compute == "fp32" else 2))
 
 
 def layer_adapter_params(sh: Any, ap: AdapterPlan, tp: int) -> float:
@@ -105,3 +116,54 @@ def gemm_seconds(ctx: Any, lay: Any, gemm_s: Any, dense_fwd: float) -> tuple[flo
         column = role in spec.COLUMN_ROLES
         fwd += gemm_s(ctx, T, i if column else i / t, ap.rank) + gemm_s(ctx, T, ap.rank, o / t if column else o)
     return dense_fwd + fwd, dense_fwd + 2 * fwd
+
+
+# ---------------------------------------------------------------- QLoRA: the base's linear weights in 4 bits
+
+
+def linear_weights(sh: Any, tp: int) -> float:
+    """Weight elements of one block's seven linear layers on one tp rank (every one packed under nf4, adapted
+    or not; biases, norms, embeddings and the head stay in the working dtype)."""
+    return sum(i * o for i, o in spec.role_dims(sh).values()) / tp
+
+
+def nf4_bytes_per_weight(ap: AdapterPlan, tp: int) -> float:
+    """Half a byte of code per weight plus its block's scale: 8 bits per 64 weights with double quantization (and
+    its own fp32 scale per 256 blocks), fp32 per 64 without it; under tensor parallelism rayspeed.adapters.nf4
+    keeps each rank's scales in fp32 (exactly the whole matrix's double-quantized values)."""
+    if ap.double_quant and tp == 1:
+        return 0.5 + 1.0 / NF4_BLOCK + 4.0 / (NF4_BLOCK * 256)
+    return 0.5 + 4.0 / NF4_BLOCK
+
+
+def frozen_weight_bytes(ctx: Any, lay: Any, layers: int, frozen: float) -> float:
+    """Bytes of one rank's frozen parameters (`frozen` of them, `layers` blocks): the working dtype, ZeRO-3
+    sharding them over dp; with nf4 the blocks' linear weights at nf4_bytes_per_weight."""
+    ap = ctx.adapter
+    if ap is None or not ap.nf4:
+        return frozen * ctx.w_bytes / (lay.dp if lay.zero_stage == 3 else 1)
+    packed = min(frozen, layers * linear_weights(ctx.shape, lay.tp))
+    return packed * nf4_bytes_per_weight(ap, lay.tp) + (frozen - packed) * ctx.w_bytes
+
+
+def compute_bytes(ctx: Any) -> int:
+    ap = ctx.adapter
+    return ap.compute_bytes if ap is not None and ap.compute_bytes else ctx.w_bytes
+
+
+def dequant_bytes(ctx: Any, lay: Any) -> float:
+    """Memory traffic of dequantizing one block's packed weights once (read the codes and scales, write the dense
+    weight): every forward, every backward (the input gradient needs W again) and every recomputed forward."""
+    ap = ctx.adapter
+    if ap is None or not ap.nf4:
+        return 0.0
+    return linear_weights(ctx.shape, lay.tp) * (nf4_bytes_per_weight(ap, lay.tp) + compute_bytes(ctx))
+
+
+def _dequantized_bytes(ctx: Any, lay: Any, stage: int) -> float:
+    """The one dense weight alive at a time while a packed layer computes (the largest of a block)."""
+    return max(i * o for i, o in spec.role_dims(ctx.shape).values()) / lay.tp * compute_bytes(ctx)
+
+
+register(MemoryTerm("nf4_dequantized", applies=lambda ctx, lay: ctx.adapter is not None and ctx.adapter.nf4,
+                    bytes=_dequantized_bytes, source="docs/PLANNER.md, Adapters: QLoRA"))

@@ -87,9 +87,11 @@ def adapter_lines(e: Estimate) -> list[str]:
     full_mem = sum(worst_stage(full_ctx, e.layout)[1].values()) / GIB
     full_s = step_time(full_ctx, e.layout).step_s
     trains = sum(e.memory.get(k, 0.0) for k in ("gradients", "master_weights", "optimizer_states")) / GIB
-    kind = "DoRA" if ap.dora else "LoRA"
+    kind = ("Q" if ap.nf4 else "") + ("DoRA" if ap.dora else "LoRA")
+    base = ("frozen in NF4 (4-bit linear weights, "
+            f"{e.memory.get('weights', 0.0) / GIB:.2f} GiB of weights per rank)" if ap.nf4 else "frozen")
     return ["", f"adapters: {kind} rank {ap.rank} on {','.join(ap.roles)}"
-            + (f", {'+'.join(ap.full)} in full" if ap.full else "") + "; the base is frozen",
+            + (f", {'+'.join(ap.full)} in full" if ap.full else "") + f"; the base is {base}",
             f"  memory: the frozen base's weights and the adapters' {trains:.2f} GiB of gradients, master weights and "
             f"optimizer state per rank; as a full fine-tune this layout needs {full_mem:.1f} GiB"
             + (" (does not fit)" if full_mem > e.ctx.usable_gib else ""),

@@ -10,7 +10,7 @@ import functools
 
 from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
-from rayspeed.planner.adapter_terms import activation_elems_per_token, trained_and_frozen
+from rayspeed.planner.adapter_terms import activation_elems_per_token, frozen_weight_bytes, trained_and_frozen
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.model_math import split_of, stage_params
@@ -230,8 +230,8 @@ def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
     layers = split_of(ctx.shape, lay)[stage]
     trained, frozen = trained_and_frozen(ctx, lay, stage, layers)
     out = model_state_bytes(round(trained), ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.dp)
-    if frozen:  # an adapter job's base: its weights only (planner/adapter_terms.py)
-        out["weights"] += frozen * ctx.w_bytes / (lay.dp if lay.zero_stage == 3 else 1)
+    if frozen:  # an adapter job's base: its weights only, 4-bit ones under QLoRA (planner/adapter_terms.py)
+        out["weights"] += frozen_weight_bytes(ctx, lay, layers, frozen)
     out["activations"] = activation_bytes(ctx, lay, stage)
     out["logits_loss"] = logits_bytes(ctx, lay, stage)
     out["zero3_gathered"] = zero3_gathered_bytes(ctx, lay, stage)

@@ -140,6 +140,8 @@ def zero_problem(ctx: Ctx, zero: int) -> str | None:
                 f"the optimizer state divided){alt}")
     if zero == 3 and ctx.adapter is not None and ctx.adapter.dora:
         return "parallel.zero_stage 3 with model.adapter.dora: DoRA reads each whole base weight every forward"
+    if zero == 3 and ctx.adapter is not None and ctx.adapter.nf4:
+        return "parallel.zero_stage 3 with model.adapter.base_precision nf4: ZeRO-3 does not partition 4-bit weights"
     return None
 
 

@@ -190,6 +190,8 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
         dense = dense_gemm_s(ctx, lay)
         a_fwd, a_bwd = adapter_terms.gemm_seconds(ctx, lay, gemm_s, dense)
         g_fwd, g_bwd = g - dense + a_fwd, 2 * (g - dense) + a_bwd
+        deq = _mem_s(ctx, adapter_terms.dequant_bytes(ctx, lay))  # QLoRA: W unpacked forward and backward
+        g_fwd, g_bwd = g_fwd + deq, g_bwd + deq
     attn_bwd_extra = (6.0 * T * attention_keys(ctx) * sh.q_dim / t
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
     # A calibrated profile anchors the block at the real block it measured (work_scale_*: measured / modelled

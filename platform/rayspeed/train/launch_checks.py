@@ -132,6 +132,25 @@ def callback_problems(cfg: JobConfig) -> list[str]:
     return out
 
 
+def qlora_problems(cfg: JobConfig) -> list[str]:
+    """A QLoRA job (model.adapter.base_precision nf4) needs bitsandbytes on the workers (the driver's environment
+    here) and real base weights: its merged export folds the adapter into them, re-read from where they came from.
+    (`rayspeed plan` of a shape-only job with nf4 answers; a launch stops here.)"""
+    import importlib.util
+
+    a, m = cfg.model.adapter, cfg.model
+    if a.type == "none" or a.base_precision != "nf4":
+        return []
+    p = []
+    if importlib.util.find_spec("bitsandbytes") is None:
+        p.append("model.adapter.base_precision: nf4 needs bitsandbytes, which is not installed; "
+                 "pip install 'bitsandbytes>=0.50' (or set base_precision: auto)")
+    if not cfg.train.init_from and not (m.pretrained and m.init == "pretrained"):
+        p.append("model.adapter.base_precision: nf4 quantizes pretrained base weights; set model.pretrained (with "
+                 "model.init: pretrained) or train.init_from, or use base_precision: auto")
+    return p
+
+
 def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> list[str]:
     """Every problem a launch would stop at before the cluster starts (see the module doc). `job` is the job as
     written, `cfg` the resolved one (its layout from the plan)."""
@@ -143,6 +162,7 @@ def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> li
         lambda: init_from_problem(cfg),
         lambda: data_problems(cfg),
         lambda: callback_problems(cfg),
+        lambda: qlora_problems(cfg),
     ]
     problems: list[str] = []
     for check in checks:

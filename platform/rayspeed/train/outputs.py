@@ -37,7 +37,9 @@ class OutputsCallback(Callback):
         # The export is logged to MLflow from a local folder: on object storage it goes to node-local staging.
         out_dir: Optional[str] = str((exp.local if exp.is_local else self.checkpointer.stage) / paths.MODEL_DIR)
         try:
-            export_model(self.engine, c, out_dir, groups=self.groups)
+            from rayspeed.engine.build import base_state
+
+            export_model(self.engine, c, out_dir, groups=self.groups, base=lambda: base_state(c))
         except Exception as e:
             log.warning("model export failed: %s", e)
             out_dir = None
