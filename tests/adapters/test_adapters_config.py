@@ -20,7 +20,7 @@ def test_every_adapter_key_is_documented():
     keys = {k: doc for k, _, doc in describe_keys() if k.startswith("model.adapter.")}
     assert set(keys) == {f"model.adapter.{k}" for k in ("type", "rank", "alpha", "dropout", "targets", "trainable",
                                                         "rslora", "dora", "base_precision", "double_quant",
-                                                        "lora_plus_ratio",
+                                                        "lora_plus_ratio", "rank_pattern", "alpha_pattern",
                                                         "compute_dtype")}
     assert all(len(doc) > 20 for doc in keys.values())
 
@@ -41,6 +41,9 @@ def test_roles_and_scale():
     ({"dora": True, "_zero": 3}, "use parallel.zero_stage 0, 1 or 2"),
     ({"base_precision": "nf4", "_zero": 3}, "nf4 packs the base weights in 4 bits, which ZeRO-3 does not partition; "
                                             "use parallel.zero_stage 0, 1 or 2"),
+    ({"targets": ["q", "v"], "rank_pattern": {"k": 8}}, "model.adapter.rank_pattern: ['k'] are not among the "
+                                                        "targeted roles (q, v)"),
+    ({"alpha_pattern": {"q": 0}}, "model.adapter.alpha_pattern: {'q': 0.0} must be > 0"),
     ({"compute_dtype": "bf16"}, "model.adapter.compute_dtype: bf16 applies to 4-bit base weights only"),
 ])
 def test_bad_adapter_settings_name_the_key_and_the_fix(setting, message):

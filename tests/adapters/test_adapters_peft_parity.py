@@ -17,7 +17,9 @@ from _hf_models import QWEN, save, shape_of
 from _hf_parity import TOL, build, init_deepspeed_gloo, shard, tokens
 
 SEQ, BATCH = 16, 2
-VARIANTS = {"lora": dict(), "rslora": dict(rslora=True), "dora": dict(dora=True)}
+VARIANTS = {"lora": dict(), "rslora": dict(rslora=True), "dora": dict(dora=True),
+            # per-role ranks and alphas (peft's rank_pattern / alpha_pattern): a row and a column layer each
+            "patterns": dict(rslora=True, rank_pattern={"q": 8, "down": 2}, alpha_pattern={"v": 2.0, "down": 6.0})}
 
 
 def _adapter(variant, targets=("all",)):
@@ -61,7 +63,8 @@ def peft_reference(model_dir, state, adapter, shape):
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, use_rslora=adapter.rslora, use_dora=adapter.dora,
-                        target_modules=peft_files.target_modules(adapter, shape))
+                        target_modules=peft_files.target_modules(adapter, shape),
+                        **peft_files.patterns(adapter, shape))
     peft = get_peft_model(hf, config)
     result = set_peft_model_state_dict(peft, peft_files.peft_state(state, shape))
     assert not result.unexpected_keys
@@ -194,14 +197,15 @@ def test_tp2_sequence_parallel_and_pp2_match_peft(base, variant):
     assert len(pp_names) == len(ref["grads"])  # the two stages hold every adapter once
 
 
-def test_the_peft_folder_loads_in_peft_to_the_same_logits(base, tmp_path):
+@pytest.mark.parametrize("variant", ["dora", "patterns"])
+def test_the_peft_folder_loads_in_peft_to_the_same_logits(base, tmp_path, variant):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from rayspeed.adapters.peft_files import write_peft_dir
 
     shape = shape_of(base, SEQ)
-    adapter = _adapter("dora", targets=("q", "v", "down"))
+    adapter = _adapter(variant, targets=("q", "v", "down"))
     model = adapted(shape, base, adapter).eval()
     write_peft_dir(model.full_state_dict(), adapter, shape, str(tmp_path / "peft"), base)
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
@@ -210,6 +214,10 @@ def test_the_peft_folder_loads_in_peft_to_the_same_logits(base, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids), **TOL)
     assert sorted(loaded.peft_config["default"].target_modules) == ["down_proj", "q_proj", "v_proj"]
+    if variant == "patterns":  # peft read the per-module ranks and alphas from adapter_config.json
+        q = loaded.base_model.model.model.layers[0].self_attn.q_proj
+        assert q.r["default"] == 8 and loaded.base_model.model.model.layers[0].mlp.down_proj.r["default"] == 2
+        assert loaded.base_model.model.model.layers[0].self_attn.v_proj.scaling["default"] == 2.0 / 2.0
 
 
 def _dropout_run(model, ids):

@@ -28,13 +28,14 @@ def _job(adapter=LORA, **parallel):
                   "cluster": {"num_workers": parallel.get("tp", 1)}})
 
 
-@pytest.mark.parametrize("tp, trainable", [(1, []), (2, []), (1, ["head", "norms"]), (2, ["embed"])])
-def test_trained_and_frozen_counts_are_the_models(tp, trainable):
+@pytest.mark.parametrize("tp, trainable, ranks", [(1, [], {}), (2, [], {}), (1, ["head", "norms"], {}),
+                                                  (2, ["embed"], {}), (2, [], {"q": 16, "down": 2})])
+def test_trained_and_frozen_counts_are_the_models(tp, trainable, ranks):
     from rayspeed.adapters.attach import add_adapters
     from rayspeed.model.transformer import Transformer
     from rayspeed.parallel.groups import TensorParallel
 
-    cfg = _job({**LORA, "trainable": trainable}, tp=tp)
+    cfg = _job({**LORA, "trainable": trainable, "rank_pattern": ranks}, tp=tp)
     model = Transformer(ModelShape.from_config(cfg.model), tp=TensorParallel(rank=0, world_size=tp) if tp > 1 else None)
     add_adapters(model, cfg.model.adapter, model.tp)
     for p in model.parameters():  # what the engine's transform lets train in full

@@ -41,7 +41,8 @@ def add_adapters(model: nn.Module, adapter: Any, tp: Any = None, sequence_parall
             dtype = layer.weight.dtype if layer.quantized is None else layer.quantized.dtype
             layer.adapter = LoraAdapter(
                 layer.in_features, layer.out_features, isinstance(layer, RowParallelLinear), tp,
-                rank=adapter.rank, scale=spec.scale(adapter), dropout=adapter.dropout, dora=adapter.dora,
+                rank=spec.role_rank(adapter, role), scale=spec.scale(adapter, role), dropout=adapter.dropout,
+                dora=adapter.dora,
                 sequence_parallel=sequence_parallel, seed=seed, name=f"{name}.adapter", weight=weight,
             ).to(device=weight.device, dtype=dtype)
             adapted.append(name)

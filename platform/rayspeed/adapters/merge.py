@@ -22,8 +22,8 @@ def adapted_layers(state: dict[str, Any]) -> list[str]:
 def merged(state: dict[str, torch.Tensor], adapter: Any) -> dict[str, torch.Tensor]:
     """`state` (whole tensors) with every adapter merged into its layer's weight and no adapter tensor left."""
     out = {n: t for n, t in state.items() if not is_adapter(n)}
-    s = spec.scale(adapter)
     for layer in adapted_layers(state):
+        s = spec.scale(adapter, spec.role_of(layer))
         w = out[f"{layer}.weight"]
         new = w.double() + s * (state[f"{layer}.adapter.lora_B"].double() @ state[f"{layer}.adapter.lora_A"].double())
         magnitude = state.get(f"{layer}.adapter.magnitude")

@@ -43,10 +43,21 @@ def rayspeed_name(key: str, shape: Any) -> Optional[str]:
     return None
 
 
+def leaf_name(role: str, shape: Any) -> str:
+    """The leaf name of the checkpoint's module role `role` names (q -> q_proj, ...)."""
+    return shape.family.tensor_names.hf_name(f"layers.0.{spec.ROLES[role]}.weight").split(".")[-2]
+
+
 def target_modules(adapter: Any, shape: Any) -> list[str]:
     """peft's target_modules: the leaf names of the checkpoint's modules the roles name (q_proj, ...)."""
-    names = shape.family.tensor_names
-    return [names.hf_name(f"layers.0.{spec.ROLES[r]}.weight").split(".")[-2] for r in spec.target_roles(adapter)]
+    return [leaf_name(r, shape) for r in spec.target_roles(adapter)]
+
+
+def patterns(adapter: Any, shape: Any) -> dict[str, dict[str, Any]]:
+    """peft's rank_pattern and alpha_pattern (keys: the projections' leaf names, which peft matches as the last
+    part of a module's name)."""
+    return {key: {leaf_name(r, shape): v for r, v in (getattr(adapter, key, None) or {}).items()}
+            for key in ("rank_pattern", "alpha_pattern")}
 
 
 def fully_trained(name: str, adapter: Any, shape: Any) -> bool:
@@ -76,7 +87,7 @@ def adapter_config(adapter: Any, shape: Any, base: str) -> dict[str, Any]:
         "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": adapter.dropout,
         "target_modules": target_modules(adapter, shape), "use_rslora": adapter.rslora, "use_dora": adapter.dora,
         "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": full,
+        "modules_to_save": full, **patterns(adapter, shape),
         # A tied head trained in full is the embedding: peft ties lm_head to its trained copy.
         "ensure_weight_tying": bool(full and shape.tie_embeddings and "embed_tokens" in full),
     }

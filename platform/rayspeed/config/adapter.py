@@ -49,9 +49,25 @@ def target_roles(adapter: Any) -> tuple[str, ...]:
     return tuple(r for r in ROLES if ALL in wanted or r in wanted)
 
 
-def scale(adapter: Any) -> float:
-    """alpha / rank, or alpha / sqrt(rank) with rsLoRA (peft's `scaling`)."""
-    return float(adapter.alpha) / (math.sqrt(adapter.rank) if adapter.rslora else adapter.rank)
+def scale(adapter: Any, role: Optional[str] = None) -> float:
+    """alpha / rank, or alpha / sqrt(rank) with rsLoRA (peft's `scaling`), of `role` (None: the defaults)."""
+    r, alpha = role_rank(adapter, role), role_alpha(adapter, role)
+    return float(alpha) / (math.sqrt(r) if adapter.rslora else r)
+
+
+def role_rank(adapter: Any, role: Optional[str]) -> int:
+    """The rank of `role`'s adapters: model.adapter.rank_pattern's, else rank."""
+    return int((getattr(adapter, "rank_pattern", None) or {}).get(role, adapter.rank))
+
+
+def role_alpha(adapter: Any, role: Optional[str]) -> float:
+    return float((getattr(adapter, "alpha_pattern", None) or {}).get(role, adapter.alpha))
+
+
+def role_of(layer: str) -> str:
+    """The role of rayspeed layer `layers.{i}.<path>` (e.g. layers.0.attn.wq -> q)."""
+    path = layer.split(".", 2)[-1]
+    return next(r for r, p in ROLES.items() if p == path)
 
 
 def role_dims(shape: Any) -> dict[str, tuple[int, int]]:
@@ -63,7 +79,7 @@ def role_dims(shape: Any) -> dict[str, tuple[int, int]]:
 def adapter_params(shape: Any, adapter: Any) -> int:
     """Adapter parameters of the whole model: rank x (in + out) per adapted layer, DoRA's magnitude (out) too."""
     dims = role_dims(shape)
-    per_layer = sum(adapter.rank * (dims[r][0] + dims[r][1]) + (dims[r][1] if adapter.dora else 0)
+    per_layer = sum(role_rank(adapter, r) * (dims[r][0] + dims[r][1]) + (dims[r][1] if adapter.dora else 0)
                     for r in target_roles(adapter))
     return shape.num_layers * per_layer
 
@@ -89,6 +105,14 @@ def problems(cfg: Any, family: Any) -> list[str]:
         p.append(f"model.adapter.dropout: must be in [0, 1), got {a.dropout}")
     if a.lora_plus_ratio < 0:
         p.append(f"model.adapter.lora_plus_ratio: must be >= 0 (0: off; LoRA+ suggests 16), got {a.lora_plus_ratio}")
+    for key, pattern in (("rank_pattern", a.rank_pattern), ("alpha_pattern", a.alpha_pattern)):
+        outside = sorted(set(pattern) - set(target_roles(a)))
+        if outside:
+            p.append(f"model.adapter.{key}: {outside} are not among the targeted roles "
+                     f"({', '.join(target_roles(a))}); name targeted roles only")
+        low = {k: v for k, v in pattern.items() if (v < 1 if key == "rank_pattern" else v <= 0)}
+        if low:
+            p.append(f"model.adapter.{key}: {low} must be {'>= 1' if key == 'rank_pattern' else '> 0'}")
     unknown = [t for t in a.targets if t != ALL and t not in ROLES]
     if unknown or not a.targets:
         p.append(f"model.adapter.targets: {unknown or '[]'} is not a list of roles; use all, or some of "

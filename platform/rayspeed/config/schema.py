@@ -30,6 +30,10 @@ class AdapterConfig:
     targets: list[str] = field(default_factory=lambda: ["all"])
     """Roles whose linear layers get an adapter: q, k, v, o, gate, up, down, or all (every linear layer of every
     block, as Axolotl's all-linear)."""
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Per-role ranks over `rank`, e.g. {q: 32, v: 32} (peft's rank_pattern, written with the projections' names)."""
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    """Per-role alphas over `alpha` (peft's alpha_pattern); each role's scale is its alpha over its rank."""
     trainable: list[str] = field(default_factory=list)
     """Parameters that train in full beside the adapters: embed (the input embedding), head (the output head;
     with tied embeddings the one shared matrix), norms."""

@@ -94,6 +94,8 @@ def _adapters(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Op
     train, total = trainable_count(model)
     kind = "DoRA" if a.dora else "rsLoRA" if a.rslora else "LoRA"
     extra = f", {'+'.join(a.trainable)} in full" if a.trainable else ""
+    extra = "".join(f", {r} rank {spec.role_rank(a, r)} scale {spec.scale(a, r):g}"
+                    for r in spec.target_roles(a) if r in a.rank_pattern or r in a.alpha_pattern) + extra
     return (f"{kind} rank {a.rank} scale {spec.scale(a):g} on {len(adapted)} layers "
             f"({','.join(spec.target_roles(a))}){extra}; {train} of {total} parameters of this rank train{packed}")
 

@@ -36,6 +36,10 @@ class AdapterPlan:
     nf4: bool = False  # QLoRA: the blocks' linear weights packed in 4 bits
     double_quant: bool = True
     compute_bytes: Optional[int] = None  # bytes per element of the dequantized weight (None: the working dtype's)
+    ranks: tuple[int, ...] = ()  # per role of `roles` (model.adapter.rank_pattern over rank); () : rank for all
+
+    def rank_of(self, role: str) -> int:
+        return self.ranks[self.roles.index(role)] if self.ranks else self.rank
 
     @classmethod
     def of(cls, adapter: Any, shape: Any) -> Optional["AdapterPlan"]:
@@ -46,6 +50,7 @@ class AdapterPlan:
         return cls(rank=adapter.rank, roles=spec.target_roles(adapter), dora=adapter.dora,
                    dropout=adapter.dropout > 0, full=tuple(adapter.trainable),
                    flops_per_token=spec.flops_per_token(shape, adapter), nf4=nf4,
+                   ranks=tuple(spec.role_rank(adapter, r) for r in spec.target_roles(adapter)),
                    double_quant=bool(getattr(adapter, "double_quant", True)),
                    compute_bytes=None if compute == "auto" else (4 if compute == "fp32" else 2))
 
@@ -57,7 +62,8 @@ def layer_adapter_params(sh: Any, ap: AdapterPlan, tp: int) -> float:
     for role in ap.roles:
         i, o = spec.role_dims(sh)[role]
         column = role in spec.COLUMN_ROLES
-        n += ap.rank * (i + o / tp) if column else ap.rank * (i / tp + o)
+        r = ap.rank_of(role)
+        n += r * (i + o / tp) if column else r * (i / tp + o)
         if ap.dora:
             n += o / tp if column else o
     return n
@@ -97,7 +103,7 @@ def activation_elems_per_token(ctx: Any, lay: Any) -> float:
     n = 0.0
     for role in ap.roles:
         i, _ = dims[role]
-        n += ap.rank + (2 * i / (1 if role in spec.COLUMN_ROLES else lay.tp) if ap.dropout else 0.0)
+        n += ap.rank_of(role) + (2 * i / (1 if role in spec.COLUMN_ROLES else lay.tp) if ap.dropout else 0.0)
     return n
 
 
@@ -114,7 +120,8 @@ def gemm_seconds(ctx: Any, lay: Any, gemm_s: Any, dense_fwd: float) -> tuple[flo
     for role in ap.roles:
         i, o = spec.role_dims(sh)[role]
         column = role in spec.COLUMN_ROLES
-        fwd += gemm_s(ctx, T, i if column else i / t, ap.rank) + gemm_s(ctx, T, ap.rank, o / t if column else o)
+        r = ap.rank_of(role)
+        fwd += gemm_s(ctx, T, i if column else i / t, r) + gemm_s(ctx, T, r, o / t if column else o)
     return dense_fwd + fwd, dense_fwd + 2 * fwd
 
 

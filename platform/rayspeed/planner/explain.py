@@ -90,7 +90,8 @@ def adapter_lines(e: Estimate) -> list[str]:
     kind = ("Q" if ap.nf4 else "") + ("DoRA" if ap.dora else "LoRA")
     base = ("frozen in NF4 (4-bit linear weights, "
             f"{e.memory.get('weights', 0.0) / GIB:.2f} GiB of weights per rank)" if ap.nf4 else "frozen")
-    return ["", f"adapters: {kind} rank {ap.rank} on {','.join(ap.roles)}"
+    own = ", ".join(f"{r} {ap.rank_of(r)}" for r in ap.roles if ap.rank_of(r) != ap.rank)
+    return ["", f"adapters: {kind} rank {ap.rank}{f' ({own})' if own else ''} on {','.join(ap.roles)}"
             + (f", {'+'.join(ap.full)} in full" if ap.full else "") + f"; the base is {base}",
             f"  memory: the frozen base's weights and the adapters' {trains:.2f} GiB of gradients, master weights and "
             f"optimizer state per rank; as a full fine-tune this layout needs {full_mem:.1f} GiB"
