@@ -165,3 +165,42 @@ def test_a_qlora_job_trains_on_4bit_weights_and_merges_into_the_original_ones(tm
     with torch.no_grad():
         hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         torch.testing.assert_close(hf(ids).logits, load_model(str(model_dir))(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_peft_adapter_made_elsewhere_continues_on_its_base(tmp_path, base):
+    """train.init_from a PEFT folder (as TRL or Axolotl leave one): the job loads model.pretrained and the adapter's
+    tensors, trains on, and exports an adapter whose base is model.pretrained; a job whose adapter settings differ
+    from the folder's is exit 2 naming the key and both values, before anything is written."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.adapters import peft_files
+    from rayspeed.config.load import parse
+    from rayspeed.config.schema import AdapterConfig
+    from rayspeed.config.shape import ModelShape
+
+    shape = ModelShape.from_config(parse({"model": {"pretrained": str(base)}}).model)
+    made = tmp_path / "made-elsewhere"
+    torch.manual_seed(5)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), LoraConfig(
+        r=4, lora_alpha=32, init_lora_weights=False,
+        target_modules=peft_files.target_modules(AdapterConfig(type="lora"), shape)))
+    peft.save_pretrained(str(made))
+    args = [*_args(base), "--set", "name=lora-continued", "--set", "train.max_steps=2", "--set",
+            "resilience.checkpoint_every_steps=2", "--set", f"train.init_from={made}"]
+    r, _ = run_job(tmp_path / "wrong", [*args, "--set", "model.adapter.rank=8"], None)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "model.adapter.rank: 8 here, 4 in train.init_from" in r.stderr
+    assert not (tmp_path / "wrong" / "runs").exists()
+
+    r, s = run_job(tmp_path / "home", args, None)
+    assert r.returncode == 0 and s["steps"] == 2, r.stderr[-3000:]
+    assert f"adapter warm start from the PEFT adapter {made}: 28 tensors" in r.stderr
+    out = tmp_path / "home" / "runs" / "lora-continued" / "model" / "adapter"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base)
+    start, end = load_file(str(made / "adapter_model.safetensors")), load_file(str(out / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    delta = (end[key] - start[key]).abs().max()
+    assert 0 < delta < 0.1 * start[key].abs().max()  # trained on from the adapter, not from B = 0

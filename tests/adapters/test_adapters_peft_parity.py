@@ -279,3 +279,49 @@ def test_modules_trained_in_full_go_to_peft_as_modules_to_save(tmp_path, trainab
     with torch.no_grad():  # (only the tied head trained: the embedding is the same matrix, saved once with its tie)
         torch.testing.assert_close(loaded(ids).logits, model(ids), **TOL)
     assert loaded.peft_config["default"].modules_to_save  # written, not dropped
+
+
+def _made_by_peft(model_dir, out, adapter, shape):
+    """An adapter peft made and saved itself (random A and B: init_lora_weights=False), as a TRL or Axolotl run
+    leaves one; its logits on the tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.adapters import peft_files
+
+    torch.manual_seed(11)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(hf, LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, use_rslora=adapter.rslora,
+                                         target_modules=peft_files.target_modules(adapter, shape),
+                                         init_lora_weights=False, **peft_files.patterns(adapter, shape)))
+    peft.save_pretrained(out)
+    with torch.no_grad():
+        return peft.eval()(_ids()[:, :-1]).logits
+
+
+def _continued(rank, world_size, model_dir, folder, variant):
+    from rayspeed.adapters.peft_files import load_peft_dir
+    from rayspeed.parallel.groups import ParallelGroups
+
+    init_deepspeed_gloo()
+    shape = shape_of(model_dir, SEQ)
+    tp = ParallelGroups(dp=1, tp=2, pp=1).tp
+    model = adapted(shape, model_dir, _adapter(variant), tp, sp=True)
+    assert load_peft_dir(model, folder, shape, tp) == 2 * 7 * shape.num_layers
+    with torch.no_grad():
+        return model.eval()(_ids()[:, :-1])
+
+
+def test_an_adapter_peft_made_continues_in_rayspeed_at_tp1_and_tp2(base, tmp_path):
+    """train.init_from a PEFT folder: its tensors go into rayspeed's adapters (each rank's shard) and give peft's
+    logits."""
+    from rayspeed.adapters.peft_files import load_peft_dir
+
+    shape = shape_of(base, SEQ)
+    want = _made_by_peft(base, str(tmp_path / "made"), _adapter("patterns"), shape)
+    model = adapted(shape, base, _adapter("patterns"))
+    load_peft_dir(model, str(tmp_path / "made"), shape)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(_ids()[:, :-1]), want, **TOL)
+    for logits in run_distributed(_continued, 2, base, str(tmp_path / "made"), "patterns", timeout_s=120):
+        torch.testing.assert_close(logits, want, **TOL)

@@ -116,3 +116,35 @@ def write_peft_dir(state: dict[str, torch.Tensor], adapter: Any, shape: Any, out
     save_file(peft_state(state, shape, adapter), str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(adapter, shape, base), indent=2) + "\n")
     return folder
+
+
+def load_peft_dir(model: torch.nn.Module, folder: str, shape: Any, tp: Any = None) -> int:
+    """Copy a PEFT adapter's tensors (adapter_model.safetensors; its settings checked against the job's before the
+    launch: config.adapter.init_adapter_problems) into the adapters of `model` (a Transformer or a pipeline
+    stage, adapters attached), each cut to this rank's shard; returns how many were copied. ValueError names a
+    tensor the model lacks or misses."""
+    from safetensors.torch import load_file
+
+    from rayspeed.adapters.attach import blocks
+
+    saved = {}
+    for key, t in load_file(str(Path(folder) / WEIGHTS_FILE)).items():
+        name = rayspeed_name(key.replace(".default.", "."), shape)  # peft may keep the adapter name in a key
+        if name is None:
+            raise ValueError(f"train.init_from {folder}: {key} is not a LoRA tensor of this model")
+        saved[name] = t
+    held = {f"{b.canonical_prefix}.{n}": p for b in blocks(model) for n, p in b.named_parameters() if is_adapter(n)}
+    missing = sorted(set(held) - set(saved))
+    if missing:
+        raise ValueError(f"train.init_from {folder}: no tensor for {', '.join(missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''}")
+    with torch.no_grad():
+        for name, p in held.items():
+            value, dim = saved[name], spec.partition_dim(name)
+            if tp is not None and tp.enabled and dim is not None:
+                value = value.chunk(tp.world_size, dim=dim)[tp.rank]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"train.init_from {folder}: {name} is {tuple(value.shape)} for this rank, the "
+                                 f"model's is {tuple(p.shape)}")
+            p.copy_(value.to(device=p.device, dtype=p.dtype))
+    return len(held)

@@ -35,8 +35,11 @@ def manifest_model_meta(cfg: Any) -> dict[str, Any]:
     tokenizer setting and the training precision."""
     import dataclasses
 
+    from rayspeed.config.adapter import init_adapter_dir
+
+    # The adapter's base: a warm start's model (init_from), or model.pretrained (also under a PEFT adapter's init).
     return {"model": dataclasses.asdict(cfg.model), "tokenizer": cfg.data.tokenizer,
-            "precision": cfg.train.precision, "init_from": cfg.train.init_from}
+            "precision": cfg.train.precision, "init_from": None if init_adapter_dir(cfg) else cfg.train.init_from}
 
 
 def find_checkpoint(path: str) -> Path:

@@ -10,7 +10,9 @@ different model than the peft adapter users load).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any, Optional
 
 ROLES: dict[str, str] = {
@@ -140,3 +142,70 @@ def _nf4_problems(cfg: Any) -> list[str]:
         return ["model.adapter.base_precision: nf4 packs the base weights in 4 bits, which ZeRO-3 does not "
                 "partition; use parallel.zero_stage 0, 1 or 2 (or auto)"]
     return []
+
+
+PEFT_CONFIG = "adapter_config.json"
+
+
+def init_adapter_dir(cfg: Any) -> Optional[str]:
+    """train.init_from when it names a PEFT adapter folder (adapter_config.json: made by peft, TRL, Axolotl or
+    `rayspeed export --format peft`): the job continues that adapter on model.pretrained's weights. None: no
+    init_from, or a model to warm-start from (its weights become the base)."""
+    spec = getattr(cfg.train, "init_from", None)
+    if not spec or "://" in str(spec) or str(spec).startswith(("models:/", "runs:/")):
+        return None
+    return str(spec) if os.path.isfile(os.path.join(str(spec), PEFT_CONFIG)) else None
+
+
+def base_source(cfg: Any) -> str:
+    """Where an adapter job's base weights come from: a warm start's model (train.init_from), else model.pretrained
+    (also when init_from is a PEFT adapter, which continues on it)."""
+    init = getattr(cfg.train, "init_from", None)
+    return str(cfg.model.pretrained or "") if (not init or init_adapter_dir(cfg)) else str(init)
+
+
+def init_adapter_problems(cfg: Any, shape: Any) -> list[str]:
+    """A PEFT adapter named by train.init_from against the job's model.adapter: each setting that shapes or scales
+    the adapter must be the same (the job's key and the adapter's value named), model.pretrained set."""
+    folder = init_adapter_dir(cfg)
+    if folder is None:
+        return []
+    where = f"train.init_from {folder}"
+    try:
+        peft = json.loads(open(os.path.join(folder, PEFT_CONFIG)).read())
+    except (OSError, ValueError) as e:
+        return [f"{where}: {PEFT_CONFIG} cannot be read ({e})"]
+    a = cfg.model.adapter
+    if not enabled(a):
+        return [f"{where} is a PEFT adapter: set model.adapter (type: lora, rank: {peft.get('r')}, alpha: "
+                f"{peft.get('lora_alpha')}) to continue it, or point init_from at a model"]
+    p = []
+    if not cfg.model.pretrained:
+        p.append(f"{where}: a PEFT adapter continues on its base model; set model.pretrained to it "
+                 f"(the adapter names {peft.get('base_model_name_or_path')!r})")
+    if peft.get("peft_type", "LORA") != "LORA":
+        p.append(f"{where}: a {peft.get('peft_type')} adapter; rayspeed continues LoRA adapters only")
+    names = shape.family.tensor_names
+
+    def leaf(role: str) -> str:
+        return names.hf_name(f"layers.0.{ROLES[role]}.weight").split(".")[-2]
+
+    targets = peft.get("target_modules") or []
+    targets = sorted([targets] if isinstance(targets, str) else targets)
+    want = {
+        "model.adapter.rank": (a.rank, peft.get("r")),
+        "model.adapter.alpha": (float(a.alpha), float(peft.get("lora_alpha", 8))),
+        "model.adapter.targets": (sorted(leaf(r) for r in target_roles(a)), targets),
+        "model.adapter.rslora": (bool(a.rslora), bool(peft.get("use_rslora", False))),
+        "model.adapter.dora": (bool(a.dora), bool(peft.get("use_dora", False))),
+        "model.adapter.rank_pattern": ({leaf(r): v for r, v in a.rank_pattern.items()}, peft.get("rank_pattern") or {}),
+        "model.adapter.alpha_pattern": ({leaf(r): float(v) for r, v in a.alpha_pattern.items()},
+                                        {k: float(v) for k, v in (peft.get("alpha_pattern") or {}).items()}),
+    }
+    for key, (job, theirs) in want.items():
+        if job != theirs:
+            p.append(f"{key}: {job!r} here, {theirs!r} in {where}; set it to the adapter's")
+    if peft.get("modules_to_save"):
+        p.append(f"{where}: its modules_to_save {peft['modules_to_save']} (modules trained in full) are not "
+                 "continued yet; use an adapter without them")
+    return p

@@ -15,8 +15,12 @@ log = logging.getLogger(__name__)
 
 
 def loads_pretrained(cfg: JobConfig) -> bool:
-    """Whether the initial weights come from model.pretrained's safetensors (train.init_from overrides them)."""
-    return bool(cfg.model.pretrained) and cfg.model.init == "pretrained" and not cfg.train.init_from
+    """Whether the initial weights come from model.pretrained's safetensors (train.init_from overrides them, unless
+    it is a PEFT adapter, which continues on them)."""
+    from rayspeed.config.adapter import init_adapter_dir
+
+    return (bool(cfg.model.pretrained) and cfg.model.init == "pretrained"
+            and (not cfg.train.init_from or init_adapter_dir(cfg) is not None))
 
 
 def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
@@ -69,14 +73,23 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         # Ampere and newer: TF32 for any fp32 matmul left (playbook B.6).
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    from rayspeed.config.adapter import init_adapter_dir
+
     model = build_model(cfg, groups)
-    if cfg.train.init_from:  # warm start: initial weights from an exported model
+    adapter_dir = init_adapter_dir(cfg)
+    if cfg.train.init_from and adapter_dir is None:  # warm start: initial weights from an exported model
         warm_start(model, cfg, groups)
     if not on_gpu:
         model = model.to(device)
     from rayspeed.engine.transforms import apply_transforms
 
     apply_transforms(model, cfg, groups, on_gpu)  # in their declared order, after the weights are in
+    if adapter_dir is not None:  # continue a PEFT adapter made elsewhere on model.pretrained's weights
+        from rayspeed.adapters.peft_files import load_peft_dir
+
+        n = load_peft_dir(model, adapter_dir, ModelShape.from_config(cfg.model),
+                          groups.tp if cfg.parallel.tp > 1 else None)
+        log.info("adapter warm start from the PEFT adapter %s: %d tensors; optimizer starts fresh", adapter_dir, n)
     optimizer = build_optimizer(model, cfg, on_gpu)
     scheduler = build_scheduler(optimizer, cfg)
     pipelined = cfg.parallel.pp > 1
@@ -121,13 +134,14 @@ def base_state(cfg: JobConfig) -> dict[str, Any]:
     instead of the 4-bit weights it trained against."""
     from pathlib import Path
 
+    from rayspeed.config.adapter import init_adapter_dir
     from rayspeed.model.hf_weights import local_model_dir, read_whole
     from rayspeed.model.warm_start import CONFIG, WEIGHTS, find_model_dir
     from rayspeed.paths import model_cache_dir, storage_path, tracking_uri
     from rayspeed.tracking.model_fetch import resolve_init_from
 
     shape = ModelShape.from_config(cfg.model)
-    if not cfg.train.init_from:
+    if not cfg.train.init_from or init_adapter_dir(cfg):
         return read_whole(local_model_dir(str(cfg.model.pretrained)), shape)
     root = Path(resolve_init_from(str(cfg.train.init_from), tracking_uri(cfg), model_cache_dir(storage_path(cfg))))
     model_dir = find_model_dir(root) or root

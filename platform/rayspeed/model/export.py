@@ -271,7 +271,7 @@ def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[st
     from rayspeed.config.shape import ModelShape
 
     # The weights the adapter was trained on: a warm start's (train.init_from) when the job had one.
-    base = str(getattr(cfg.train, "init_from", None) or cfg.model.pretrained or "")
+    base = spec.base_source(cfg)
     write_peft_dir(state, a, ModelShape.from_config(cfg.model), str(out / ADAPTER_DIR), base)
     record = {"section": dict(model_cfg["adapter"]), "merged_layers": len(adapted_layers(state)),
               "peft_dir": ADAPTER_DIR, "base": base}

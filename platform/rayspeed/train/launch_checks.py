@@ -57,9 +57,15 @@ def storage_problem(cfg: JobConfig) -> str | None:
     return check_reachable(storage_path(cfg))
 
 
-def init_from_problem(cfg: JobConfig) -> str | None:
+def init_from_problem(cfg: JobConfig) -> str | list[str] | None:
     if not cfg.train.init_from:
         return None
+    from rayspeed.config.adapter import init_adapter_dir, init_adapter_problems
+
+    if init_adapter_dir(cfg):  # a PEFT adapter to continue: its settings against the job's
+        from rayspeed.config.shape import ModelShape
+
+        return init_adapter_problems(cfg, ModelShape.from_config(cfg.model))
     from rayspeed.tracking.model_fetch import init_from_problem as problem
 
     return problem(str(cfg.train.init_from), tracking_uri(cfg))

@@ -36,7 +36,8 @@ def run_identity(job: JobConfig) -> dict[str, Any]:
              "train": {k: v for k, v in d["train"].items() if k not in _TRAIN_EXEMPT}}
     out = {k: v for k, v in flatten(ident).items()}
     m = job.model
-    if adapter.enabled(m.adapter) and m.pretrained and m.init == "pretrained" and not job.train.init_from:
+    if (adapter.enabled(m.adapter) and m.pretrained and m.init == "pretrained"
+            and (not job.train.init_from or adapter.init_adapter_dir(job))):
         # The checkpoints hold the adapter only: its base is part of what the run computes.
         out["model.pretrained (weights)"] = base_identity(str(m.pretrained),
                                                           str(hf_config.resolve_file(str(m.pretrained)).parent))
