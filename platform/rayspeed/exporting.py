@@ -122,7 +122,8 @@ def _merged_into_base(state: dict[str, Any], adapter: Any, shape: Any, model: di
     except (HFWeightsError, OSError) as e:
         raise ExportInputError(f"--format hf: cannot read the base {base} to merge the adapter into ({e})") from None
     whole.update(state)  # the adapter, and what trained in full
-    return merged(whole, adapter), f"{len(adapted_layers(state))} adapted layers merged into {base}'s weights"
+    what = f"{len(adapted_layers(state))} adapted layers merged into {base}'s weights"
+    return merged(whole, adapter, shape.family), what
 
 
 def _tokenizer(setting: str, pretrained: Optional[str], byte_files: bool) -> Any:

@@ -54,10 +54,19 @@ def test_bad_adapter_settings_name_the_key_and_the_fix(setting, message):
     assert message in str(e.value)
 
 
-def test_fused_projection_families_are_refused_until_their_shared_adapter_exists():
+def test_a_fused_projection_is_targeted_whole_with_one_rank():
+    """Phi-3's qkv_proj and gate_up_proj carry one adapter each: all of their roles or none, one rank and alpha."""
+    phi3 = {"architecture": "Phi3ForCausalLM"}
+    parse({"model": {**phi3, "adapter": {"type": "lora"}}})
+    parse({"model": {**phi3, "adapter": {"type": "lora", "targets": ["q", "k", "v", "down"],
+                                         "rank_pattern": {"q": 8, "k": 8, "v": 8}}}})
     with pytest.raises(ConfigError) as e:
-        parse({"model": {"architecture": "Phi3ForCausalLM", "adapter": {"type": "lora"}}})
-    assert "Phi3ForCausalLM fuses projections" in str(e.value) and "remove model.adapter" in str(e.value)
+        parse({"model": {**phi3, "adapter": {"type": "lora", "targets": ["q", "v", "gate"],
+                                             "alpha_pattern": {"q": 4.0}}}})
+    msg = str(e.value)
+    assert "model.adapter.targets: Phi3ForCausalLM fuses q, k, v in one projection (qkv_proj)" in msg
+    assert "target all of gate, up or none" in msg
+    assert "model.adapter.alpha_pattern: {'q': 4.0, 'k': None, 'v': None} differ within qkv_proj" in msg
 
 
 def test_the_cli_says_it_with_exit_2_and_writes_nothing(tmp_path):

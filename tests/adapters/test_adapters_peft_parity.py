@@ -325,3 +325,80 @@ def test_an_adapter_peft_made_continues_in_rayspeed_at_tp1_and_tp2(base, tmp_pat
         torch.testing.assert_close(model.eval()(_ids()[:, :-1]), want, **TOL)
     for logits in run_distributed(_continued, 2, base, str(tmp_path / "made"), "patterns", timeout_s=120):
         torch.testing.assert_close(logits, want, **TOL)
+
+
+@pytest.fixture(scope="module")
+def phi3_base(tmp_path_factory):
+    from _hf_models import PHI3
+
+    d = tmp_path_factory.mktemp("phi3") / "m"
+    save(d, PHI3, seed=3)
+    return str(d)
+
+
+def _fused_want(ref, name, shape):
+    """peft's gradient for rayspeed parameter `name`: of a fused projection (Phi-3's qkv_proj), the one A's, or this
+    part's rows of its B and magnitude."""
+    from rayspeed.adapters import peft_files
+    from rayspeed.config import adapter as spec
+
+    g = ref["grads"][peft_files.peft_key(name, shape)]
+    layer, _, kind = name.partition(".adapter.")
+    names = shape.family.tensor_names
+    parts = [p[: -len(".weight")] for p in names.fused_parts(names.hf_name(f"{layer}.weight"))]
+    if not parts or kind == "lora_A":
+        return g
+    rows = [spec.role_dims(shape)[spec.role_of(p)][1] for p in parts]
+    return g.split(rows, dim=0)[parts.index(layer)]
+
+
+def _check_fused(grads, ref, shape, rank=0, world=1, where=""):
+    assert sum(n.endswith("lora_A") for n in grads) == 4 * shape.num_layers  # qkv_proj, o, gate_up_proj, down
+    for name, (g, dim) in grads.items():
+        want = shard(_fused_want(ref, name, shape), dim, rank, world)
+        torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"{where} {name}: {m}")
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_phi3s_fused_projections_carry_peft_one_adapter_each(phi3_base, variant):
+    """Phi-3 fuses q, k, v (qkv_proj) and gate, up (gate_up_proj): peft has one adapter on each; rayspeed's parts
+    share its A and hold their rows of its B, the same function at tp1, tp2 + sp and pp2."""
+    shape = shape_of(phi3_base, SEQ)
+    model = adapted(shape, phi3_base, _adapter(variant))
+    ref = peft_reference(phi3_base, model.full_state_dict(), _adapter(variant), shape)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
+    loss.backward()
+    _check_fused(_adapter_grads(model.named_parameters()), ref, shape, where="tp1")
+    for rank, (_, (logits, loss, grads), (pp_logits, pp_loss, pp_grads)) in enumerate(
+            run_distributed(_ranks, 2, phi3_base, variant, timeout_s=180)):
+        torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"tp2 rank {rank} logits: {m}")
+        torch.testing.assert_close(loss, ref["loss"], **TOL, msg=lambda m: f"tp2 rank {rank} loss: {m}")
+        _check_fused(grads, ref, shape, rank, 2, where=f"tp2 rank {rank}")
+        for name, (g, dim) in pp_grads.items():
+            torch.testing.assert_close(g, _fused_want(ref, name, shape), **TOL, msg=lambda m: f"pp2 {name}: {m}")
+        if rank == 1:
+            torch.testing.assert_close(pp_logits, ref["logits"], **TOL)
+            torch.testing.assert_close(pp_loss, ref["loss"], **TOL)
+
+
+def test_a_phi3_adapter_peft_made_continues_and_merges(phi3_base, tmp_path):
+    from rayspeed.adapters.merge import merged
+    from rayspeed.adapters.peft_files import load_peft_dir
+    from rayspeed.model.hf_weights import read_whole
+
+    shape = shape_of(phi3_base, SEQ)
+    want = _made_by_peft(phi3_base, str(tmp_path / "made"), _adapter("lora"), shape)
+    model = adapted(shape, phi3_base, _adapter("lora"))
+    load_peft_dir(model, str(tmp_path / "made"), shape)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(_ids()[:, :-1]), want, **TOL)
+    state = {n: p.detach() for n, p in model.named_parameters() if ".adapter." in n}  # one A per fused projection
+    assert "layers.0.attn.wk.adapter.lora_A" not in state and "layers.0.attn.wk.adapter.lora_B" in state
+    whole = merged({**read_whole(phi3_base, shape), **state}, _adapter("lora"), shape.family)
+    a, b = state["layers.0.attn.wq.adapter.lora_A"], state["layers.0.attn.wk.adapter.lora_B"]
+    torch.testing.assert_close(whole["layers.0.attn.wk.weight"],
+                               read_whole(phi3_base, shape)["layers.0.attn.wk.weight"] + 2.0 * b @ a, **TOL)

@@ -29,13 +29,18 @@ def _job(adapter=LORA, **parallel):
 
 
 @pytest.mark.parametrize("tp, trainable, ranks", [(1, [], {}), (2, [], {}), (1, ["head", "norms"], {}),
-                                                  (2, ["embed"], {}), (2, [], {"q": 16, "down": 2})])
+                                                  (2, ["embed"], {}), (2, [], {"q": 16, "down": 2}),
+                                                  (2, [], "phi3")])
 def test_trained_and_frozen_counts_are_the_models(tp, trainable, ranks):
     from rayspeed.adapters.attach import add_adapters
     from rayspeed.model.transformer import Transformer
     from rayspeed.parallel.groups import TensorParallel
 
-    cfg = _job({**LORA, "trainable": trainable, "rank_pattern": ranks}, tp=tp)
+    if ranks == "phi3":  # fused projections: one A per qkv_proj and gate_up_proj
+        cfg = _job(LORA, tp=tp)
+        cfg.model.architecture = "Phi3ForCausalLM"
+    else:
+        cfg = _job({**LORA, "trainable": trainable, "rank_pattern": ranks}, tp=tp)
     model = Transformer(ModelShape.from_config(cfg.model), tp=TensorParallel(rank=0, world_size=tp) if tp > 1 else None)
     add_adapters(model, cfg.model.adapter, model.tp)
     for p in model.parameters():  # what the engine's transform lets train in full

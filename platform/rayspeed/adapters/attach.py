@@ -25,7 +25,8 @@ def blocks(model: nn.Module) -> Iterator[nn.Module]:
 def add_adapters(model: nn.Module, adapter: Any, tp: Any = None, sequence_parallel: bool = False,
                  seed: int = 0) -> list[str]:
     """Freeze `model` and add the adapters `adapter` (a model.adapter section) asks for; returns the names of the
-    adapted layers (rayspeed's, e.g. layers.0.attn.wq)."""
+    adapted layers (rayspeed's, e.g. layers.0.attn.wq). The parts of a fused checkpoint projection (the block's
+    family's: Phi-3's qkv_proj) share one A, as peft's one adapter on it (config.adapter)."""
     tp = tp or NO_TP
     for p in model.parameters():
         p.requires_grad_(False)
@@ -46,6 +47,12 @@ def add_adapters(model: nn.Module, adapter: Any, tp: Any = None, sequence_parall
                 sequence_parallel=sequence_parallel, seed=seed, name=f"{name}.adapter", weight=weight,
             ).to(device=weight.device, dtype=dtype)
             adapted.append(name)
+        # One peft adapter per fused projection: one A for its parts.
+        for group in spec.fused_groups(getattr(block, "family", None)).values():
+            if group[0] in spec.target_roles(adapter):
+                first = block.get_submodule(spec.ROLES[group[0]]).adapter
+                for role in group[1:]:
+                    block.get_submodule(spec.ROLES[role]).adapter.lora_A = first.lora_A
         if adapter.dropout > 0:
             block.preserve_rng_state = True  # recomputation must draw the same dropout masks
     return adapted

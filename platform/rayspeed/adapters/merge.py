@@ -19,13 +19,17 @@ def adapted_layers(state: dict[str, Any]) -> list[str]:
     return sorted({n.partition(".adapter.")[0] for n in state if is_adapter(n)})
 
 
-def merged(state: dict[str, torch.Tensor], adapter: Any) -> dict[str, torch.Tensor]:
-    """`state` (whole tensors) with every adapter merged into its layer's weight and no adapter tensor left."""
+def merged(state: dict[str, torch.Tensor], adapter: Any, family: Any = None) -> dict[str, torch.Tensor]:
+    """`state` (whole tensors) with every adapter merged into its layer's weight and no adapter tensor left.
+    family: the model's, whose fused projections' parts share their first part's A."""
     out = {n: t for n, t in state.items() if not is_adapter(n)}
     for layer in adapted_layers(state):
         s = spec.scale(adapter, spec.role_of(layer))
         w = out[f"{layer}.weight"]
-        new = w.double() + s * (state[f"{layer}.adapter.lora_B"].double() @ state[f"{layer}.adapter.lora_A"].double())
+        a = state.get(f"{layer}.adapter.lora_A")
+        if a is None:
+            a = state[f"{spec.a_owner(layer, family)}.adapter.lora_A"]
+        new = w.double() + s * (state[f"{layer}.adapter.lora_B"].double() @ a.double())
         magnitude = state.get(f"{layer}.adapter.magnitude")
         if magnitude is not None:
             new = (magnitude.double() / new.norm(dim=1))[:, None] * new

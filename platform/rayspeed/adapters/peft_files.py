@@ -49,8 +49,17 @@ def leaf_name(role: str, shape: Any) -> str:
 
 
 def target_modules(adapter: Any, shape: Any) -> list[str]:
-    """peft's target_modules: the leaf names of the checkpoint's modules the roles name (q_proj, ...)."""
-    return [leaf_name(r, shape) for r in spec.target_roles(adapter)]
+    """peft's target_modules: the leaf names of the checkpoint's modules the roles name (q_proj, ...; a fused
+    projection once)."""
+    return list(dict.fromkeys(leaf_name(r, shape) for r in spec.target_roles(adapter)))
+
+
+def _part(name: str, shape: Any) -> tuple[str, tuple[str, ...]]:
+    """(the layer of adapter parameter `name`, the layers its checkpoint projection stacks: () unless fused)."""
+    layer = name.partition(".adapter.")[0]
+    names = shape.family.tensor_names
+    parts = names.fused_parts(names.hf_name(f"{layer}.weight"))
+    return layer, tuple(p[: -len(".weight")] for p in parts)
 
 
 def patterns(adapter: Any, shape: Any) -> dict[str, dict[str, Any]]:
@@ -96,7 +105,17 @@ def adapter_config(adapter: Any, shape: Any, base: str) -> dict[str, Any]:
 def peft_state(state: dict[str, torch.Tensor], shape: Any, adapter: Any = None) -> dict[str, torch.Tensor]:
     """The adapter tensors of a whole (unsharded) state dict under peft's keys, and those `adapter` trains in full
     (peft's modules_to_save, under the checkpoint's own names)."""
-    out = {peft_key(n, shape): t.detach().contiguous() for n, t in state.items() if is_adapter(n)}
+    out: dict[str, torch.Tensor] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for n, t in state.items():
+        if not is_adapter(n):
+            continue
+        key, (layer, parts) = peft_key(n, shape), _part(n, shape)
+        if not parts or n.endswith(".lora_A"):  # a fused projection has one A: its parts share it
+            out.setdefault(key, t.detach().contiguous())
+        else:  # B and DoRA's magnitude: the parts' rows stacked as in the checkpoint's tensor
+            stacked.setdefault(key, {})[parts.index(layer)] = t.detach()
+    out.update({k: torch.cat([rows[i] for i in sorted(rows)], dim=0).contiguous() for k, rows in stacked.items()})
     if adapter is not None:
         names = shape.family.tensor_names
         out.update({PREFIX + names.hf_name(n): t.detach().contiguous()
@@ -128,11 +147,20 @@ def load_peft_dir(model: torch.nn.Module, folder: str, shape: Any, tp: Any = Non
     from rayspeed.adapters.attach import blocks
 
     saved = {}
+    dims = spec.role_dims(shape)
     for key, t in load_file(str(Path(folder) / WEIGHTS_FILE)).items():
         name = rayspeed_name(key.replace(".default.", "."), shape)  # peft may keep the adapter name in a key
         if name is None:
             raise ValueError(f"train.init_from {folder}: {key} is not a LoRA tensor of this model")
-        saved[name] = t
+        kind = name.partition(".adapter.")[2]
+        parts = _part(name, shape)[1]
+        if not parts:
+            saved[name] = t
+        elif kind == "lora_A":  # one A for the fused projection: its first part holds it, the others share it
+            saved[f"{parts[0]}.adapter.lora_A"] = t
+        else:  # its rows, part by part
+            rows = [dims[spec.role_of(p)][1] for p in parts]
+            saved.update({f"{p}.adapter.{kind}": v for p, v in zip(parts, t.split(rows, dim=0))})
     held = {f"{b.canonical_prefix}.{n}": p for b in blocks(model) for n, p in b.named_parameters() if is_adapter(n)}
     missing = sorted(set(held) - set(saved))
     if missing:

@@ -3,9 +3,10 @@ job checks (each problem names its key and the fix).
 
 Roles are the same for every family: q, k, v, o of the attention and gate, up, down of the MLP, named after the
 projections of transformers' Llama (q_proj ... down_proj). A family whose checkpoint fuses projections (Phi-3's
-qkv_proj and gate_up_proj) holds one A for the fused tensor in peft; rayspeed keeps the parts as separate layers,
-so adapters on those families are refused until the shared-A form exists (an adapter per part would be a
-different model than the peft adapter users load).
+qkv_proj: q, k, v; gate_up_proj: gate, up) has one peft adapter per fused module: one A, one B over the stacked
+rows. rayspeed keeps the parts as separate layers: their adapters share the one A (the first part's parameter)
+and each holds its rows of B, which is that adapter exactly; so a fused module is targeted whole or not at all,
+with one rank and alpha.
 """
 
 from __future__ import annotations
@@ -39,6 +40,32 @@ def partition_dim(name: str) -> Optional[int]:
     if kind == "lora_A":
         return None if column else 1
     return 0 if column else None  # lora_B, magnitude: split like the output of a column layer
+
+
+def fused_groups(family: Any) -> dict[str, tuple[str, ...]]:
+    """The checkpoint's fused projections of `family` (their module names) -> the roles each stacks, in row order
+    ({"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")} for Phi-3; {} for separate projections)."""
+    if family is None:
+        return {}
+    by_path = {p: r for r, p in ROLES.items()}
+    return {fused.split(".")[-2]: tuple(by_path[part[: -len(".weight")]] for part in parts)
+            for fused, parts in family.tensor_names.fused.items()}
+
+
+def shares_a(role: str, family: Any) -> bool:
+    """Whether `role`'s adapter uses an earlier role's A (a later part of a fused projection)."""
+    return any(role in g[1:] for g in fused_groups(family).values())
+
+
+def a_owner(layer: str, family: Any) -> str:
+    """The layer whose A the adapter of rayspeed layer `layer` (layers.{i}.<path>) uses: the first part of its
+    fused projection, else itself."""
+    role = role_of(layer)
+    index = layer.split(".")[1]
+    for group in fused_groups(family).values():
+        if role in group[1:]:
+            return f"layers.{index}.{ROLES[group[0]]}"
+    return layer
 
 
 def enabled(adapter: Any) -> bool:
@@ -81,8 +108,9 @@ def role_dims(shape: Any) -> dict[str, tuple[int, int]]:
 def adapter_params(shape: Any, adapter: Any) -> int:
     """Adapter parameters of the whole model: rank x (in + out) per adapted layer, DoRA's magnitude (out) too."""
     dims = role_dims(shape)
-    per_layer = sum(role_rank(adapter, r) * (dims[r][0] + dims[r][1]) + (dims[r][1] if adapter.dora else 0)
-                    for r in target_roles(adapter))
+    family = shape.family
+    per_layer = sum(role_rank(adapter, r) * ((0 if shares_a(r, family) else dims[r][0]) + dims[r][1])
+                    + (dims[r][1] if adapter.dora else 0) for r in target_roles(adapter))
     return shape.num_layers * per_layer
 
 
@@ -122,10 +150,16 @@ def problems(cfg: Any, family: Any) -> list[str]:
     bad = [t for t in a.trainable if t not in TRAINABLE]
     if bad:
         p.append(f"model.adapter.trainable: {bad} unknown; use some of {', '.join(TRAINABLE)}")
-    if family is not None and family.tensor_names.fused:
-        p.append(f"model.adapter: {family.architecture} fuses projections in its checkpoint "
-                 f"({', '.join(sorted(family.tensor_names.fused))}); adapters on it are not supported yet: "
-                 "fine-tune it in full (remove model.adapter)")
+    roles = set(target_roles(a))
+    for module, group in fused_groups(family).items():
+        if roles & set(group) and not set(group) <= roles:
+            p.append(f"model.adapter.targets: {family.architecture} fuses {', '.join(group)} in one projection "
+                     f"({module}), which has one adapter; target all of {', '.join(group)} or none")
+        for key, pattern in (("rank_pattern", a.rank_pattern), ("alpha_pattern", a.alpha_pattern)):
+            values = {r: pattern.get(r) for r in group}
+            if len(set(values.values())) > 1:
+                p.append(f"model.adapter.{key}: {values} differ within {module}, one adapter on "
+                         f"{family.architecture}; give {', '.join(group)} the same value")
     p += _nf4_problems(cfg)
     if a.dora and cfg.parallel.zero_stage == 3:
         p.append("model.adapter.dora: DoRA reads each whole base weight every forward, which ZeRO-3 partitions; "
@@ -195,7 +229,7 @@ def init_adapter_problems(cfg: Any, shape: Any) -> list[str]:
     want = {
         "model.adapter.rank": (a.rank, peft.get("r")),
         "model.adapter.alpha": (float(a.alpha), float(peft.get("lora_alpha", 8))),
-        "model.adapter.targets": (sorted(leaf(r) for r in target_roles(a)), targets),
+        "model.adapter.targets": (sorted({leaf(r) for r in target_roles(a)}), targets),
         "model.adapter.rslora": (bool(a.rslora), bool(peft.get("use_rslora", False))),
         "model.adapter.dora": (bool(a.dora), bool(peft.get("use_dora", False))),
         "model.adapter.rank_pattern": ({leaf(r): v for r, v in a.rank_pattern.items()}, peft.get("rank_pattern") or {}),

@@ -280,7 +280,7 @@ def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[st
             raise ValueError("a QLoRA export needs the job's original base weights to merge into")
         state.update({k: v for k, v in base_weights().items() if k not in state})
         record["merged_into"] = "the original base weights (the adapter trained against their NF4 quantization)"
-    whole = merged(state, a)
+    whole = merged(state, a, ModelShape.from_config(cfg.model).family)
     state.clear()
     state.update(whole)
     model_cfg["adapter"] = {**model_cfg["adapter"], "type": "none"}  # the weights hold it now

@@ -37,6 +37,7 @@ class AdapterPlan:
     double_quant: bool = True
     compute_bytes: Optional[int] = None  # bytes per element of the dequantized weight (None: the working dtype's)
     ranks: tuple[int, ...] = ()  # per role of `roles` (model.adapter.rank_pattern over rank); () : rank for all
+    shared_a: tuple[str, ...] = ()  # roles whose adapter uses an earlier part's A (fused projections)
 
     def rank_of(self, role: str) -> int:
         return self.ranks[self.roles.index(role)] if self.ranks else self.rank
@@ -51,6 +52,7 @@ class AdapterPlan:
                    dropout=adapter.dropout > 0, full=tuple(adapter.trainable),
                    flops_per_token=spec.flops_per_token(shape, adapter), nf4=nf4,
                    ranks=tuple(spec.role_rank(adapter, r) for r in spec.target_roles(adapter)),
+                   shared_a=tuple(r for r in spec.target_roles(adapter) if spec.shares_a(r, shape.family)),
                    double_quant=bool(getattr(adapter, "double_quant", True)),
                    compute_bytes=None if compute == "auto" else (4 if compute == "fp32" else 2))
 
@@ -63,6 +65,8 @@ def layer_adapter_params(sh: Any, ap: AdapterPlan, tp: int) -> float:
         i, o = spec.role_dims(sh)[role]
         column = role in spec.COLUMN_ROLES
         r = ap.rank_of(role)
+        if role in ap.shared_a:  # a later part of a fused projection: its rows of B only
+            i = 0
         n += r * (i + o / tp) if column else r * (i / tp + o)
         if ap.dora:
             n += o / tp if column else o
