@@ -68,12 +68,28 @@ def peft_reference(model_dir, state, adapter, shape):
     peft = get_peft_model(hf, config)
     result = set_peft_model_state_dict(peft, peft_files.peft_state(state, shape))
     assert not result.unexpected_keys
+    return peft_pass(peft)
+
+
+def peft_pass(peft):
+    """A peft model's logits, loss and adapter gradients (under their saved keys) on the tokens."""
     ids = _ids()
     logits = peft(ids[:, :-1]).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     loss.backward()
     grads = {_saved_key(n): p.grad.detach().clone() for n, p in peft.named_parameters() if p.requires_grad}
     return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads}
+
+
+def tp1_against(model, ref):
+    """rayspeed's logits and loss at tp1 checked against peft's `ref`; returns its adapter gradients."""
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
+    loss.backward()
+    return _adapter_grads(model.named_parameters())
 
 
 def _saved_key(name: str) -> str:
@@ -110,13 +126,7 @@ def test_tp1_logits_loss_and_adapter_gradients_match_peft(base, variant):
     shape = shape_of(base, SEQ)
     model = adapted(shape, base, _adapter(variant))
     ref = peft_reference(base, model.full_state_dict(), _adapter(variant), shape)
-    ids = _ids()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
-    loss = model(ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
-    loss.backward()
-    grads = _adapter_grads(model.named_parameters())
+    grads = tp1_against(model, ref)
     assert len(grads) == len(ref["grads"]) == 2 * 7 * shape.num_layers + (7 * shape.num_layers if variant == "dora"
                                                                            else 0)
     _check_grads(grads, ref, shape)
@@ -366,13 +376,7 @@ def test_phi3s_fused_projections_carry_peft_one_adapter_each(phi3_base, variant)
     shape = shape_of(phi3_base, SEQ)
     model = adapted(shape, phi3_base, _adapter(variant))
     ref = peft_reference(phi3_base, model.full_state_dict(), _adapter(variant), shape)
-    ids = _ids()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids[:, :-1]), ref["logits"], **TOL)
-    loss = model(ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
-    loss.backward()
-    _check_fused(_adapter_grads(model.named_parameters()), ref, shape, where="tp1")
+    _check_fused(tp1_against(model, ref), ref, shape, where="tp1")
     for rank, (_, (logits, loss, grads), (pp_logits, pp_loss, pp_grads)) in enumerate(
             run_distributed(_ranks, 2, phi3_base, variant, timeout_s=180)):
         torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"tp2 rank {rank} logits: {m}")

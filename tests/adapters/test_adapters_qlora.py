@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from test_adapters_peft_parity import _adapter_grads, _check_grads, _saved_key, randomize_b
+from test_adapters_peft_parity import _adapter_grads, _check_grads, peft_pass, randomize_b
 
 from _dist import run_distributed
 from _hf_models import save, shape_of
@@ -68,12 +67,7 @@ def peft_bnb_reference(model_dir, state, adapter, shape):
     # Training mode, as fine-tuning runs it: in eval mode bitsandbytes repacks the weights for its CPU inference
     # kernel (AVX512-BF16), a different function from the training path's dequantize-then-matmul.
     peft.train()
-    ids = _ids()
-    logits = peft(ids[:, :-1]).logits
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    loss.backward()
-    grads = {_saved_key(n): p.grad.detach().clone() for n, p in peft.named_parameters() if p.requires_grad}
-    return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads}
+    return peft_pass(peft)
 
 
 def _run(model):
