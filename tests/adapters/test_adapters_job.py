@@ -1,8 +1,9 @@
 """An adapter job end to end with --launcher local (jobs/train.py in a subprocess, DeepSpeed ZeRO-2, a real MLflow
-store): killed at step 5 and resubmitted, it resumes its step-3 checkpoint and continues the uninterrupted run's
-loss curve to 1e-5 (adapter dropout 0.1: the masks are restored with the RNG); its checkpoints hold the adapter
-only; its exported model is the merged one, with the PEFT adapter beside it that peft loads on the base to the same
-logits; and a resubmission on other base weights (same directory, new files) is exit 2 naming both."""
+store): with async checkpoints, killed inside its step-6 save and resubmitted, it resumes its step-3 checkpoint and
+continues the uninterrupted run's loss curve to 1e-5 (adapter dropout 0.1: the masks are restored with the RNG); its
+checkpoints hold the adapter only; its exported model is the merged one, with the PEFT adapter beside it that peft
+loads on the base to the same logits; and a resubmission on other base weights (same directory, new files) is exit 2
+naming both."""
 
 from __future__ import annotations
 
@@ -45,11 +46,17 @@ def test_killed_adapter_job_resumes_to_the_same_loss_curve_and_exports_a_peft_ad
     assert r.returncode == 0 and s["steps"] == 6, r.stderr[-3000:]
     assert "adapters: LoRA rank 4 scale 8 on 14 layers" in r.stderr
 
-    r, _ = run_job(killed, [*_args(base), "--set", "chaos.kill_rank_at_step={rank: 0, step: 5}"], None)
-    assert r.returncode != 0 and "chaos: killing rank 0 at step 5" in r.stderr
-    r, s2 = run_job(killed, [*_args(base), "--set", "chaos.kill_rank_at_step={rank: 0, step: 5}"], None)
+    # Async checkpoints, and the rank killed inside the step-6 save (in the background writer, its shards written,
+    # before the manifest): the restart resumes the async-written step-3 checkpoint and replays 4-6.
+    drill = [*_args(base), "--set", "resilience.checkpoint_mode=async",
+             "--set", "chaos.kill_rank_in_checkpoint={rank: 0, step: 6, point: before_manifest}"]
+    r, _ = run_job(killed, drill, None)
+    assert r.returncode != 0 and "inside the checkpoint write of step 6 (before_manifest)" in r.stderr, r.stderr[-3000:]
+    assert "checkpoints: resilience.checkpoint_mode async -> async" in r.stderr
+    r, s2 = run_job(killed, drill, None)
     assert r.returncode == 0 and s2["steps"] == 6, r.stderr[-3000:]
     assert "resumed from checkpoint_step00000003 at step 3" in r.stderr
+    assert s2["checkpoint_bytes"] > 0
     want, got = _losses(whole, s), _losses(killed, s2)
     assert len(want) == len(got) == 6
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)

@@ -15,8 +15,10 @@ from rayspeed.compat.deepspeed_internals import (
     capture_checkpoint_writes,
     checkpoint_writer,
     deepspeed_comm_backend,
+    group_decays,
     methods_replaced,
     pipeline_explicit_parts,
+    repair_universal_optimizer_load,
     skip_deepspeed_shm_comm_op,
     step_grad_norm,
 )
@@ -33,12 +35,13 @@ from rayspeed.compat.torch_internals import compile_errors_fall_back_to_eager, f
 RAY_VERSION = "2.60.0"
 DEEPSPEED_VERSION = "0.19.8"
 
-__all__ = ["DEEPSPEED_VERSION", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSION", "ExplicitPipelineParts",
+__all__ = ["DEEPSPEED_VERSION", "ExplicitPipelineParts", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSION",
            "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer",
            "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
-           "deepspeed_comm_backend", "fail_after_capacity_wait", "fused_optimizer_devices", "lean_trainer_class",
-           "methods_replaced", "mlflow_process_state", "mlflow_process_store", "pipeline_explicit_parts",
-           "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm"]
+           "deepspeed_comm_backend", "fail_after_capacity_wait", "fused_optimizer_devices", "group_decays",
+           "lean_trainer_class", "methods_replaced", "mlflow_process_state", "mlflow_process_store",
+           "pipeline_explicit_parts", "repair_universal_optimizer_load", "set_worker_group_start_timeout",
+           "skip_deepspeed_shm_comm_op", "step_grad_norm"]
 
 
 

@@ -192,3 +192,30 @@ def checkpoint_writer(engine: Any) -> Any:
     serialization setting); safe to call from a background thread (no collectives)."""
     ce = engine.checkpoint_engine
     return lambda state, path: ce.save(state, path)
+
+
+def group_decays(engine: Any) -> list:
+    """The weight decay of each of the engine's parameter groups (what repair_universal_optimizer_load restores)."""
+    return [g.get("weight_decay") for g in engine.optimizer.param_groups]
+
+
+def repair_universal_optimizer_load(engine: Any, decays: list) -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 universal load (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`) gives every
+    sub-group's optimizer state the same `step` tensor, which the fused and foreach AdamW increment in place once per
+    group, so Adam's bias correction runs ahead after a resize; and it copies the first parameter group's settings into
+    every group, so the norms and biases (weight decay 0) decay and LoRA+'s B matrices lose their learning-rate ratio.
+    Each state gets its own step, each group the build's decay and the loaded schedule's learning rate. Harmless for
+    the other stages. Goes when DeepSpeed loads each group's own state."""
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in base.state.values():
+        step = state.get("step")
+        if hasattr(step, "clone"):
+            state["step"] = step.clone()
+    groups = engine.optimizer.param_groups
+    sched = getattr(engine, "lr_scheduler", None)
+    lrs = sched.get_last_lr() if hasattr(sched, "get_last_lr") else None
+    for i, g in enumerate(groups):
+        if i < len(decays) and decays[i] is not None:
+            g["weight_decay"] = decays[i]
+        if lrs is not None and len(lrs) == len(groups):
+            g["lr"] = lrs[i]

@@ -72,9 +72,12 @@ class DeepSpeedState:
 
     def load(self, folder: Path, *, universal: bool = False, module_only: bool = False) -> Optional[dict[str, Any]]:
         full = not module_only
+        decay = compat.group_decays(self.engine) if universal and full else None
         _, client = self.engine.load_checkpoint(str(folder), tag=UNIVERSAL_TAG if universal else TAG,
                                                 load_optimizer_states=full, load_lr_scheduler_states=full,
                                                 load_module_only=module_only, load_module_strict=not self.frozen)
+        if decay is not None:
+            compat.repair_universal_optimizer_load(self.engine, decay)
         return client
 
     def capture(self, folder: Path, client_state: dict[str, Any], copy: Callable[[Any], Any]) -> list[tuple[str, Any]]:
