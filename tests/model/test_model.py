@@ -189,7 +189,7 @@ def test_config_defaults_resolve():
 
 
 def test_causal_attention_gqa_equals_expanded_heads():
-    from rayspeed.model.transformer import causal_attention
+    from rayspeed.model.attention import causal_attention
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8, 16, generator=gen)

@@ -26,8 +26,10 @@ from torch.utils.checkpoint import checkpoint
 from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
 from rayspeed.families.family import NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET, NORM_STYLES
+from rayspeed.model.attention import attention_mask, causal_attention, context_attention, segment_positions
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
+from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, sum_over_cp
 from rayspeed.parallel.groups import TensorParallel
 from rayspeed.parallel.layers import (
     NO_TP,
@@ -38,7 +40,7 @@ from rayspeed.parallel.layers import (
     gather_full,
     sharded_parameter,
 )
-from rayspeed.parallel.loss import linear_cross_entropy, softcap
+from rayspeed.parallel.loss import IGNORE_INDEX, linear_cross_entropy, softcap
 
 CHECKPOINTING_MODES = ("none", "selective", "full")
 
@@ -91,80 +93,6 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * weight
 
 
-def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] positions that restart at 0 where each segment (document) starts: a packed document sees the
-    positions it would see alone."""
-    idx = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-
-
-def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[b, 1, s, s] bool, True where query i may attend to key j: j <= i and both in the same segment."""
-    s = segment_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
-    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]) & causal
-
-
-def attention_mask(seq_len: int, segment_ids: Optional[torch.Tensor], window: Optional[int],
-                   device=None) -> Optional[torch.Tensor]:
-    """The boolean mask of one layer ([b or 1, 1, s, s], True: may attend), or None for plain causal attention
-    (SDPA's is_causal): documents (segment_ids), and a sliding window (key j within window - 1 positions before
-    query i, transformers' `kv_idx > q_idx - sliding_window`) when it is shorter than the sequence."""
-    window = window if window is not None and window < seq_len else None
-    if segment_ids is None and window is None:
-        return None
-    if segment_ids is not None:
-        mask = document_mask(segment_ids)
-        device = segment_ids.device
-    else:
-        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
-    if window is not None:
-        i = torch.arange(seq_len, device=device)
-        mask = mask & ((i[:, None] - i[None, :]) < window)
-    return mask
-
-
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                         scale: Optional[float], cap: float) -> torch.Tensor:
-    """Attention whose scores are soft-capped before the mask and softmax (Gemma 2): no SDPA kernel takes a score
-    modifier, so the scores are materialised (s x s per head; the softmax in fp32, as transformers' eager path)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    s = q.shape[-2]
-    if mask is None:
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
-    scores = softcap((q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5), cap)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
-    return probs @ v
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                     cap: Optional[float] = None) -> torch.Tensor:
-    """SDPA with is_causal; q [b, heads, s, d], k/v [b, kv_heads, s, d] with heads a multiple of kv_heads. mask
-    ([b, 1, s, s] bool, attention_mask): documents and windows, instead of the plain causal mask. scale: the
-    softmax scale (None: d^-0.5). cap: soft-capped scores (softcapped_attention)."""
-    if cap:
-        return softcapped_attention(q, k, v, mask, scale, cap)
-    causal: dict = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
-    if scale is not None:
-        causal["scale"] = scale
-    groups = q.shape[1] // k.shape[1]
-    if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, **causal)
-    if mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        # The flash kernel indexes the shared kv heads itself: no expanded copy of k and v. (With a document mask
-        # flash does not apply; the memory-efficient kernel takes the mask but not enable_gqa: k/v are expanded.)
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **causal)
-    # Elsewhere (fp32, CPU) no fused kernel broadcasts kv heads and enable_gqa would silently
-    # fall back to the unfused math kernel; expanding k/v keeps a fused one.
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, **causal)
-
-
 class Attention(nn.Module):
     """Causal grouped-query attention; heads and kv-heads are split evenly over tp.
 
@@ -208,6 +136,12 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.normed(q, k)
+        if isinstance(segment_ids, SequenceLayout):  # context parallel: this rank holds a part of the sequence
+            cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
+                                   positions=segment_ids.rope_positions)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = context_attention(q, k, v, segment_ids, self.window, self.scale, self.cap)
+            return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
         positions = None if segment_ids is None else segment_positions(segment_ids)
         cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
                                positions=positions)
@@ -357,9 +291,9 @@ class OutputHead(nn.Module):
         """Full logits [batch, seq, vocab] (gathered over tp): for inference and tests, not training."""
         return softcap(gather_from_tp(F.linear(self.prepare(x), self.weight), self.tp), self.cap)
 
-    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         return linear_cross_entropy(self.prepare(x), self.weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
-                                    cap=self.cap)
+                                    cap=self.cap, reduction=reduction)
 
 
 class Transformer(nn.Module):
@@ -375,6 +309,7 @@ class Transformer(nn.Module):
         preserve_rng_state: bool = False,
         seed: int = 0,
         loss_chunk_tokens: Optional[int] = None,
+        cp: Optional[ContextParallel] = None,
     ):
         super().__init__()
         dims = ModelShape.from_config(cfg)
@@ -382,6 +317,7 @@ class Transformer(nn.Module):
         sp = sequence_parallel and tp.enabled
         check_split(dims, tp, sp)
         self.dims, self.tp, self.sequence_parallel, self.seed = dims, tp, sp, seed
+        self.cp = cp or NO_CP
         self.activation_checkpointing = check_mode(activation_checkpointing)
 
         self.embed = VocabParallelEmbedding(
@@ -401,13 +337,22 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Labels of -100 are not counted (the mean is over the others). segment_ids [b, s]: document masking
-        (attention within a document, positions from its start); None: plain causal attention."""
+        (attention within a document, positions from its start); None: plain causal attention.
+
+        Context parallel (cp): the three are this rank's part of each sequence (context_parallel.py `shard`), the
+        logits those of its tokens, and the loss this rank's share of the whole sequence's mean: its tokens' sum
+        over the count of every part's labels, so the sum over the cp group (DeepSpeed's gradient reduction over
+        data x cp) is the unsplit loss."""
         x = self.embed(input_ids)
+        where = SequenceLayout(self.cp, input_ids.shape[1], segment_ids, x.device) if self.cp.enabled else segment_ids
         for layer in self.layers:
-            x = layer(x, segment_ids)
+            x = layer(x, where)
         x = self.norm(x)
         if labels is None:
             return self.head(x)
+        if self.cp.enabled:
+            count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
+            return self.head.loss(x, labels, reduction="sum") / count
         return self.head.loss(x, labels)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

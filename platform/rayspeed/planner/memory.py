@@ -88,7 +88,7 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
         rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
         attn += ((2 * r) if fp32_weight or post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
     if sh.attn_logit_softcapping:
-        # Soft-capped scores run the math path (model/transformer.py softcapped_attention): it keeps the tanh
+        # Soft-capped scores run the math path (model/attention.py softcapped_attention): it keeps the tanh
         # output and the probabilities per head and key (working dtype; the fp32 softmax output too in half
         # precision), the boolean mask masked_fill saves, and no log-sum-exp.
         attn += (2 + (r if r != 1 else 0)) * sh.num_heads / tp * sh.seq_len - r * sh.num_heads / tp
