@@ -15,15 +15,6 @@ from rayspeed.parallel.loss import softcap
 MASKED = -1e30  # finite: a ring block with no visible key for a query weighs exp(MASKED - lse) = 0, gradient finite
 
 
-def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] positions that restart at 0 where each segment (document) starts: a packed document sees the
-    positions it would see alone."""
-    idx = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-
-
 def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """[b, 1, s, s] bool, True where query i may attend to key j: j <= i and both in the same segment."""
     s = segment_ids.shape[1]

@@ -26,10 +26,10 @@ from torch.utils.checkpoint import checkpoint
 from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
 from rayspeed.families.family import NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET, NORM_STYLES
-from rayspeed.model.attention import attention_mask, causal_attention, context_attention, segment_positions
+from rayspeed.model.attention import attention_mask, causal_attention, context_attention
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
-from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, sum_over_cp
+from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, segment_positions, sum_over_cp
 from rayspeed.parallel.groups import TensorParallel
 from rayspeed.parallel.layers import (
     NO_TP,

@@ -75,6 +75,15 @@ def shard(t: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
     return t.index_select(dim, chunk_index(t.shape[dim], cp.world_size, cp.rank).to(t.device))
 
 
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions that restart at 0 where each segment (document) starts: a packed document sees the
+    positions it would see alone."""
+    idx = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
 class SequenceLayout:
     """Where this rank's tokens sit in the whole sequence, built once per forward and shared by every layer: their
     global positions, the RoPE positions (from each document's start), and the document ids of every part."""
@@ -93,11 +102,7 @@ class SequenceLayout:
         for idx, part in zip(self.index, parts):
             whole[:, idx] = part
         self.segments = parts
-        starts = torch.ones_like(whole, dtype=torch.bool)
-        starts[:, 1:] = whole[:, 1:] != whole[:, :-1]
-        pos = torch.arange(total, device=device).expand_as(whole)
-        from_start = pos - torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
-        self.rope_positions = from_start[:, self.index[cp.rank]]
+        self.rope_positions = segment_positions(whole)[:, self.index[cp.rank]]
 
     def mask(self, q_ranks: list[int], k_ranks: list[int], window: Optional[int]) -> torch.Tensor:
         """[b or 1, 1, q, k] bool, True where a query of the parts of q_ranks may see a key of the parts of k_ranks."""
