@@ -1,7 +1,8 @@
 """Context parallelism against the unsplit model (4 gloo ranks, fp32, rtol = atol = 1e-5): the loss summed over the
 cp group and every gradient summed over it equal the unsplit model's on the same weights and tokens, for the ulysses
-and ring schemes at cp2 and cp4, with GQA, packed documents, a sliding window and soft-capped scores, and at tp2 x cp2
-(each tp rank's shards). The unsplit model is itself parity-tested against transformers (tests/model)."""
+and ring schemes at cp2 and cp4, with GQA (also fewer kv heads than cp), packed documents, a sliding window and
+soft-capped scores, and at tp2 x cp2 with and without sequence parallelism (each tp rank's shards). The unsplit model
+is itself parity-tested against transformers (tests/model)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ CASES = {
     "causal": {},
     "documents+window": dict(architecture="MistralForCausalLM", sliding_window=6, documents=True),
     "softcap": dict(attn_logit_softcapping=5.0, documents=True),
+    "gqa-2-kv-heads": dict(num_kv_heads=2),  # fewer kv heads than cp4: ulysses repeats them
 }
 
 
 def _cfg(case):
     extra = {k: v for k, v in CASES[case].items() if k != "documents"}
-    return SimpleNamespace(hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4, ffn_hidden_size=96,
-                           vocab_size=128, seq_len=SEQ, tie_embeddings=False, **extra)
+    return SimpleNamespace(**{**dict(hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4, ffn_hidden_size=96,
+                                     vocab_size=128, seq_len=SEQ, tie_embeddings=False), **extra})
 
 
 def _batch(case):
@@ -39,7 +41,7 @@ def _batch(case):
     return ids, labels, seg
 
 
-def _one(case, scheme, tp, cp):
+def _one(case, scheme, tp, cp, sp=False):
     import torch.distributed as dist
 
     from rayspeed.model import Transformer
@@ -50,7 +52,7 @@ def _one(case, scheme, tp, cp):
     ref = Transformer(cfg, tp=tp, seed=7)
     want = ref(ids, labels, seg)
     want.backward()
-    model = Transformer(cfg, tp=tp, seed=7, cp=cp)
+    model = Transformer(cfg, tp=tp, sequence_parallel=sp, seed=7, cp=cp)
     loss = model(shard(ids, cp), shard(labels, cp), None if seg is None else shard(seg, cp))
     loss.backward()
     total = loss.detach().clone()
@@ -84,6 +86,7 @@ def _world(rank, world_size):
             results[(scheme, case, "cp4")] = _one(case, scheme, None, cp4)
             results[(scheme, case, "cp2")] = _one(case, scheme, None, cp2)
         results[(scheme, "documents+window", "tp2xcp2")] = _one("documents+window", scheme, tp2, cp2_tp2)
+        results[(scheme, "documents+window", "tp2+sp x cp2")] = _one("documents+window", scheme, tp2, cp2_tp2, sp=True)
     return results
 
 
@@ -93,7 +96,7 @@ def results():
 
 
 def test_the_loss_and_every_gradient_summed_over_cp_equal_the_unsplit_models(results):
-    assert len(results[0]) == 2 * (2 * len(CASES) + 1)
+    assert len(results[0]) == 2 * (2 * len(CASES) + 2)
     for rank in results:
         for key, res in rank.items():
             got, want = res["loss"]

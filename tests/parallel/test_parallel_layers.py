@@ -273,9 +273,22 @@ def _groups_layout(rank, world_size):
         "mp": (groups.get_model_parallel_rank(), groups.get_model_parallel_world_size()),
         "pp": (groups.get_pipeline_model_parallel_rank(), groups.get_pipeline_model_parallel_world_size()),
         "tp_handle": (groups.tp.rank, groups.tp.world_size),
-        "ulysses": hasattr(groups, "get_sequence_parallel_world_size"),
+        "ulysses": hasattr(groups, "initialize_sequence_parallel"),
+        "seq": (groups.get_sequence_parallel_world_size(), groups.get_sequence_data_parallel_world_size(),
+                groups.get_sequence_data_parallel_rank()),
     }
-    return {"sums": sums, "ranks": (groups.tp_ranks, groups.dp_ranks, groups.pp_ranks), "mpu": mpu}
+    # tp2 x cp2: cp next to tp, so a cp group pairs the same tp slice of consecutive tp groups.
+    cp = ParallelGroups(dp=1, tp=2, pp=1, cp=2)
+    cp_sums = {}
+    for name, group in (("tp", cp.tp_group), ("cp", cp.cp_group), ("dpcp", cp.dpcp_group)):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        cp_sums[name] = t.item()
+    cp_mpu = {"seq": (cp.get_sequence_parallel_rank(), cp.get_sequence_parallel_world_size(),
+                      cp.get_sequence_data_parallel_world_size()), "dp": cp.get_data_parallel_world_size(),
+              "handle": (cp.cp.rank, cp.cp.world_size, cp.cp.ranks)}
+    return {"sums": sums, "ranks": (groups.tp_ranks, groups.dp_ranks, groups.pp_ranks), "mpu": mpu,
+            "cp": (cp_sums, cp_mpu, (cp.tp_ranks, cp.cp_ranks, cp.dpcp_ranks, cp.dp_ranks))}
 
 
 def test_parallel_groups_layout_dp2_tp2():
@@ -291,8 +304,15 @@ def test_parallel_groups_layout_dp2_tp2():
         assert r["mpu"]["mp"] == (tp_rank, 2)
         assert r["mpu"]["pp"] == (0, 1)
         assert r["mpu"]["tp_handle"] == (tp_rank, 2)
-        # Must not look like a Ulysses mpu, or DeepSpeed would shrink its data-parallel world.
+        # Must not look like DeepSpeed's own Ulysses mpu, or DeepSpeed would drop its data and model groups; at cp 1
+        # the sequence-data group is the dp group.
         assert r["mpu"]["ulysses"] is False
+        assert r["mpu"]["seq"] == (1, 2, dp_rank)
+        sums, mpu, ranks = r["cp"]
+        cp_ranks = [tp_rank, tp_rank + 2]
+        assert ranks == (tp_ranks, cp_ranks, cp_ranks, [rank])
+        assert sums == {"tp": sum(tp_ranks), "cp": sum(cp_ranks), "dpcp": sum(cp_ranks)}
+        assert mpu == {"seq": (dp_rank, 2, 2), "dp": 1, "handle": (dp_rank, 2, tuple(cp_ranks))}
 
 
 def test_layout_arithmetic():
@@ -301,6 +321,12 @@ def test_layout_arithmetic():
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # cp between tp and dp: rank = (dp_rank * cp + cp_rank) * tp + tp_rank; ZeRO spans dp x cp.
+    groups = layout(dp=2, tp=2, pp=1, cp=2)
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["dpcp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["mp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_tp_group_spanning_nodes_is_rejected():

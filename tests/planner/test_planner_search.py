@@ -124,7 +124,7 @@ def test_every_candidate_respects_the_constraints():
     res = plan_job(cfg, top_k=20)
     heads, kv, L = cfg.model.num_heads, ModelShape.from_config(cfg.model).num_kv_heads, cfg.model.num_layers
     for p in [res.best] + res.alternatives:
-        assert p["dp"] * p["tp"] * p["pp"] == 64
+        assert p["dp"] * p["cp"] * p["tp"] * p["pp"] == 64
         assert heads % p["tp"] == 0 and kv % p["tp"] == 0 and p["tp"] <= 8
         # pp need not divide the layers (the old "pp divides layers" rule was wrong): any pp up to L, with the
         # planner's stage split adding up to the model.

@@ -16,7 +16,7 @@ from typing import Any
 
 from rayspeed import paths
 from rayspeed.checkpoint import manifest
-from rayspeed.config.layout import PARTITION_KEYS, Layout
+from rayspeed.config.layout import PARTITION_KEYS, RECORD_DEFAULTS, Layout
 from rayspeed.engine.deepspeed_state import UNIVERSAL_TAG, universal_command
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,14 @@ def layout_of(cfg: Any) -> dict[str, Any]:
 
 
 def needs_universal(manifest: dict[str, Any], layout: dict[str, Any]) -> bool:
-    """ZeRO partitions (stages 1-3) are tied to the data-parallel size they were written at, and to the
-    parameters of each pipeline stage (a different stage split moves blocks between optimizer partitions)."""
+    """ZeRO partitions (stages 1-3) are tied to the data-parallel size they were written at (dp x cp: a manifest
+    without cp was written at cp 1), and to the parameters of each pipeline stage (a different stage split moves
+    blocks between optimizer partitions)."""
     old = manifest.get("layout") or {}
     if int(old.get("zero_stage", 0)) == 0 and int(layout.get("zero_stage", 0)) == 0:
         return False
-    if any(int(old.get(k, -1)) != int(layout[k]) for k in PARTITION_KEYS):
+    if any(int(old.get(k, RECORD_DEFAULTS.get(k, -1))) != int(layout.get(k, RECORD_DEFAULTS.get(k, -1)))
+           for k in PARTITION_KEYS):
         return True
     before, now = old.get("stage_layers"), layout.get("stage_layers")
     return bool(before and now and [int(n) for n in before] != [int(n) for n in now])

@@ -14,6 +14,7 @@ from rayspeed.compat.deepspeed_internals import (
     async_checkpoint_problem,
     capture_checkpoint_writes,
     checkpoint_writer,
+    cp_loss_scale,
     deepspeed_comm_backend,
     group_decays,
     methods_replaced,
@@ -21,6 +22,7 @@ from rayspeed.compat.deepspeed_internals import (
     repair_universal_optimizer_load,
     skip_deepspeed_shm_comm_op,
     step_grad_norm,
+    zero3_partition_over,
 )
 from rayspeed.compat.mlflow_internals import MLFLOW_PROCESS_ENV, mlflow_process_state, mlflow_process_store
 from rayspeed.compat.ray_internals import (
@@ -36,12 +38,12 @@ RAY_VERSION = "2.60.0"
 DEEPSPEED_VERSION = "0.19.8"
 
 __all__ = ["DEEPSPEED_VERSION", "ExplicitPipelineParts", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSION",
-           "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer",
+           "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer", "cp_loss_scale",
            "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
            "deepspeed_comm_backend", "fail_after_capacity_wait", "fused_optimizer_devices", "group_decays",
            "lean_trainer_class", "methods_replaced", "mlflow_process_state", "mlflow_process_store",
            "pipeline_explicit_parts", "repair_universal_optimizer_load", "set_worker_group_start_timeout",
-           "skip_deepspeed_shm_comm_op", "step_grad_norm"]
+           "skip_deepspeed_shm_comm_op", "step_grad_norm", "zero3_partition_over"]
 
 
 

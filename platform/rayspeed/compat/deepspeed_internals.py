@@ -219,3 +219,22 @@ def repair_universal_optimizer_load(engine: Any, decays: list) -> None:
             g["weight_decay"] = decays[i]
         if lrs is not None and len(lrs) == len(groups):
             g["lr"] = lrs[i]
+
+
+def cp_loss_scale(zero_stage: int, cp: int) -> float:
+    """What a rank's loss is multiplied by before backward so that DeepSpeed adds up the gradients of a sequence's cp
+    parts and averages over dp. ZeRO 0-2 divide their reduction over dp x cp by dp (the mpu's sequence-parallel size);
+    DeepSpeed 0.19.8's ZeRO-3 reduce-scatter (`stage3.__avg_scatter_grads`, reduce_scatter: true, which rayspeed sets
+    so every bucket takes it) averages over all dp x cp ranks, ignoring it: times cp puts the sum back. Checked by
+    tests/parallel/test_context_parallel_engine.py; goes when ZeRO-3 honours the sequence-parallel size."""
+    return float(cp) if zero_stage == 3 and cp > 1 else 1.0
+
+
+def zero3_partition_over(model: Any, group: Any, ds_config: dict, mpu: Any) -> None:
+    """Partition a built model's parameters for ZeRO-3 over `group` before deepspeed.initialize. DeepSpeed 0.19.8
+    partitions a model not built under zero.Init over the mpu's data-parallel group
+    (`parameter_offload._convert_to_zero_parameters`), not its sequence-data-parallel one: under cp the cp ranks
+    would keep whole copies and never reduce their gradients. Parameters already partitioned are left as they are."""
+    import deepspeed
+
+    deepspeed.zero.Init(module=model, data_parallel_group=group, config_dict_or_path=ds_config, mpu=mpu)

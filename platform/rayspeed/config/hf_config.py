@@ -343,6 +343,24 @@ def _same(key: str, a: Any, b: Any) -> bool:
     return a == b
 
 
+EXTENSION_ROPE_TYPES = ("linear", "yarn", "llama3")
+
+
+def context_extension(explicit: Collection[str], model: Any, keys: dict[str, Any]) -> set[str]:
+    """The keys a job may set apart from config.json to train longer than the checkpoint's positions: a larger
+    model.max_position_embeddings, and with it a model.rope_scaling of a type that stretches RoPE (linear, yarn,
+    llama3; the positions then run past the pretraining length as those types define). Anything else that differs
+    stays a problem."""
+    given, known = getattr(model, "max_position_embeddings", None), keys.get("max_position_embeddings")
+    if "max_position_embeddings" not in explicit or not given or not known or int(given) <= int(known):
+        return set()
+    out = {"max_position_embeddings"}
+    scaling = getattr(model, "rope_scaling", None) if "rope_scaling" in explicit else None
+    if scaling and str(scaling.get("rope_type", scaling.get("type", ""))) in EXTENSION_ROPE_TYPES:
+        out.add("rope_scaling")
+    return out
+
+
 def apply_pretrained(explicit: Collection[str], model: Any) -> list[str]:
     """Fill `model` (a ModelConfig, in place) from its model.pretrained config.json. `explicit`: the model keys
     the job file and --set gave; one that differs from config.json is a problem naming both values."""
@@ -353,11 +371,20 @@ def apply_pretrained(explicit: Collection[str], model: Any) -> list[str]:
     keys, problems = model_keys_from_hf(hf, str(path), seq_len=model.seq_len)
     if problems:
         return problems
+    extends = context_extension(explicit, model, keys)
     for key in SHAPE_KEYS:
         value = keys[key]
+        if key in extends:
+            continue
         if key in explicit and not _same(key, getattr(model, key), value):
+            longer = ""
+            if key in ("rope_scaling", "max_position_embeddings"):
+                longer = (f"; to train longer than the checkpoint's {keys['max_position_embeddings']} positions, set "
+                          "model.max_position_embeddings above them, with model.rope_scaling of type "
+                          f"{', '.join(EXTENSION_ROPE_TYPES)} if RoPE should stretch")
             problems.append(f"model.{key}: the job sets {getattr(model, key)!r} but {path} says {value!r}; drop "
-                            f"model.{key} (model.pretrained decides it) or point model.pretrained at another model")
+                            f"model.{key} (model.pretrained decides it) or point model.pretrained at another model"
+                            + longer)
             continue
         setattr(model, key, value)
     if "init_std" not in explicit and hf.get("initializer_range") is not None:

@@ -13,11 +13,14 @@ from typing import Any, Mapping, Optional
 
 CHECKPOINT_MODES = ("none", "selective", "full")
 LAYOUT_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum", "sequence_parallel",
-               "activation_checkpointing")
+               "activation_checkpointing", "cp")
 # The keys a ZeRO partition is tied to: a checkpoint written under other values needs a universal conversion.
-PARTITION_KEYS = ("dp", "tp", "pp", "zero_stage")
+# cp belongs here: ZeRO partitions over dp x cp (a manifest without it was written at cp 1).
+PARTITION_KEYS = ("dp", "tp", "pp", "zero_stage", "cp")
 # What a manifest and a run result record (the integer degrees and batch split).
-RECORD_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum")
+RECORD_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum", "cp")
+# What a key reads as in a record written before it existed.
+RECORD_DEFAULTS = {"cp": 1}
 
 
 class LayoutError(ValueError):
@@ -48,11 +51,14 @@ class Layout:
     the communication rule for 64+ GPUs turns it on when it fits."""
     stage_layers: Optional[tuple[int, ...]] = None
     """Transformer blocks per pipeline stage, first to last (None: as even as the engine splits them)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over this many ranks (rayspeed.parallel.context_parallel)."""
 
     def __post_init__(self) -> None:
-        degrees = (self.dp, self.tp, self.pp, self.micro_batch_size, self.grad_accum, self.hpz)
+        degrees = (self.dp, self.tp, self.pp, self.micro_batch_size, self.grad_accum, self.hpz, self.cp)
         if not all(type(v) is int and v >= 1 for v in degrees):  # the common case checked cheaply (planner search)
-            bad = [f"{k} {getattr(self, k)}" for k in ("dp", "tp", "pp", "micro_batch_size", "grad_accum", "hpz")
+            names = ("dp", "tp", "pp", "micro_batch_size", "grad_accum", "hpz", "cp")
+            bad = [f"{k} {getattr(self, k)}" for k in names
                    if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         else:
             bad = []
@@ -78,12 +84,19 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def zero_ranks(self) -> int:
+        """Ranks a ZeRO partition and the gradient reduction span: dp x cp (cp ranks hold the same weights and
+        their gradients add up)."""
+        return self.dp * self.cp
 
     def check_world(self, world_size: int) -> None:
-        """Raise LayoutError unless dp x tp x pp is exactly the world."""
+        """Raise LayoutError unless dp x cp x tp x pp is exactly the world."""
         if self.world_size != world_size:
-            raise LayoutError(f"dp ({self.dp}) x tp ({self.tp}) x pp ({self.pp}) = {self.world_size} != "
+            cp = f" x cp ({self.cp})" if self.cp > 1 else ""
+            raise LayoutError(f"dp ({self.dp}){cp} x tp ({self.tp}) x pp ({self.pp}) = {self.world_size} != "
                               f"world size ({world_size})")
 
     def check_layers(self, num_layers: int) -> None:
@@ -114,10 +127,11 @@ class Layout:
 
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
         hpz = f" hpz{self.hpz}" if self.hpz > 1 else ""
         split = f" stages={'/'.join(map(str, self.stage_layers))}" if self.stage_layers is not None else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}{split} zero{self.zero_stage}{hpz} mb{self.micro_batch_size}"
-                f" ga{self.grad_accum} ckpt={self.activation_checkpointing}")
+        return (f"dp{self.dp}{cp} tp{self.tp}{sp} pp{self.pp}{split} zero{self.zero_stage}{hpz} "
+                f"mb{self.micro_batch_size} ga{self.grad_accum} ckpt={self.activation_checkpointing}")
 
     @classmethod
     def from_parallel(cls, par: Any) -> "Layout":
@@ -125,13 +139,15 @@ class Layout:
         split = getattr(par, "stage_layers", None)
         return cls(int(par.dp), int(par.tp), int(par.pp), int(par.zero_stage), int(par.micro_batch_size),
                    int(par.grad_accum), bool(par.sequence_parallel), str(par.activation_checkpointing),
-                   stage_layers=tuple(split) if split else None)
+                   stage_layers=tuple(split) if split else None, cp=int(getattr(par, "cp", 1)))
 
     @classmethod
     def from_record(cls, d: Mapping[str, Any]) -> "Layout":
-        """From a manifest's or result's `layout` (older manifests carry neither stage_layers nor sp/ac)."""
+        """From a manifest's or result's `layout` (older manifests carry neither stage_layers nor sp/ac nor cp)."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
+        if kw.get("cp") is None:
+            kw["cp"] = 1
         if kw.get("stage_layers") is not None:
             kw["stage_layers"] = tuple(int(n) for n in kw["stage_layers"])
         return cls(**kw)

@@ -222,7 +222,7 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     dp: Union[int, Auto] = AUTO
-    """Data-parallel degree = workers / (tp * pp)."""
+    """Data-parallel degree: dp x cp x tp x pp = workers."""
     tp: Union[int, Auto] = AUTO
     """Tensor-parallel degree (Megatron-style column/row layers); never spans nodes."""
     pp: Union[int, Auto] = AUTO
@@ -237,10 +237,14 @@ class ParallelConfig:
     """Shard norm/dropout regions along the sequence across the tp group (only with tp > 1)."""
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = AUTO
     """none | selective (attention and MLP blocks recomputed) | full (whole blocks recomputed)."""
+    cp: Union[int, Auto] = AUTO
+    """Context-parallel degree: each sequence split over this many ranks, activations per rank divided by cp (16k+
+    tokens). auto: the planner weighs it where every rank keeps 2048+ tokens of each sequence; else 1."""
+    cp_scheme: Literal["auto", "ulysses", "ring"] = AUTO
+    """ulysses (all-to-alls; a tp rank's heads split over cp) or ring (k/v go around). auto: ulysses if heads split."""
     stage_layers: Optional[list[int]] = None
-    """Transformer blocks per pipeline stage, first to last, e.g. [4, 4, 4, 3] for 15 layers on pp 4 (stages
-    may differ; they add up to model.num_layers). null: the planner balances the stages by time, the
-    embedding counted on the first and the head and loss on the last, and the resolved config records it."""
+    """Transformer blocks per pipeline stage, first to last, e.g. [4, 4, 4, 3] for 15 layers on pp 4 (adding up to
+    model.num_layers). null: the planner balances the stages by time (embedding first, head and loss last)."""
 
 
 @dataclass

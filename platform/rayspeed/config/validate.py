@@ -13,6 +13,7 @@ from typing import Any
 
 from rayspeed import families
 from rayspeed.config import adapter
+from rayspeed.config.context_split import context_problems
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
@@ -223,6 +224,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         elif par.pp != AUTO and len(split) != par.pp:
             p.append(f"parallel.stage_layers gives {len(split)} stages but parallel.pp is {par.pp}; set pp to "
                      f"{len(split)} or auto")
+    p += context_problems(m, par, kv)
     if par.sequence_parallel is True and par.tp == 1:
         p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
     if par.sequence_parallel is True and isinstance(par.tp, int) and sequence_parallel_problem(m.seq_len, par.tp):

@@ -60,7 +60,8 @@ def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
         )
     from rayspeed.model.transformer import Transformer
 
-    return Transformer(mcfg, tp=tp, sequence_parallel=bool(par.sequence_parallel), seed=cfg.train.seed)
+    return Transformer(mcfg, tp=tp, sequence_parallel=bool(par.sequence_parallel), seed=cfg.train.seed,
+                       cp=getattr(groups, "cp", None))
 
 
 def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.device) -> tuple[Any, bool]:
@@ -96,6 +97,10 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
     kwargs: dict[str, Any] = dict(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     if not pipelined:
         kwargs["mpu"] = groups
+    if cfg.parallel.zero_stage == 3 and getattr(groups, "cp_size", 1) > 1:  # ZeRO-3 partitions over dp x cp
+        from rayspeed import compat
+
+        compat.zero3_partition_over(model, groups.dpcp_group, ds_config, groups)
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine, pipelined
 

@@ -62,9 +62,11 @@ def calibrate_from(cfg, experiment: str, base_profile: str | None, world_size: i
     def replan(job) -> tuple[float, float, float]:
         job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, profile=None))
         lay = {k: getattr(job.parallel, k) for k in LAYOUT_KEYS}
+        if not isinstance(lay["cp"], int):  # a run recorded before parallel.cp existed ran at cp 1
+            lay["cp"] = 1
         if getattr(job.parallel, "stage_layers", None):
             lay["stage_layers"] = list(job.parallel.stage_layers)
-        world = int(job.parallel.dp) * int(job.parallel.tp) * int(job.parallel.pp)
+        world = int(job.parallel.dp) * lay["cp"] * int(job.parallel.tp) * int(job.parallel.pp)
         d = evaluate_layout(job, lay, world_size=world, profile=base)
         t = d["time_breakdown_s"]
         return (t["compute_s"] + t["pp_bubble_s"] + t.get("straggler_s", 0.0),

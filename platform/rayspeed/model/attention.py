@@ -114,11 +114,14 @@ def ring_attention(q, k, v, layout: SequenceLayout, window: Optional[int], scale
 
 def ulysses_attention(q, k, v, layout: SequenceLayout, window: Optional[int], scale: Optional[float],
                       cap: Optional[float]) -> torch.Tensor:
-    """The same through two all-to-alls: the whole sequence for heads / cp of the heads on each rank."""
+    """The same through two all-to-alls: the whole sequence for heads / cp of the heads on each rank. Fewer kv
+    heads than cp (GQA) are repeated up to cp, in order, so each rank still gets the kv head its query heads use."""
     cp = layout.cp
-    if q.shape[1] % cp.world_size or k.shape[1] % cp.world_size:
-        raise ValueError(f"ulysses needs the heads ({q.shape[1]}) and kv heads ({k.shape[1]}) of a rank to divide by "
-                         f"cp={cp.world_size}: use the ring scheme")
+    if q.shape[1] % cp.world_size or (k.shape[1] % cp.world_size and cp.world_size % k.shape[1]):
+        raise ValueError(f"ulysses needs the heads ({q.shape[1]}) of a rank to divide by cp={cp.world_size} and its kv "
+                         f"heads ({k.shape[1]}) to divide by cp or divide cp: use the ring scheme")
+    if k.shape[1] < cp.world_size:
+        k, v = (t.repeat_interleave(cp.world_size // k.shape[1], dim=1) for t in (k, v))
     q, k, v = (AllToAll.apply(t, 1, 2, cp) for t in (q, k, v))
     every = list(range(cp.world_size))
     out = causal_attention(q, k, v, layout.mask(every, every, window), scale, cap)

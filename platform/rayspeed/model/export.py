@@ -127,6 +127,8 @@ def _layout(cfg: Any, groups: Any) -> dict[str, int]:
     lay = {"dp": get("dp"), "tp": get("tp"), "pp": get("pp"), "zero_stage": get("zero_stage", 0)}
     if groups is not None:
         lay.update(dp=groups.dp, tp=groups.tp_size, pp=groups.pp)
+        if groups.cp_size > 1:
+            lay["cp"] = groups.cp_size
     return {k: (int(v) if isinstance(v, int) else v) for k, v in lay.items()}
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rayspeed.config import adapter as spec
-from rayspeed.planner.model_math import stage_params
+from rayspeed.planner.model_math import local_tokens, stage_params
 from rayspeed.planner.terms import MemoryTerm, register
 
 NF4_BLOCK = 64
@@ -119,7 +119,7 @@ def gemm_seconds(ctx: Any, lay: Any, gemm_s: Any, dense_fwd: float) -> tuple[flo
     if ap is None:
         return dense_fwd, 2 * dense_fwd
     sh, t = ctx.shape, lay.tp
-    T = lay.micro_batch_size * sh.seq_len
+    T = local_tokens(sh, lay)
     fwd = 0.0
     for role in ap.roles:
         i, o = spec.role_dims(sh)[role]
@@ -152,7 +152,7 @@ def frozen_weight_bytes(ctx: Any, lay: Any, layers: int, frozen: float) -> float
     sharding them over dp; with nf4 the blocks' linear weights at nf4_bytes_per_weight."""
     ap = ctx.adapter
     if ap is None or not ap.nf4:
-        return frozen * ctx.w_bytes / (lay.dp if lay.zero_stage == 3 else 1)
+        return frozen * ctx.w_bytes / (lay.zero_ranks if lay.zero_stage == 3 else 1)
     packed = min(frozen, layers * linear_weights(ctx.shape, lay.tp))
     return packed * nf4_bytes_per_weight(ap, lay.tp) + (frozen - packed) * ctx.w_bytes
 

@@ -33,7 +33,7 @@ def rank_bytes(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     best = (0.0, 0.0)
     for stage in {0, lay.pp - 1}:
         n = stage_params(ctx.shape, lay.tp, lay.pp, stage)
-        ms = model_state_bytes(n, ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.dp)
+        ms = model_state_bytes(n, ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.zero_ranks)
         partition = ms["master_weights"] + ms["optimizer_states"]
         if lay.zero_stage == 0:
             writer, other = ms["weights"] + partition, 0.0

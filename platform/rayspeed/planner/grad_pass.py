@@ -31,5 +31,5 @@ def grad_pass_bytes_per_param(ctx: Ctx, lay: Layout) -> float:
     if bf16_optimizer(ctx, lay):
         return HP_GRAD_BYTES_PER_PARAM
     if lay.zero_stage == 2:
-        return ctx.w_bytes + ctx.comm_bytes + 12 / max(1, lay.dp)
+        return ctx.w_bytes + ctx.comm_bytes + 12 / max(1, lay.zero_ranks)
     return 0.0

@@ -32,6 +32,7 @@ class Ctx:
     # no tree all-gather or reduce-scatter and runs those as rings).
     nccl_algo: str = ""
     document_masking: bool = False  # data.document_masking: a [b, 1, s, s] mask per block, k/v expanded (memory.py)
+    cp_scheme: str = "auto"  # parallel.cp_scheme as set (config/context_split.py resolves auto per layout)
     adapter: Any = None  # planner.adapter_terms.AdapterPlan of model.adapter (None: every parameter trains)
     # Costs shared by many layouts of one search (block, head, split), keyed by what they depend on; never
     # copied by dataclasses.replace (init=False), so a changed context starts empty.

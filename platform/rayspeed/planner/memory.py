@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 
+from rayspeed.config.context_split import scheme_for
 from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
 from rayspeed.planner.adapter_terms import activation_elems_per_token, frozen_weight_bytes, trained_and_frozen
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.model_math import split_of, stage_params
+from rayspeed.planner.model_math import local_tokens, split_of, stage_params
 from rayspeed.planner.terms import memory_terms
 
 COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "logits_loss",
@@ -53,7 +54,7 @@ def _model_state_bytes(n_params: int, precision: str, grad_accum_dtype: str, zer
 
 
 def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch: int = 1, flash_gqa: bool = False,
-                document_mask: bool = False) -> tuple[float, float, float]:
+                document_mask: bool = False, cp: int = 1, ring: bool = False) -> tuple[float, float, float]:
     """Working-dtype elements per token that one block of the platform's model (rayspeed.model.transformer,
     eager autograd) keeps for backward without recomputation: (total, attention sub-block, MLP sub-block). Counted
     tensor by tensor and checked against what autograd saves (tests/planner/test_activation_memory.py, CPU).
@@ -72,7 +73,12 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     Gemma's post-norms keep their fp32 input and normalised tensor (2r h + r each). Soft-capped attention (Gemma 2)
     materialises its scores: (2 + r) heads x s per token in half precision, 2 heads x s in fp32, plus the mask.
     MLP: SwiGLU's (or GeGLU's) gate, its activation, up and product (4f).
-    Flash/SDPA attention keeps no s x s score matrix (the playbook's 5as/h term is gone)."""
+    Flash/SDPA attention keeps no s x s score matrix (the playbook's 5as/h term is gone).
+    Context parallelism (cp > 1; per token of this rank's s / cp): Ulysses runs the same attention on the whole
+    sequence for heads / cp, so every term is the same except a mask, which covers the whole sequence: cp times
+    larger. Ring attention runs blockwise math attention (model/attention.py ring_attention): each of the cp steps
+    keeps the received k and v expanded to q's heads, the fp32 scores of the block and their exponentials, the
+    block output and its log-sum-exp, and the block's boolean mask."""
     r = 4 / w_bytes
     out_div = tp if sp else 1
     kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
@@ -84,6 +90,11 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     extra_norms = sh.family.norms_per_block - 2  # Gemma's post-norms, one per branch
     post_norm = (2 * r * sh.hidden_size + r) / out_div if extra_norms else 0.0
     attn = norm + (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp + 2 * r * sh.head_dim / max(1, micro_batch)
+    mask_scale = cp if cp > 1 and not ring else 1
+    if ring and cp > 1:
+        attn += (cp * (3 * sh.q_dim + r * sh.num_heads) + (r + 1) * sh.num_heads * sh.seq_len) / tp - 2 * kv_eff / tp
+        attn += sh.seq_len / w_bytes
+        mask_scale = 0
     if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 in the fp32-weight order), an rsqrt per row
         rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
         attn += ((2 * r) if fp32_weight or post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
@@ -92,11 +103,11 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
         # output and the probabilities per head and key (working dtype; the fp32 softmax output too in half
         # precision), the boolean mask masked_fill saves, and no log-sum-exp.
         attn += (2 + (r if r != 1 else 0)) * sh.num_heads / tp * sh.seq_len - r * sh.num_heads / tp
-        attn += sh.seq_len / (1 if document_mask else max(1, micro_batch)) / w_bytes
+        attn += mask_scale * sh.seq_len / (1 if document_mask else max(1, micro_batch)) / w_bytes
     elif document_mask:
-        attn += sh.seq_len
+        attn += mask_scale * sh.seq_len
     else:
-        attn += sh.windowed_layers / sh.num_layers * sh.seq_len / max(1, micro_batch)
+        attn += mask_scale * sh.windowed_layers / sh.num_layers * sh.seq_len / max(1, micro_batch)
     attn += post_norm
     mlp = norm + 4 * sh.ffn_hidden_size / tp + post_norm
     return attn + mlp, attn, mlp
@@ -106,14 +117,21 @@ def block_saved(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """layer_saved for this job's precision, kernels and masking at this layout."""
     flash = (ctx.hw.is_gpu and ctx.precision in ("bf16", "fp16") and not ctx.document_masking
              and not ctx.shape.windowed_layers and not ctx.shape.attn_logit_softcapping)
+    ring = lay.cp > 1 and cp_scheme(ctx, lay) == "ring"
     return layer_saved(ctx.shape, lay.tp, lay.sequence_parallel, ctx.w_bytes, lay.micro_batch_size, flash,
-                       ctx.document_masking)
+                       ctx.document_masking, lay.cp, ring)
+
+
+def cp_scheme(ctx: Ctx, lay: Layout) -> str:
+    """The attention scheme this layout's cp runs (parallel.cp_scheme, auto resolved by the heads rule)."""
+    sh = ctx.shape
+    return scheme_for(sh.num_heads, sh.num_kv_heads, lay.tp, lay.cp, ctx.cp_scheme)
 
 
 def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     """Activations held by one rank of `stage` at the peak of backward."""
     sh = ctx.shape
-    tokens = lay.micro_batch_size * sh.seq_len
+    tokens = local_tokens(sh, lay)
     out_div = lay.tp if lay.sequence_parallel else 1
     full, attn, mlp = block_saved(ctx, lay)
     mode = lay.activation_checkpointing
@@ -152,7 +170,7 @@ def logits_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     if stage != lay.pp - 1:
         return 0.0
     sh = ctx.shape
-    tokens = lay.micro_batch_size * sh.seq_len
+    tokens = local_tokens(sh, lay)
     if lay.tp == 1:
         return min(tokens * sh.vocab_size, LOSS_CHUNK_ELEMENTS) * (ctx.w_bytes + 8) + 4 * sh.vocab_size * sh.hidden_size
     return tokens * sh.vocab_size / lay.tp * (ctx.w_bytes + 8)
@@ -187,7 +205,7 @@ def _buckets(ctx: Ctx, lay: Layout, n0: int) -> dict:
 
 def bucket_bytes(ctx: Ctx, lay: Layout) -> float:
     b = buckets(ctx, lay)
-    if lay.dp == 1 and lay.zero_stage < 3:
+    if lay.zero_ranks == 1 and lay.zero_stage < 3:
         return 0.0
     if lay.zero_stage == 0:
         return b["reduce_bucket_size"] * ctx.comm_bytes
@@ -218,18 +236,20 @@ def zero3_gathered_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
 
 
 def communicators(lay: Layout) -> int:
-    """NCCL communicators a rank initialises: the world (DeepSpeed's engine group), dp, tp, and pp's two
+    """NCCL communicators a rank initialises: the world (DeepSpeed's engine group), dp, tp, cp, and pp's two
     neighbour pairs (the pipeline engine's p2p groups)."""
     if lay.world_size <= 1:
         return 0
-    return 1 + sum(1 for d in (lay.dp, lay.tp) if d > 1) + (2 if lay.pp > 1 else 0)
+    # Under cp also the cp group and the dp x cp group ZeRO reduces over.
+    groups = (lay.dp, lay.tp, lay.cp, lay.zero_ranks if lay.cp > 1 else 1)
+    return 1 + sum(1 for d in groups if d > 1) + (2 if lay.pp > 1 else 0)
 
 
 def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
     """Bytes per component for one rank of `stage`."""
     layers = split_of(ctx.shape, lay)[stage]
     trained, frozen = trained_and_frozen(ctx, lay, stage, layers)
-    out = model_state_bytes(round(trained), ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.dp)
+    out = model_state_bytes(round(trained), ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.zero_ranks)
     if frozen:  # an adapter job's base: its weights only, 4-bit ones under QLoRA (planner/adapter_terms.py)
         out["weights"] += frozen_weight_bytes(ctx, lay, layers, frozen)
     out["activations"] = activation_bytes(ctx, lay, stage)

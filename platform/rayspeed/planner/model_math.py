@@ -40,6 +40,11 @@ def max_stage_params(sh: ModelShape, tp: int, pp: int, split: tuple[int, ...] | 
     return max(stage_params(sh, tp, pp, i, split[i]) for i in cands)
 
 
+def local_tokens(sh: ModelShape, lay: Layout) -> int:
+    """Tokens of one micro-batch on one rank: its sequences' share under context parallelism (seq_len / cp)."""
+    return lay.micro_batch_size * sh.seq_len // lay.cp
+
+
 def split_of(sh: ModelShape, lay: Layout) -> tuple[int, ...]:
     """The layout's explicit split, else the even one."""
     if lay.stage_layers is not None:

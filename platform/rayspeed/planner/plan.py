@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from rayspeed.config.context_split import cp_problem, scheme_for
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.validate import default_sequence_parallel, shape_split_problems
@@ -17,7 +18,7 @@ from rayspeed.planner.explain import render
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.hypotheses import CAP_RULE, RuleTest, check_accumulation_cap
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.memory import bytes_per_param
+from rayspeed.planner.memory import bytes_per_param, cp_scheme
 from rayspeed.planner.rules import all_rules, lr_rule
 from rayspeed.planner.search import (
     NEAR_TIE,
@@ -58,10 +59,10 @@ def _diverse(ranked: list[Estimate], top_k: int) -> list[Estimate]:
     if top_k <= 0 or len(ranked) < 2:
         return []
     best = ranked[0]
-    seen = {(best.layout.tp, best.layout.pp, best.layout.zero_stage)}
+    seen = {(best.layout.tp, best.layout.cp, best.layout.pp, best.layout.zero_stage)}
     out: list[Estimate] = []
     for e in ranked[1:]:
-        key = (e.layout.tp, e.layout.pp, e.layout.zero_stage)
+        key = (e.layout.tp, e.layout.cp, e.layout.pp, e.layout.zero_stage)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -146,7 +147,8 @@ def _plan_dict(cfg: JobConfig, ctx: Ctx, e: Estimate, rules: dict | None = None)
         d["tf32"] = rules["precision"]["tf32"]
         d["activation_checkpointing_template"] = {k: v for k, v in rules["checkpointing"].items()
                                                   if k not in ("mode", "template")}
-    d.update(world_size=ctx.world, gpu=ctx.hw.name, nodes=ctx.nodes, precision=ctx.precision, deepspeed=ds)
+    d.update(world_size=ctx.world, gpu=ctx.hw.name, nodes=ctx.nodes, precision=ctx.precision, deepspeed=ds,
+             cp_scheme=cp_scheme(ctx, e.layout))
     d["profile"] = {"path": ctx.profile or None, "model_error": round(model_error(ctx), 4),
                     "efficiency": dict(zip(("compute", "comm", "overhead"), ctx.efficiency))}
     d["lr"] = cfg.train.lr if cfg.train.lr != AUTO else lr_rule(ctx.global_batch, ctx.world)["lr"]
@@ -179,7 +181,7 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
                 seen.add(r)
                 out.append(r)
         if not out:
-            out.append(f"no layout of dp x tp x pp = {ctx.world} satisfies the job")
+            out.append(f"no layout of dp x cp x tp x pp = {ctx.world} satisfies the job")
         head = (f"cluster.num_workers: no valid layout for {ctx.world} workers"
                 + (f" with {', '.join(f'parallel.{k}={v}' for k, v in fixed.items())}" if fixed else ""))
         return [f"{head}: " + out[0]] + out[1:6]
@@ -246,6 +248,7 @@ def resolve(cfg: JobConfig, world_size: int | None = None, profile=None) -> tupl
     lay, ctx = res.layout, res.ctx
     assert lay is not None and ctx is not None  # plan_job always sets both
     fill = {k: getattr(lay, k) for k in LAYOUT_KEYS}
+    fill["cp_scheme"] = cp_scheme(ctx, lay)
     if hasattr(cfg.parallel, "stage_layers"):
         fill["stage_layers"] = list(lay.stage_layers) if (lay.stage_layers and lay.pp > 1) else None
     par = dataclasses.replace(cfg.parallel, **fill)
@@ -288,7 +291,8 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     try:
         tp = int(layout.get("tp", 1))
         pp = int(layout.get("pp", 1))
-        dp = int(layout.get("dp", ctx.world // max(1, tp * pp)))
+        cp = int(layout.get("cp", 1))
+        dp = int(layout.get("dp", ctx.world // max(1, tp * pp * cp)))
         mb = int(layout.get("micro_batch_size", 1))
         ga = int(layout.get("grad_accum", max(1, ctx.global_batch // max(1, dp * mb))))
         z = int(layout.get("zero_stage", 0))
@@ -300,10 +304,11 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     sp = layout.get("sequence_parallel", default_sequence_parallel(sh.seq_len, tp))
     sp = sp if isinstance(sp, bool) else str(sp).lower() == "true"
     ac = str(layout.get("activation_checkpointing", "none"))
-    if min(dp, tp, pp, mb, ga) < 1:
-        fatal.append("dp, tp, pp, micro_batch_size and grad_accum must be >= 1")
-    elif dp * tp * pp != ctx.world:
-        fatal.append(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size ({ctx.world})")
+    if min(dp, tp, pp, cp, mb, ga) < 1:
+        fatal.append("dp, cp, tp, pp, micro_batch_size and grad_accum must be >= 1")
+    elif dp * cp * tp * pp != ctx.world:
+        fatal.append(f"dp ({dp}) x cp ({cp}) x tp ({tp}) x pp ({pp}) = {dp * cp * tp * pp} != world size "
+                     f"({ctx.world})")
     if tp >= 1 and (sh.num_heads % tp or sh.num_kv_heads % tp):
         fatal.append(f"tp {tp} does not divide model.num_heads ({sh.num_heads}) and "
                      f"model.num_kv_heads ({sh.num_kv_heads})")
@@ -317,7 +322,7 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     if ac not in CHECKPOINT_MODES:
         fatal.append(f"activation_checkpointing {ac!r} is not one of {list(CHECKPOINT_MODES)}")
     lay_d = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": z, "micro_batch_size": mb, "grad_accum": ga,
-             "sequence_parallel": sp, "activation_checkpointing": ac}
+             "sequence_parallel": sp, "activation_checkpointing": ac, "cp": cp}
     if split is not None:
         lay_d["stage_layers"] = list(split)
     if fatal:
@@ -335,6 +340,12 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
         warnings.append("stage_layers ignored with pp 1")
         split = None
     unbuildable += [f"the runtime's model builder: {p}" for p in shape_split_problems(sh, tp, sp)]
+    cp_why = cp_problem(sh.seq_len, sh.num_heads, sh.num_kv_heads, max(1, tp), cp,
+                        scheme_for(sh.num_heads, sh.num_kv_heads, max(1, tp), cp, ctx.cp_scheme))
+    if cp_why:
+        unbuildable.append(cp_why)
+    if cp > 1 and pp > 1:
+        unbuildable.append(f"cp {cp} with pp {pp}: context parallelism does not run under the pipeline engine yet")
     zero_why = zero_problem(ctx, z)
     if zero_why:
         unbuildable.append(zero_why)
@@ -345,9 +356,10 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     if ga > accumulation_cap(ctx):
         warnings.append(f"grad_accum {ga} is above the field guide's cap ({accumulation_cap(ctx)})")
     hpz = max(1, min(dp, ctx.node_size // tp)) if z == 3 and hpz_applies(ctx, tp, dp) else 1
-    e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, hpz, stage_layers=split))
+    hpz = hpz if cp == 1 else 1
+    e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, hpz, stage_layers=split, cp=cp))
     if hpz > 1 and not e.fits:  # hierarchical partitioning only where its node-local copy fits
-        e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, 1, stage_layers=split))
+        e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, 1, stage_layers=split, cp=cp))
     d = _plan_dict(cfg, ctx, e)
     d["valid"] = not broken
     d["runnable"] = not broken and not unbuildable

@@ -12,8 +12,9 @@ from rayspeed.errors import ConfigError
 def summary(res: Any) -> str:
     b = res.best
     unit = "worker" if b["gpu"] == "cpu" else "GPU"
+    cp = f" x cp {b['cp']} ({b['cp_scheme']})" if b.get("cp", 1) > 1 else ""
     lines = [
-        f"layout: dp {b['dp']} x tp {b['tp']} x pp {b['pp']}, ZeRO-{b['zero_stage']}, micro-batch "
+        f"layout: dp {b['dp']}{cp} x tp {b['tp']} x pp {b['pp']}, ZeRO-{b['zero_stage']}, micro-batch "
         f"{b['micro_batch_size']} x accumulation {b['grad_accum']}, sequence_parallel {b['sequence_parallel']}, "
         f"activation_checkpointing {b['activation_checkpointing']}",
         f"memory: {b['memory_gib_per_gpu']:.2f} GiB per {unit} (worst rank) of {b['usable_memory_gib']:.2f} usable: "

@@ -7,6 +7,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from rayspeed.config.context_split import auto_degrees, cp_problem, scheme_for
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
@@ -84,6 +85,7 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
     return Ctx(shape=shape, hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
                world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
                notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)),
+               cp_scheme=str(getattr(cfg.parallel, "cp_scheme", AUTO)),
                adapter=AdapterPlan.of(cfg.model.adapter, shape), **extra)
 
 
@@ -171,83 +173,99 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
             if "tp" in fixed:
                 out.rejected.append(f"parallel.tp: {why}")
             continue
-        split = fixed.get("stage_layers")
-        pps = [fixed["pp"]] if "pp" in fixed else ([len(split)] if split else divisors(W // tp))
-        for pp in pps:
-            if (W // tp) % pp:
-                out.rejected.append(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} "
-                                    f"does not divide the world size ({W})")
+        room = W // tp
+        cps = [fixed["cp"]] if "cp" in fixed else auto_degrees(sh.seq_len, room)
+        for cp in cps:
+            if room % cp:
+                out.rejected.append(f"parallel.tp ({tp}) x parallel.cp ({cp}) = {tp * cp} does not divide the world "
+                                    f"size ({W})")
                 continue
-            if pp > sh.num_layers:  # any pp up to the layer count: stages may hold unequal numbers of blocks
-                if "pp" in fixed:
-                    out.rejected.append(f"parallel.pp ({pp}) exceeds model.num_layers ({sh.num_layers}): every stage "
-                                        "needs at least one layer")
+            why = cp_problem(sh.seq_len, sh.num_heads, sh.num_kv_heads, tp, cp,
+                             scheme_for(sh.num_heads, sh.num_kv_heads, tp, cp, ctx.cp_scheme))
+            if why:
+                out.rejected.append(why)
                 continue
-            if split and (len(split) != pp or sum(split) != sh.num_layers):
-                out.rejected.append(f"parallel.stage_layers {list(split)} must give pp ({pp}) stages adding up to "
-                                    f"model.num_layers ({sh.num_layers})")
-                continue
-            dp = W // (tp * pp)
-            if "dp" in fixed and fixed["dp"] != dp:
-                out.rejected.append(f"parallel.dp ({fixed['dp']}) x tp ({tp}) x pp ({pp}) "
-                                    f"must equal the world size ({W}); dp would be {dp}")
-                continue
-            if "micro_batch_size" in fixed and B % (dp * fixed["micro_batch_size"]):
-                mb = fixed["micro_batch_size"]
-                fits = [m for m in divisors(B // dp)] if B % dp == 0 else []
-                out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) x "
-                                    f"parallel.micro_batch_size ({mb}) = {dp * mb}; "
-                                    + (f"use a micro-batch in {fits} or " if fits else "")
-                                    + f"a global batch that is a multiple of {dp * mb}"
-                                    + ("" if fits else " (or a world size that divides it)"))
-                continue
-            if B % dp:
-                out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) "
-                                    f"(= {W} workers / (tp {tp} x pp {pp})): use a global batch that is a multiple "
-                                    f"of {dp}, or a world size that divides {B}")
-                continue
-            per = B // dp
-            mbs = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else divisors(per)
-            for mb in mbs:
-                if per % mb:
+            split = fixed.get("stage_layers")
+            pps = [fixed["pp"]] if "pp" in fixed else ([len(split)] if split else divisors(room // cp))
+            for pp in pps:
+                if (room // cp) % pp:
+                    out.rejected.append(f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.pp ({pp}) = "
+                                        f"{tp * cp * pp} does not divide the world size ({W})")
+                    continue
+                if cp > 1 and pp > 1:  # config/context_split.py says why to a job that sets both
+                    continue
+                if pp > sh.num_layers:  # any pp up to the layer count: stages may hold unequal numbers of blocks
+                    if "pp" in fixed:
+                        out.rejected.append(f"parallel.pp ({pp}) exceeds model.num_layers ({sh.num_layers}): "
+                                            "every stage needs at least one layer")
+                    continue
+                if split and (len(split) != pp or sum(split) != sh.num_layers):
+                    out.rejected.append(f"parallel.stage_layers {list(split)} must give pp ({pp}) stages adding up to "
+                                        f"model.num_layers ({sh.num_layers})")
+                    continue
+                dp = W // (tp * cp * pp)
+                if "dp" in fixed and fixed["dp"] != dp:
+                    out.rejected.append(f"parallel.dp ({fixed['dp']}) x cp ({cp}) x tp ({tp}) x pp ({pp}) "
+                                        f"must equal the world size ({W}); dp would be {dp}")
+                    continue
+                if "micro_batch_size" in fixed and B % (dp * fixed["micro_batch_size"]):
+                    mb = fixed["micro_batch_size"]
+                    fits = [m for m in divisors(B // dp)] if B % dp == 0 else []
                     out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) x "
-                                        f"parallel.micro_batch_size ({mb}); use a micro-batch that divides {per}")
+                                        f"parallel.micro_batch_size ({mb}) = {dp * mb}; "
+                                        + (f"use a micro-batch in {fits} or " if fits else "")
+                                        + f"a global batch that is a multiple of {dp * mb}"
+                                        + ("" if fits else " (or a world size that divides it)"))
                     continue
-                ga = per // mb
-                if "grad_accum" in fixed and fixed["grad_accum"] != ga:
-                    out.rejected.append(f"train.global_batch_size ({B}) != dp ({dp}) x "
-                                        f"parallel.micro_batch_size ({mb}) x parallel.grad_accum "
-                                        f"({fixed['grad_accum']}); grad_accum would be {ga}")
+                if B % dp:
+                    out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) "
+                                        f"(= {W} workers / (tp {tp} x cp {cp} x pp {pp})): use a global batch that is "
+                                        "a multiple "
+                                        f"of {dp}, or a world size that divides {B}")
                     continue
-                zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else ([0, 1] if pp > 1 else [0, 1, 2, 3])
-                for z in zeros:
-                    if pp > 1 and z > 1:
-                        out.rejected.append(f"parallel.zero_stage ({z}) with pp {pp}: DeepSpeed's pipeline engine "
-                                            "supports ZeRO 0 or 1 only")
+                per = B // dp
+                mbs = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else divisors(per)
+                for mb in mbs:
+                    if per % mb:
+                        out.rejected.append(f"train.global_batch_size ({B}) is not divisible by dp ({dp}) x "
+                                            f"parallel.micro_batch_size ({mb}); use a micro-batch that divides {per}")
                         continue
-                    why = zero_problem(ctx, z)
-                    if why:
-                        out.rejected.append(why)
+                    ga = per // mb
+                    if "grad_accum" in fixed and fixed["grad_accum"] != ga:
+                        out.rejected.append(f"train.global_batch_size ({B}) != dp ({dp}) x "
+                                            f"parallel.micro_batch_size ({mb}) x parallel.grad_accum "
+                                            f"({fixed['grad_accum']}); grad_accum would be {ga}")
                         continue
-                    sps = ([fixed["sequence_parallel"]] if "sequence_parallel" in fixed
-                           else [default_sequence_parallel(sh.seq_len, tp)])
-                    for sp in sps:
-                        if sp and tp == 1:
-                            out.rejected.append("parallel.sequence_parallel: true needs tp > 1")
+                    zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else ([0, 1] if pp > 1 else [0, 1, 2, 3])
+                    for z in zeros:
+                        if pp > 1 and z > 1:
+                            out.rejected.append(f"parallel.zero_stage ({z}) with pp {pp}: DeepSpeed's pipeline engine "
+                                                "supports ZeRO 0 or 1 only")
                             continue
-                        if sp and sequence_parallel_problem(sh.seq_len, tp):
-                            out.rejected.append(f"parallel.sequence_parallel: true needs model.seq_len "
-                                                f"({sh.seq_len}) divisible by tp ({tp})")
+                        why = zero_problem(ctx, z)
+                        if why:
+                            out.rejected.append(why)
                             continue
-                        modes = ([fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed
-                                 else list(CHECKPOINT_MODES))
-                        hpzs = [1]
-                        if z == 3 and hpz_applies(ctx, tp, dp):
-                            hpzs.append(max(1, min(dp, ctx.node_size // tp)))
-                        for ac in modes:
-                            for hpz in hpzs:
-                                out.layouts.append(Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
-                                                          stage_layers=split if (split and pp > 1) else None))
+                        sps = ([fixed["sequence_parallel"]] if "sequence_parallel" in fixed
+                               else [default_sequence_parallel(sh.seq_len // cp, tp)])
+                        for sp in sps:
+                            if sp and tp == 1:
+                                out.rejected.append("parallel.sequence_parallel: true needs tp > 1")
+                                continue
+                            if sp and sequence_parallel_problem(sh.seq_len // cp, tp):
+                                out.rejected.append(f"parallel.sequence_parallel: true needs the tokens per cp rank "
+                                                    f"({sh.seq_len // cp}) divisible by tp ({tp})")
+                                continue
+                            modes = ([fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed
+                                     else list(CHECKPOINT_MODES))
+                            hpzs = [1]
+                            if z == 3 and cp == 1 and hpz_applies(ctx, tp, dp):
+                                hpzs.append(max(1, min(dp, ctx.node_size // tp)))
+                            for ac in modes:
+                                for hpz in hpzs:
+                                    out.layouts.append(Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
+                                                              stage_layers=split if (split and pp > 1) else None,
+                                                              cp=cp))
     return out
 
 
@@ -337,7 +355,7 @@ def evaluate(ctx: Ctx, lay: Layout, cache: dict | None = None) -> Estimate:
     """Memory and (lazily) time of one layout; a pipeline without an explicit split gets the planner's.
     `cache`: splits already chosen in this search (they depend on tp, pp, micro-batch, sp and checkpointing)."""
     if lay.pp > 1 and lay.stage_layers is None:
-        key = (lay.tp, lay.pp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing,
+        key = (lay.tp, lay.cp, lay.pp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing,
                lay.zero_stage)
         split = cache.get(key) if cache is not None else None
         if split is None:

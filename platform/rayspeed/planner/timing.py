@@ -11,14 +11,14 @@ import math
 from dataclasses import dataclass, field
 
 from rayspeed.config.layout import Layout
-from rayspeed.planner import adapter_terms
+from rayspeed.planner import adapter_terms, cp_terms  # noqa: F401  (cp_terms registers its terms)
 from rayspeed.planner import gemm as gemm_model
 from rayspeed.planner.adapter_terms import trained_and_frozen
 from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, nccl_s
 from rayspeed.planner.grad_pass import grad_pass_bytes_per_param
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
-from rayspeed.planner.model_math import max_stage_params, split_of
+from rayspeed.planner.model_math import local_tokens, max_stage_params, split_of
 from rayspeed.planner.terms import time_terms
 
 __all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost",
@@ -127,7 +127,7 @@ def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     """(forward, backward) work of one block for one micro-batch before any measured scale and without host
     time: what a calibration compares its measurement of the real block against."""
     sh, hw = ctx.shape, ctx.hw
-    T = lay.micro_batch_size * sh.seq_len
+    T = local_tokens(sh, lay)
     g, ew, _ = layer_fwd(ctx, lay)
     attn_bwd_extra = (6.0 * T * attention_keys(ctx) * sh.q_dim / lay.tp
                       / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
@@ -137,7 +137,7 @@ def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
 def dense_gemm_s(ctx: Ctx, lay: Layout) -> float:
     """One block's projections (q, k, v, o, gate, up, down) forward for one micro-batch."""
     h, q, f, kv, t, T = ctx.shape.hidden_size, ctx.shape.q_dim, ctx.shape.ffn_hidden_size, ctx.shape.kv_dim, lay.tp, \
-        lay.micro_batch_size * ctx.shape.seq_len
+        local_tokens(ctx.shape, lay)
     return (gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h) + gemm_s(ctx, T, h, 2 * f / t)
             + gemm_s(ctx, T, f / t, h))
 
@@ -147,7 +147,7 @@ def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
     # q/o widths are heads * head_dim (q), k/v kv_heads * head_dim: hidden only where the family's rule says so.
     h, q, f, kv = sh.hidden_size, sh.q_dim, sh.ffn_hidden_size, sh.kv_dim
-    T = lay.micro_batch_size * sh.seq_len
+    T = local_tokens(sh, lay)
     g = dense_gemm_s(ctx, lay)
     attn_flops = 4.0 * T * attention_keys(ctx) * q / t  # QK^T and AV over the keys the kernel computes
     g += attn_flops / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor
@@ -174,7 +174,8 @@ class BlockCost:
 
 
 def block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
-    key = ("block", lay.tp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing, lay.zero_stage)
+    key = ("block", lay.tp, lay.cp, lay.micro_batch_size, lay.sequence_parallel, lay.activation_checkpointing,
+           lay.zero_stage)
     got = ctx.memo.get(key)
     if got is None:
         got = ctx.memo[key] = _block_cost(ctx, lay)
@@ -183,7 +184,7 @@ def block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
 
 def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
     sh, hw, t = ctx.shape, ctx.hw, lay.tp
-    T = lay.micro_batch_size * sh.seq_len
+    T = local_tokens(sh, lay)
     g, ew, host = layer_fwd(ctx, lay)
     g_fwd, g_bwd = g, 2 * g
     if ctx.adapter is not None:  # frozen projections: no weight gradient; the adapters' thin GEMMs (adapter_terms)
@@ -218,7 +219,7 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
 
 def head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     """(fwd+bwd, bwd) of the final norm, output head and cross-entropy for one micro-batch on the last stage."""
-    key = ("head", lay.tp, lay.micro_batch_size)
+    key = ("head", lay.tp, lay.cp, lay.micro_batch_size)
     got = ctx.memo.get(key)
     if got is None:
         got = ctx.memo[key] = _head_cost(ctx, lay)
@@ -227,7 +228,7 @@ def head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
 
 def _head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     sh = ctx.shape
-    T = lay.micro_batch_size * sh.seq_len
+    T = local_tokens(sh, lay)
     head = gemm_s(ctx, T, sh.hidden_size, sh.vocab_size / lay.tp)
     ce = _mem_s(ctx, T * sh.vocab_size / lay.tp * (ctx.w_bytes + 16))
     head_passes = 4 if lay.tp == 1 else 3  # tp = 1: the chunked loss recomputes the logits in backward
@@ -240,7 +241,7 @@ def _head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
 
 def embed_cost(ctx: Ctx, lay: Layout) -> float:
     """The embedding lookup and its gradient scatter (their traffic), plus the vocab-parallel all-reduce."""
-    key = ("embed", lay.tp, lay.micro_batch_size)
+    key = ("embed", lay.tp, lay.cp, lay.micro_batch_size)
     got = ctx.memo.get(key)
     if got is None:
         got = ctx.memo[key] = _embed_cost(ctx, lay)
@@ -249,7 +250,7 @@ def embed_cost(ctx: Ctx, lay: Layout) -> float:
 
 def _embed_cost(ctx: Ctx, lay: Layout) -> float:
     sh = ctx.shape
-    T = lay.micro_batch_size * sh.seq_len
+    T = local_tokens(sh, lay)
     c = _mem_s(ctx, 2 * T * sh.hidden_size * ctx.w_bytes)
     if lay.tp > 1:
         c += coll_s(ctx, "allreduce", T * sh.hidden_size * ctx.w_bytes, tp_group(ctx, lay))
@@ -292,7 +293,7 @@ def tp_group(ctx: Ctx, lay: Layout) -> Group:
 def dp_group(ctx: Ctx, lay: Layout) -> Group:
     """Ranks are placed tp-fastest, then dp, then pp: a node holds node_size / tp ranks of a dp group, and a
     group spanning nodes gets the NICs its ranks own on each node (NCCL runs one ring per NIC)."""
-    return _group(ctx, lay.dp, max(1, ctx.node_size // lay.tp))
+    return _group(ctx, lay.zero_ranks, max(1, ctx.node_size // lay.tp))
 
 
 def hpz_group(ctx: Ctx, lay: Layout) -> Group:
@@ -303,7 +304,7 @@ def p2p_s(ctx: Ctx, lay: Layout, nbytes: float) -> float:
     """One pipeline send between neighbouring stages: over the network when a stage fills whole nodes (ranks
     are tp, then dp, then pp), else over NVLink."""
     hw = ctx.hw
-    across = ctx.world > ctx.node_size and lay.tp * lay.dp >= ctx.node_size
+    across = ctx.world > ctx.node_size and lay.tp * lay.zero_ranks >= ctx.node_size
     lat = hw.inter_latency_us if across else hw.intra_latency_us
     gbps = hw.inter_node_gbps if across else hw.intra_node_gbps
     scale = hw.nccl_latency_scale if hw.is_gpu else 1.0
@@ -348,7 +349,7 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
 
 def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     sh, hw = ctx.shape, ctx.hw
-    m, p, d = lay.grad_accum, lay.pp, lay.dp
+    m, p, d = lay.grad_accum, lay.pp, lay.zero_ranks
     split = split_of(sh, lay)
     parts = stage_parts(ctx, lay)
     slot = [c + tp for c, _, tp, _ in parts]
@@ -359,7 +360,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     # of the slowest one. Bubble = everything beyond m slots of the slowest stage.
     p2p = 0.0
     if p > 1:
-        T = lay.micro_batch_size * sh.seq_len
+        T = local_tokens(sh, lay)
         nbytes = T * sh.hidden_size * ctx.w_bytes / (lay.tp if lay.sequence_parallel else 1)
         p2p = (m + p - 1) * 2 * p2p_s(ctx, lay, nbytes)
     compute = m * comp

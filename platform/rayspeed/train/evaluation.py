@@ -27,6 +27,26 @@ def dp_mean(t: torch.Tensor, groups: Any, device: torch.device) -> float:
     return float(t.item())
 
 
+def local_part(micro_batch: tuple, cp: Any, device: torch.device) -> tuple:
+    """This rank's part of each tensor of a micro-batch (ids, labels[, document ids]) under context parallelism: the
+    balanced chunks of its sequences (rayspeed.parallel.context_parallel.shard); all of it at cp 1."""
+    if cp is None or cp.world_size == 1:
+        return tuple(t.to(device, non_blocking=True) for t in micro_batch)
+    from rayspeed.parallel.context_parallel import shard
+
+    return tuple(shard(t, cp).to(device, non_blocking=True) for t in micro_batch)
+
+
+def over_cp(loss: torch.Tensor, cp: Any) -> torch.Tensor:
+    """The micro-batch's loss from this rank's share of it (a scalar all-reduce over the cp group), for reporting:
+    the gradient path keeps the share, which DeepSpeed adds up over cp."""
+    if cp is None or cp.world_size == 1:
+        return loss
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=cp.group)
+    return loss
+
+
 def stage_inputs(micro_batch: tuple, device: torch.device) -> Any:
     """What the first pipeline stage takes: the ids, or (ids, segment_ids) with document masking."""
     if len(micro_batch) > 2:
@@ -36,8 +56,10 @@ def stage_inputs(micro_batch: tuple, device: torch.device) -> Any:
 
 class Validator:
     def __init__(self, cfg: Any, batches: list, device: torch.device, pipelined: bool,
-                 dp_mean: Callable[[torch.Tensor], float], weighted: bool = False):
-        """weighted: some labels are ignored (RankBatches.weighted: the same on every rank)."""
+                 dp_mean: Callable[[torch.Tensor], float], weighted: bool = False, cp: Any = None):
+        """weighted: some labels are ignored (RankBatches.weighted: the same on every rank). cp: the context-parallel
+        group (each rank evaluates its part of every sequence)."""
+        self.cp = cp
         self.every = cfg.train.eval_every_steps
         self.max_steps = cfg.train.max_steps
         self.micro = cfg.parallel.micro_batch_size
@@ -64,7 +86,7 @@ class Validator:
                 counted += sum(int((c[1] != IGNORE_INDEX).sum()) for c in chunks)
             else:
                 for c in chunks:
-                    loss = engine(*(t.to(self.device) for t in c[:2]), *(t.to(self.device) for t in c[2:]))
+                    loss = over_cp(engine(*local_part(c, self.cp, self.device)), self.cp)
                     k = int((c[1] != IGNORE_INDEX).sum())
                     total += loss.detach().double() * (k if self.weighted else 1)
                     counted += k

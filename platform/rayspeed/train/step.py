@@ -14,10 +14,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from rayspeed import compat
 from rayspeed.checkpoint import manifest
 from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.logs import log_rank
-from rayspeed.train.evaluation import stage_inputs
+from rayspeed.train.evaluation import local_part, over_cp, stage_inputs
 from rayspeed.train.events import TrainState
 
 log = logging.getLogger("rayspeed.worker")
@@ -71,15 +72,16 @@ class TrainStep:
                 eng.module.loss_fn.scale = scale
             return loss
         total = torch.zeros((), device=self.device)
+        cp = getattr(self.groups, "cp", None)
+        grad_scale = compat.cp_loss_scale(self.cfg.parallel.zero_stage, cp.world_size if cp is not None else 1)
         for mb in micro_batches:
-            x, y = mb[0].to(self.device, non_blocking=True), mb[1].to(self.device, non_blocking=True)
-            loss = eng(x, y, *(t.to(self.device, non_blocking=True) for t in mb[2:]))
+            loss = eng(*local_part(mb, cp, self.device))
             if scale is not None:  # mean over this micro-batch's counted labels -> its share of the step's mean
                 loss = loss * (int((mb[1] != IGNORE_INDEX).sum()) * scale)
             if poison:
                 loss = loss * float("nan")
-            eng.backward(loss)
-            total += loss.detach().float()
+            eng.backward(loss * grad_scale if grad_scale != 1.0 else loss)
+            total += over_cp(loss.detach().float(), cp)
             if eng.is_gradient_accumulation_boundary():
                 if self.clipper is not None:
                     self.grad_norm = self.clipper()  # gradients are all-reduced by now

@@ -43,7 +43,8 @@ class Trainer:
         self.phases = phases
         self.device = torch.device("cuda", torch.cuda.current_device()) if c.cluster.use_gpu else torch.device("cpu")
         # Process groups are built once and passed explicitly to everything that communicates.
-        self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp)
+        self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp, cp=c.parallel.cp,
+                                     cp_scheme=c.parallel.cp_scheme)
         self.chaos = ChaosDrills(c.chaos, ctx.rank, ctx.experiment_dir)
         self.checkpointer = CheckpointManager(c, ctx, chosen, meta, payload.mlflow_run_id, self.chaos,
                                               identity=payload.run_identity or run_identity(parse(payload.job)),
@@ -85,7 +86,8 @@ class Trainer:
 
             self.clipper = GradClipper(self.engine.module.parameters(), c.train.grad_clip, self.groups.tp_group)
         self.validator = Validator(c, self.validator_batches, self.device, self.pipelined,
-                                   lambda t: dp_mean(t, self.groups, self.device), weighted=self.batches.weighted)
+                                   lambda t: dp_mean(t, self.groups, self.device), weighted=self.batches.weighted,
+                                   cp=self.groups.cp)
         phases["engine"] = time.time() - t
         t = time.time()
         client = self.checkpointer.load(self.engine)

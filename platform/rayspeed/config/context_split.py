@@ -1,0 +1,77 @@
+"""The rules of context parallelism that the job checks, the planner and the worker share (torch-free).
+
+Each sequence is cut into 2 x cp chunks and cp rank r holds chunks r and 2cp-1-r (rayspeed.parallel.context_parallel):
+with causal attention the early chunks see few keys and the late ones many, so pairing them gives every rank the same
+attention work. A plain contiguous split would leave rank 0 waiting on rank cp-1 for most of each layer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+SCHEMES = ("ulysses", "ring")
+# Below this many tokens per rank the block's GEMMs get thin and the exchange costs more than it saves: `cp: auto`
+# considers cp only while every rank keeps at least this much of the sequence.
+MIN_TOKENS_PER_RANK = 2048
+
+
+def heads_split(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> bool:
+    """Whether Ulysses can give each cp rank whole heads: the query heads of a tp rank divide by cp, and its kv heads
+    divide by cp or divide cp (fewer kv heads than cp are repeated)."""
+    q, kv = num_heads // tp, num_kv_heads // tp
+    return q % cp == 0 and (kv % cp == 0 or cp % kv == 0)
+
+
+def scheme_for(num_heads: int, num_kv_heads: int, tp: int, cp: int, requested: str) -> str:
+    """parallel.cp_scheme resolved: as set, or (auto) ulysses where the heads split, else ring."""
+    if requested in SCHEMES:
+        return requested
+    return "ulysses" if heads_split(num_heads, num_kv_heads, tp, cp) else "ring"
+
+
+def cp_problem(seq_len: int, num_heads: int, num_kv_heads: int, tp: int, cp: int, scheme: str) -> Optional[str]:
+    """Why this cp cannot split this model's sequences (None: it can)."""
+    if cp <= 1:
+        return None
+    if seq_len % (2 * cp):
+        return (f"parallel.cp ({cp}) cuts each sequence into 2 x cp = {2 * cp} balanced chunks, but model.seq_len "
+                f"({seq_len}) does not divide by {2 * cp}; use a seq_len that is a multiple of {2 * cp}")
+    if scheme == "ulysses" and not heads_split(num_heads, num_kv_heads, tp, cp):
+        return (f"parallel.cp_scheme ulysses splits the heads over cp: the {num_heads // tp} heads and "
+                f"{num_kv_heads // tp} kv heads of a tp rank do not split over cp ({cp}); use cp_scheme ring (or auto)")
+    return None
+
+
+def auto_degrees(seq_len: int, room: int) -> list[int]:
+    """The cp degrees `cp: auto` weighs: 1, and the powers of two dividing `room` (the ranks left beside tp) that keep
+    MIN_TOKENS_PER_RANK tokens per rank and split the sequence into balanced chunks."""
+    out, c = [1], 2
+    while c <= room:
+        if room % c == 0 and seq_len % (2 * c) == 0 and seq_len // c >= MIN_TOKENS_PER_RANK:
+            out.append(c)
+        c *= 2
+    return out
+
+
+def context_problems(m, par, num_kv_heads: int) -> list[str]:
+    """The job's parallel.cp and parallel.cp_scheme against its model and the other degrees set (auto ones are the
+    planner's to choose)."""
+    cp, tp, pp = par.cp, par.tp, par.pp
+    if not isinstance(cp, int):
+        return []
+    if cp < 1:
+        return [f"parallel.cp: must be >= 1 or auto, got {cp}"]
+    if cp == 1:
+        return []
+    out = []
+    why = cp_problem(m.seq_len, m.num_heads, num_kv_heads, tp if isinstance(tp, int) and tp >= 1 else 1, cp,
+                     par.cp_scheme)
+    if why:
+        out.append(why)
+    if isinstance(pp, int) and pp > 1:
+        out.append(f"parallel.cp ({cp}) with parallel.pp ({pp}): context parallelism does not run under the pipeline "
+                   "engine yet; use pp 1 (with tp, ZeRO-3 or recomputation for the weights) or cp 1")
+    if par.sequence_parallel is True and isinstance(tp, int) and tp > 1 and (m.seq_len // cp) % tp:
+        out.append(f"parallel.sequence_parallel: true splits each rank's {m.seq_len // cp} tokens (seq_len / cp) "
+                   f"over tp ({tp}), which does not divide them; leave it auto or pick a seq_len that does")
+    return out
