@@ -3,7 +3,7 @@
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
                             [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory,
-                                   pipeline_overhead]
+                                   pipeline_overhead,context_parallel]
                             [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -40,6 +40,10 @@ Lines (in this order; "bench" names each):
                 own engine) on a model too small to compute, step time against the number of micro-batches: the
                 engine's host cost per micro-batch per stage (planner hardware.pipe_host_mb_us). Not in the default
                 --only; about 1-2 minutes.
+  context_parallel  scripts/bench_context_parallel.py: peak memory per rank (RSS above a baseline taken after the
+                model is built) of one 4096-token sequence through a 4-layer model, forward and backward, at cp 1
+                and at cp 2 (ulysses, ring), 2 gloo ranks, beside the planner's activations + logits + gradients
+                for the same layout: measured_mib, predicted_mib, ratio. About 30 seconds.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
@@ -549,6 +553,15 @@ def bench_pipeline_overhead(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "pipeline_overhead", "status": "failed", "rc": proc.returncode}]
 
 
+def bench_context_parallel(args) -> list[dict[str, Any]]:
+    _note("context_parallel: peak memory per rank at cp 1 and cp 2 (scripts/bench_context_parallel.py)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT / "platform"))
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_context_parallel.py")], cwd=str(ROOT), env=env,
+                          stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines or [{"bench": "context_parallel", "status": "failed", "rc": proc.returncode}]
+
+
 def bench_gpu(args) -> list[dict[str, Any]]:
     try:
         import torch
@@ -613,9 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters",
-                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, plan_accuracy, "
-                    "activation_memory, pipeline_overhead (the last three not in the default)")
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,context_parallel",
+                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, context_parallel, "
+                    "plan_accuracy, activation_memory, pipeline_overhead (the last three not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -645,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_activation_memory(args)
         if "pipeline_overhead" in only:
             lines += bench_pipeline_overhead(args)
+        if "context_parallel" in only:
+            lines += bench_context_parallel(args)
         if "gpu" in only:
             lines += bench_gpu(args)
         if "checkpoint" in only:

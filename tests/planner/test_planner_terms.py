@@ -19,32 +19,32 @@ LAYOUT = {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 1, "micro_batch_size": 2}
 @pytest.fixture
 def terms():
     yield
-    unregister("adapter_states")
-    unregister("cp_exchange_s")
+    unregister("example_states")
+    unregister("example_exchange_s")
 
 
 def test_terms_add_to_memory_time_and_the_explanation(terms):
     cfg = parse(JOB)
     before = evaluate_layout(cfg, LAYOUT)
-    register(MemoryTerm("adapter_states", applies=lambda ctx, lay: lay.dp > 1, bytes=lambda ctx, lay, st: GIB,
+    register(MemoryTerm("example_states", applies=lambda ctx, lay: lay.dp > 1, bytes=lambda ctx, lay, st: GIB,
                         source="test"))
-    register(TimeTerm("cp_exchange_s", applies=lambda ctx, lay: True, seconds=lambda ctx, lay: 0.25,
+    register(TimeTerm("example_exchange_s", applies=lambda ctx, lay: True, seconds=lambda ctx, lay: 0.25,
                       kind="communication", source="test"))
-    register(TimeTerm("cp_exchange_s", applies=lambda ctx, lay: True, seconds=lambda ctx, lay: 0.5,
+    register(TimeTerm("example_exchange_s", applies=lambda ctx, lay: True, seconds=lambda ctx, lay: 0.5,
                       kind="communication", source="test"))  # registered again: replaced, not counted twice
     after = evaluate_layout(cfg, LAYOUT)
-    assert after["memory_breakdown_gib"]["adapter_states"] == 1.0
+    assert after["memory_breakdown_gib"]["example_states"] == 1.0
     slack = after["memory_breakdown_gib"]["allocator_slack"] - before["memory_breakdown_gib"]["allocator_slack"]
     assert slack == pytest.approx(0.05, abs=1e-3)
     assert after["memory_gib_per_gpu"] == pytest.approx(before["memory_gib_per_gpu"] + 1.05, abs=2e-3)
-    assert after["time_breakdown_s"]["cp_exchange_s"] == 0.5
+    assert after["time_breakdown_s"]["example_exchange_s"] == 0.5
     assert after["step_time_s"] == pytest.approx(before["step_time_s"] + 0.5, abs=1e-5)
     from rayspeed.planner import plan_job
 
     text = plan_job(cfg, world_size=8).explain
-    assert "adapter_states" in text and "cp_exchange_s" in text
-    unregister("adapter_states")
-    unregister("cp_exchange_s")
+    assert "example_states" in text and "example_exchange_s" in text
+    unregister("example_states")
+    unregister("example_exchange_s")
     assert evaluate_layout(cfg, LAYOUT) == before
 
 

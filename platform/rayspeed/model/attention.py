@@ -13,32 +13,78 @@ from rayspeed.parallel.context_parallel import AllToAll, RingShift, SequenceLayo
 from rayspeed.parallel.loss import softcap
 
 MASKED = -1e30  # finite: a ring block with no visible key for a query weighs exp(MASKED - lse) = 0, gradient finite
+# A layer's boolean mask bigger than this (batch x queries x keys bytes) is never built whole: it is made a tile of
+# query rows at a time, and again in backward (a 128k-token document mask would be 16 GiB). Mirrored by
+# planner/memory.py MASK_TILE_BYTES.
+MASK_TILE_BYTES = 1 << 26
 
 
-def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[b, 1, s, s] bool, True where query i may attend to key j: j <= i and both in the same segment."""
-    s = segment_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
-    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]) & causal
+class MaskRows:
+    """A boolean attention mask described by positions, built a tile of query rows at a time: query and key
+    positions ([s_q], [s_k]; global ones under context parallelism), their document ids ([b, s_q], [b, s_k] or
+    None), a sliding window. True where the key is at or before the query, within the window, in its document.
+    `ordered`: both position lists are 0..s-1, so a tile's keys past its last query (and before its window) can be
+    skipped, not just masked."""
+
+    def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: Optional[torch.Tensor] = None,
+                 k_seg: Optional[torch.Tensor] = None, window: Optional[int] = None, ordered: bool = False):
+        self.q_pos, self.k_pos, self.q_seg, self.k_seg, self.window = q_pos, k_pos, q_seg, k_seg, window
+        self.ordered = ordered
+        self.batch = 1 if q_seg is None else q_seg.shape[0]
+
+    @classmethod
+    def of(cls, seq_len: int, segment_ids: Optional[torch.Tensor], window: Optional[int],
+           device=None) -> Optional["MaskRows"]:
+        """The unsplit sequence's mask, or None for plain causal attention (SDPA's is_causal): documents, and a
+        sliding window (key j within window - 1 positions before query i, transformers' `kv_idx > q_idx -
+        sliding_window`) when it is shorter than the sequence."""
+        window = window if window is not None and window < seq_len else None
+        if segment_ids is None and window is None:
+            return None
+        pos = torch.arange(seq_len, device=segment_ids.device if segment_ids is not None else device)
+        return cls(pos, pos, segment_ids, segment_ids, window, ordered=True)
+
+    def keys(self, i0: int, i1: int) -> tuple[int, int]:
+        """The key range queries i0..i1 may see at all (every key when the positions are not in order)."""
+        if not self.ordered:
+            return 0, self.k_pos.shape[0]
+        return (max(0, i0 - self.window + 1) if self.window else 0), i1
+
+    def rows(self, i0: int, i1: int, k0: int = 0, k1: Optional[int] = None) -> torch.Tensor:
+        """[b or 1, 1, i1 - i0, k1 - k0] bool."""
+        qi, ki = self.q_pos[i0:i1], self.k_pos[k0:k1]
+        allowed = ki[None, :] <= qi[:, None]
+        if self.window is not None:
+            allowed = allowed & ((qi[:, None] - ki[None, :]) < self.window)
+        allowed = allowed[None, None]
+        if self.q_seg is not None:
+            allowed = allowed & (self.q_seg[:, None, i0:i1, None] == self.k_seg[:, None, None, k0:k1])
+        return allowed
 
 
-def attention_mask(seq_len: int, segment_ids: Optional[torch.Tensor], window: Optional[int],
-                   device=None) -> Optional[torch.Tensor]:
-    """The boolean mask of one layer ([b or 1, 1, s, s], True: may attend), or None for plain causal attention
-    (SDPA's is_causal): documents (segment_ids), and a sliding window (key j within window - 1 positions before
-    query i, transformers' `kv_idx > q_idx - sliding_window`) when it is shorter than the sequence."""
-    window = window if window is not None and window < seq_len else None
-    if segment_ids is None and window is None:
-        return None
-    if segment_ids is not None:
-        mask = document_mask(segment_ids)
-        device = segment_ids.device
-    else:
-        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
-    if window is not None:
-        i = torch.arange(seq_len, device=device)
-        mask = mask & ((i[:, None] - i[None, :]) < window)
-    return mask
+def _tile(q, k, v, rows: MaskRows, i0: int, i1: int, k0: int, k1: int, scale, cap):
+    return causal_attention(q, k[:, :, k0:k1], v[:, :, k0:k1], rows.rows(i0, i1, k0, k1), scale, cap)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[MaskRows],
+                     scale: Optional[float] = None, cap: Optional[float] = None) -> torch.Tensor:
+    """causal_attention with the mask `rows` describes: built whole while it is at most MASK_TILE_BYTES, else one
+    tile of query rows at a time under a non-reentrant checkpoint (each tile's mask and scores are rebuilt in
+    backward; the tiles share q, k and v), so the mask never grows with s squared."""
+    if rows is None:
+        return causal_attention(q, k, v, None, scale, cap)
+    sq, sk = q.shape[2], k.shape[2]
+    if rows.batch * sq * sk <= MASK_TILE_BYTES:
+        return causal_attention(q, k, v, rows.rows(0, sq), scale, cap)
+    from torch.utils.checkpoint import checkpoint
+
+    tile = max(1, MASK_TILE_BYTES // (rows.batch * sk))
+    outs = []
+    for i0 in range(0, sq, tile):
+        i1 = min(sq, i0 + tile)
+        k0, k1 = rows.keys(i0, i1)
+        outs.append(checkpoint(_tile, q[:, :, i0:i1], k, v, rows, i0, i1, k0, k1, scale, cap, use_reentrant=False))
+    return torch.cat(outs, dim=2)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -59,7 +105,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                      cap: Optional[float] = None) -> torch.Tensor:
     """SDPA with is_causal; q [b, heads, s, d], k/v [b, kv_heads, s, d] with heads a multiple of kv_heads. mask
-    ([b, 1, s, s] bool, attention_mask): documents and windows, instead of the plain causal mask. scale: the
+    ([b or 1, 1, s, s] bool, MaskRows.rows): documents and windows, instead of the plain causal mask. scale: the
     softmax scale (None: d^-0.5). cap: soft-capped scores (softcapped_attention)."""
     if cap:
         return softcapped_attention(q, k, v, mask, scale, cap)
@@ -103,7 +149,7 @@ def ring_attention(q, k, v, layout: SequenceLayout, window: Optional[int], scale
     for step in range(cp.world_size):
         src = (cp.rank - step) % cp.world_size
         kk, vv = _expand(k, v, q.shape[1])
-        out, lse = _block(q, kk, vv, layout.mask([cp.rank], [src], window), scale, cap)
+        out, lse = _block(q, kk, vv, layout_rows(layout, [cp.rank], [src], window).rows(0, q.shape[2]), scale, cap)
         outs.append(out)
         lses.append(lse)
         if step + 1 < cp.world_size:
@@ -123,9 +169,25 @@ def ulysses_attention(q, k, v, layout: SequenceLayout, window: Optional[int], sc
     if k.shape[1] < cp.world_size:
         k, v = (t.repeat_interleave(cp.world_size // k.shape[1], dim=1) for t in (k, v))
     q, k, v = (AllToAll.apply(t, 1, 2, cp) for t in (q, k, v))
-    every = list(range(cp.world_size))
-    out = causal_attention(q, k, v, layout.mask(every, every, window), scale, cap)
+    # The all-to-all leaves the rows in the order of the parts; put them in sequence order so that plain causal
+    # attention is SDPA's is_causal (its fused kernel, no mask) and a mask is the unsplit sequence's.
+    order = torch.cat(layout.index)
+    natural = torch.argsort(order)
+    q, k, v = (t.index_select(2, natural) for t in (q, k, v))
+    rows = MaskRows.of(order.numel(), layout.whole_segments, window, q.device)
+    out = masked_attention(q, k, v, rows, scale, cap).index_select(2, order)
     return AllToAll.apply(out, 2, 1, cp)
+
+
+def layout_rows(layout: SequenceLayout, q_ranks: list[int], k_ranks: list[int], window: Optional[int]) -> MaskRows:
+    """The mask between the parts of q_ranks (queries) and those of k_ranks (keys), by global position."""
+    qi = torch.cat([layout.index[r] for r in q_ranks])
+    ki = torch.cat([layout.index[r] for r in k_ranks])
+    qs = ks = None
+    if layout.segments is not None:
+        qs = torch.cat([layout.segments[r] for r in q_ranks], dim=1)
+        ks = torch.cat([layout.segments[r] for r in k_ranks], dim=1)
+    return MaskRows(qi, ki, qs, ks, window)
 
 
 def context_attention(q, k, v, layout: SequenceLayout, window: Optional[int], scale: Optional[float],

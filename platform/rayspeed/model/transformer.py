@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
 from rayspeed.families.family import NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET, NORM_STYLES
-from rayspeed.model.attention import attention_mask, causal_attention, context_attention
+from rayspeed.model.attention import MaskRows, context_attention, masked_attention
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, segment_positions, sum_over_cp
@@ -146,7 +146,7 @@ class Attention(nn.Module):
         cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
                                positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention(q, k, v, attention_mask(s, segment_ids, self.window, x.device), self.scale, self.cap)
+        out = masked_attention(q, k, v, MaskRows.of(s, segment_ids, self.window, x.device), self.scale, self.cap)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
 

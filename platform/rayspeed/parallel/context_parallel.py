@@ -93,6 +93,7 @@ class SequenceLayout:
         total = local_len * cp.world_size
         self.index = [chunk_index(total, cp.world_size, r).to(device) for r in range(cp.world_size)]
         self.segments = None  # per cp rank: [b, local_len] document ids of its part
+        self.whole_segments = None  # [b, seq_len]: the whole sequence's, in sequence order
         if segment_ids is None:
             self.rope_positions = self.index[cp.rank][None]
             return
@@ -101,22 +102,8 @@ class SequenceLayout:
         whole = segment_ids.new_empty((segment_ids.shape[0], total))
         for idx, part in zip(self.index, parts):
             whole[:, idx] = part
-        self.segments = parts
+        self.segments, self.whole_segments = parts, whole
         self.rope_positions = segment_positions(whole)[:, self.index[cp.rank]]
-
-    def mask(self, q_ranks: list[int], k_ranks: list[int], window: Optional[int]) -> torch.Tensor:
-        """[b or 1, 1, q, k] bool, True where a query of the parts of q_ranks may see a key of the parts of k_ranks."""
-        qi = torch.cat([self.index[r] for r in q_ranks])
-        ki = torch.cat([self.index[r] for r in k_ranks])
-        allowed = (ki[None, :] <= qi[:, None])
-        if window is not None:
-            allowed = allowed & ((qi[:, None] - ki[None, :]) < window)
-        allowed = allowed[None, None]
-        if self.segments is not None:
-            qs = torch.cat([self.segments[r] for r in q_ranks], dim=1)
-            ks = torch.cat([self.segments[r] for r in k_ranks], dim=1)
-            allowed = allowed & (qs[:, None, :, None] == ks[:, None, None, :])
-        return allowed
 
 
 # ---------------------------------------------------------------------------------------------- communication

@@ -23,6 +23,8 @@ COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "act
 # Gathered (non-persistent) tensors per layer under ZeRO-3: q, k, v, o, gate, up, down; the norms are
 # below stage3_param_persistence_threshold and stay resident.
 ZERO3_TENSORS_PER_LAYER = 7
+# model/attention.py MASK_TILE_BYTES: a layer's mask above it is built a tile of query rows at a time.
+MASK_TILE_BYTES = 1 << 26
 
 
 def bytes_per_param(precision: str, grad_accum_dtype: str) -> dict:
@@ -78,7 +80,9 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     sequence for heads / cp, so every term is the same except a mask, which covers the whole sequence: cp times
     larger. Ring attention runs blockwise math attention (model/attention.py ring_attention): each of the cp steps
     keeps the received k and v expanded to q's heads, the fp32 scores of the block and their exponentials, the
-    block output and its log-sum-exp, and the block's boolean mask."""
+    block output and its log-sum-exp, and the block's boolean mask.
+    A mask bigger than MASK_TILE_BYTES is built per tile of query rows under a checkpoint (tiled_fraction): such a
+    layer keeps q, k, v and the output only."""
     r = 4 / w_bytes
     out_div = tp if sp else 1
     kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
@@ -89,8 +93,13 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     norm = (((2 * r + 1) if fp32_weight else (r + 2)) * sh.hidden_size + r) / out_div
     extra_norms = sh.family.norms_per_block - 2  # Gemma's post-norms, one per branch
     post_norm = (2 * r * sh.hidden_size + r) / out_div if extra_norms else 0.0
-    attn = norm + (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp + 2 * r * sh.head_dim / max(1, micro_batch)
-    mask_scale = cp if cp > 1 and not ring else 1
+    frac = tiled_fraction(sh, micro_batch, document_mask, ring)
+    sdpa = (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp
+    # A tiled layer's checkpoint keeps q, k and v as they are and the output; its masks, scores, expanded k/v and
+    # log-sum-exp are rebuilt in backward.
+    sdpa = frac * (2 * sh.q_dim + 2 * sh.kv_dim) / tp + (1 - frac) * sdpa
+    attn = norm + sdpa + 2 * r * sh.head_dim / max(1, micro_batch)
+    mask_scale = (cp if cp > 1 and not ring else 1) * (0 if frac else 1)
     if ring and cp > 1:
         attn += (cp * (3 * sh.q_dim + r * sh.num_heads) + (r + 1) * sh.num_heads * sh.seq_len) / tp - 2 * kv_eff / tp
         attn += sh.seq_len / w_bytes
@@ -98,7 +107,7 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 in the fp32-weight order), an rsqrt per row
         rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
         attn += ((2 * r) if fp32_weight or post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
-    if sh.attn_logit_softcapping:
+    if sh.attn_logit_softcapping and not frac:
         # Soft-capped scores run the math path (model/attention.py softcapped_attention): it keeps the tanh
         # output and the probabilities per head and key (working dtype; the fp32 softmax output too in half
         # precision), the boolean mask masked_fill saves, and no log-sum-exp.
@@ -111,6 +120,17 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     attn += post_norm
     mlp = norm + 4 * sh.ffn_hidden_size / tp + post_norm
     return attn + mlp, attn, mlp
+
+
+def tiled_fraction(sh: ModelShape, micro_batch: int, document_mask: bool, ring: bool = False) -> float:
+    """The share of layers whose mask model/attention.py masked_attention builds a tile at a time: every layer with
+    documents, the windowed ones without, once a whole mask (micro-batch or 1 x s x s bytes) would pass
+    MASK_TILE_BYTES. (A ring block's mask is per block pair and is built whole.)"""
+    if ring or not (document_mask or sh.windowed_layers):
+        return 0.0
+    if (micro_batch if document_mask else 1) * sh.seq_len * sh.seq_len <= MASK_TILE_BYTES:
+        return 0.0
+    return 1.0 if document_mask else sh.windowed_layers / sh.num_layers
 
 
 def block_saved(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:

@@ -17,7 +17,7 @@ from rayspeed.planner.adapter_terms import trained_and_frozen
 from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, nccl_s
 from rayspeed.planner.grad_pass import grad_pass_bytes_per_param
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets
+from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets, cp_scheme, tiled_fraction
 from rayspeed.planner.model_math import local_tokens, max_stage_params, split_of
 from rayspeed.planner.terms import time_terms
 
@@ -126,12 +126,18 @@ def engine_overheads(ctx: Ctx, lay: Layout) -> tuple[float, float, float, float]
 def block_work(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     """(forward, backward) work of one block for one micro-batch before any measured scale and without host
     time: what a calibration compares its measurement of the real block against."""
-    sh, hw = ctx.shape, ctx.hw
-    T = local_tokens(sh, lay)
+    T = local_tokens(ctx.shape, lay)
     g, ew, _ = layer_fwd(ctx, lay)
-    attn_bwd_extra = (6.0 * T * attention_keys(ctx) * sh.q_dim / lay.tp
-                      / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
-    return g + ew, 2 * g + attn_bwd_extra + 2 * ew
+    return g + ew, 2 * g + attention_bwd_extra(ctx, lay, T) + 2 * ew
+
+
+def attention_bwd_extra(ctx: Ctx, lay: Layout, T: float) -> float:
+    """Attention's backward beyond twice its forward (6 passes of s x keys per head dim), plus the forward again in
+    the layers whose masks are built a tile at a time (memory.tiled_fraction: each tile is recomputed)."""
+    sh, hw = ctx.shape, ctx.hw
+    frac = tiled_fraction(sh, lay.micro_batch_size, ctx.document_masking, lay.cp > 1 and cp_scheme(ctx, lay) == "ring")
+    return ((6.0 + 4.0 * frac) * T * attention_keys(ctx) * sh.q_dim / lay.tp
+            / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
 
 
 def dense_gemm_s(ctx: Ctx, lay: Layout) -> float:
@@ -193,8 +199,7 @@ def _block_cost(ctx: Ctx, lay: Layout) -> BlockCost:
         g_fwd, g_bwd = g - dense + a_fwd, 2 * (g - dense) + a_bwd
         deq = _mem_s(ctx, adapter_terms.dequant_bytes(ctx, lay))  # QLoRA: W unpacked forward and backward
         g_fwd, g_bwd = g_fwd + deq, g_bwd + deq
-    attn_bwd_extra = (6.0 * T * attention_keys(ctx) * sh.q_dim / t
-                      / (hw.peak(ctx.precision) * attention_efficiency(ctx)) * ctx.compute_factor)
+    attn_bwd_extra = attention_bwd_extra(ctx, lay, T)
     # A calibrated profile anchors the block at the real block it measured (work_scale_*: measured / modelled
     # at its reference layout); elsewhere the model's ratio to that reference carries it.
     fwd = _combine(ctx, g_fwd + ew, host) * hw.work_scale_fwd
