@@ -128,6 +128,7 @@ def _dp2_to_cp2(rank, root, zero):
     import torch
     import torch.distributed as dist
 
+    from rayspeed import compat
     from rayspeed.checkpoint.resume import convert_to_universal
     from rayspeed.engine.build import build_engine
     from rayspeed.engine.deepspeed_config import deepspeed_config
@@ -158,7 +159,7 @@ def _dp2_to_cp2(rank, root, zero):
     groups = ParallelGroups(1, 1, 1, cp=2)
     cp2, _ = build_engine(cfg, with_universal_load(deepspeed_config(cfg)), groups, torch.device("cpu"))
     client = DeepSpeedState(cp2).load(root, universal=True)
-    scale = float(2 if zero == 3 else 1)  # compat.cp_loss_scale
+    scale = compat.cp_loss_scale(zero, 2)
     got = []
     for s in range(STEPS, STEPS + 2):
         loss = cp2(*local_part(_batch(s, prompt=False), groups.cp, "cpu"))

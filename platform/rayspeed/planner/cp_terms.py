@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from rayspeed.config.context_split import heads_split, scheme_for
+from rayspeed.config.context_split import scheme_for
 from rayspeed.planner.model_math import local_tokens
 from rayspeed.planner.terms import TimeTerm, register
 
@@ -33,8 +33,7 @@ def exchange_s(ctx, lay) -> float:
     passes = 2 + (1 if lay.activation_checkpointing != "none" else 0)
     lat, gbps = _link(ctx, lay)
     kv_heads = sh.num_kv_heads // lay.tp
-    if scheme_for(sh.num_heads, sh.num_kv_heads, lay.tp, cp, ctx.cp_scheme) == "ulysses" and heads_split(
-            sh.num_heads, sh.num_kv_heads, lay.tp, cp):
+    if scheme_for(sh.num_heads, sh.num_kv_heads, lay.tp, cp, ctx.cp_scheme) == "ulysses":
         kv = max(kv_heads, cp) * sh.head_dim  # fewer kv heads than cp are repeated before the exchange
         nbytes = T * (2 * sh.q_dim / lay.tp + 2 * kv) * ctx.w_bytes
         per_block = 4 * lat + nbytes * (cp - 1) / cp / (gbps * 1e9)

@@ -81,8 +81,9 @@ class TrainStep:
             if poison:
                 loss = loss * float("nan")
             eng.backward(loss * grad_scale if grad_scale != 1.0 else loss)
-            total += over_cp(loss.detach().float(), cp)
+            total += loss.detach().float()
             if eng.is_gradient_accumulation_boundary():
+                total = over_cp(total, cp)  # the parts' shares added up once per step, not per micro-batch
                 if self.clipper is not None:
                     self.grad_norm = self.clipper()  # gradients are all-reduced by now
                 if self.guard is not None:
