@@ -51,8 +51,14 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         out.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,),
                     p + "attn.wq.weight": (q, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
-                    p + "attn.wo.weight": (h, q), p + "mlp.w_gate.weight": (f, h), p + "mlp.w_up.weight": (f, h),
-                    p + "mlp.w_down.weight": (h, f)})
+                    p + "attn.wo.weight": (h, q)})
+        if shape.is_moe(i):  # every expert's matrices stacked, [experts, out, in]
+            e, fe = shape.num_experts, shape.expert_ffn_hidden_size
+            out.update({p + "mlp.router.weight": (e, h), p + "mlp.w_gate": (e, fe, h), p + "mlp.w_up": (e, fe, h),
+                        p + "mlp.w_down": (e, h, fe)})
+        else:
+            out.update({p + "mlp.w_gate.weight": (f, h), p + "mlp.w_up.weight": (f, h),
+                        p + "mlp.w_down.weight": (h, f)})
         if shape.family.norms_per_block == 4:  # Gemma: after attention and after the MLP as well
             out.update({p + "attn_post_norm.weight": (h,), p + "mlp_post_norm.weight": (h,)})
         if shape.qkv_bias:
@@ -70,10 +76,24 @@ def checkpoint_layout(shape: ModelShape) -> dict[str, tuple[str, int]]:
     names, shapes = shape.family.tensor_names, param_shapes(shape)
     out: dict[str, tuple[str, int]] = {}
     for name in shapes:
+        if names.expert_names(name, 1):
+            continue  # one tensor per expert: expert_layout
         hf = names.hf_name(name)
         parts = names.fused_parts(hf)
         offset = sum(shapes[p][0] for p in parts[:parts.index(name)]) if parts else 0
         out[name] = (hf, offset)
+    return out
+
+
+def expert_layout(shape: ModelShape) -> dict[str, list[str]]:
+    """Stacked expert parameter -> the checkpoint's tensor of each expert, expert 0 first (empty for a dense
+    model)."""
+    names = shape.family.tensor_names
+    out = {}
+    for name in param_shapes(shape):
+        per_expert = names.expert_names(name, shape.num_experts)
+        if per_expert:
+            out[name] = per_expert
     return out
 
 
@@ -84,6 +104,8 @@ def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     for name, (hf, _) in checkpoint_layout(shape).items():
         rows = shapes[name][0] + (out[hf][0] if hf in out else 0)
         out[hf] = (rows, *shapes[name][1:])
+    for name, per_expert in expert_layout(shape).items():
+        out.update({hf: shapes[name][1:] for hf in per_expert})
     return out
 
 

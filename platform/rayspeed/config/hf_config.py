@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from rayspeed import families
 from rayspeed.config.examples import prepare_hint
+from rayspeed.config.moe_keys import MOE_SHAPE_KEYS, aux_coef_from_hf, moe_keys_from_hf, unsupported_reason
 from rayspeed.config.shape import ModelShape, rope_fields
 from rayspeed.families import Family
 from rayspeed.families.family import (
@@ -38,7 +39,8 @@ CONFIG_FILE = "config.json"
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
               "max_position_embeddings", "hidden_act", "sliding_window", "layer_types", "rope_local_theta",
-              "query_pre_attn_scalar", "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping")
+              "query_pre_attn_scalar", "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping",
+              *MOE_SHAPE_KEYS)
 
 # transformers' Qwen2Config / Qwen3Config default.
 MAX_WINDOW_LAYERS_DEFAULT = 28
@@ -244,7 +246,8 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
     arch = _architecture(hf)
     family = families.find(arch)
     if family is None:
-        problems.append(f"{where}: architecture {arch} is not supported; "
+        reason = unsupported_reason(arch)
+        problems.append(f"{where}: architecture {arch} is not supported{': ' + reason if reason else ''}; "
                         f"supported: {', '.join(families.names())}")
         return {}, problems
     missing = [k for k in family.required_keys if hf.get(k) is None]
@@ -298,6 +301,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "query_pre_attn_scalar": float(scalar) if scalar else None,
         "partial_rotary_factor": _partial_rotary(hf) if family.partial_rotary else None,
         **{key: float(value) if value else None for key, value in caps.items()},
+        **moe_keys_from_hf(family, hf, where, problems),
     }
     return keys, problems
 
@@ -389,6 +393,8 @@ def apply_pretrained(explicit: Collection[str], model: Any) -> list[str]:
         setattr(model, key, value)
     if "init_std" not in explicit and hf.get("initializer_range") is not None:
         model.init_std = float(hf["initializer_range"])  # only matters for model.init: random
+    if "router_aux_loss_coef" not in explicit:  # a training setting: the job may weigh the balance loss otherwise
+        model.router_aux_loss_coef = aux_coef_from_hf(families.by_architecture(keys["architecture"]), hf)
     return problems
 
 

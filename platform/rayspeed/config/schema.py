@@ -11,50 +11,10 @@ from dataclasses import dataclass, field
 from typing import Final, Literal, Optional, Union
 
 from rayspeed import families
+from rayspeed.config.adapter_keys import AdapterConfig
 
 Auto = Literal["auto"]
 AUTO: Final = "auto"
-
-
-@dataclass
-class AdapterConfig:
-    type: Literal["none", "lora"] = "none"
-    """none: every parameter trains; lora: the base weights are frozen and low-rank adapters A (rank x in) and
-    B (out x rank, zeros at start) train beside the targeted linear layers, y = W x + scale * B A x."""
-    rank: int = 16
-    """LoRA rank r: A is r x in, B is out x r (8 to 64 is usual; the adapter's size and time grow with it)."""
-    alpha: float = 32.0
-    """LoRA alpha: scale = alpha / rank (alpha / sqrt(rank) with rslora)."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input (the base path sees the input unchanged)."""
-    targets: list[str] = field(default_factory=lambda: ["all"])
-    """Roles whose linear layers get an adapter: q, k, v, o, gate, up, down, or all (every linear layer of every
-    block, as Axolotl's all-linear)."""
-    rank_pattern: dict[str, int] = field(default_factory=dict)
-    """Per-role ranks over `rank`, e.g. {q: 32, v: 32} (peft's rank_pattern, written with the projections' names)."""
-    alpha_pattern: dict[str, float] = field(default_factory=dict)
-    """Per-role alphas over `alpha` (peft's alpha_pattern); each role's scale is its alpha over its rank."""
-    trainable: list[str] = field(default_factory=list)
-    """Parameters that train in full beside the adapters: embed (the input embedding), head (the output head;
-    with tied embeddings the one shared matrix), norms."""
-    rslora: bool = False
-    """rsLoRA: scale = alpha / sqrt(rank), stable at large ranks."""
-    dora: bool = False
-    """DoRA: a trained magnitude per output feature times the row-normalised W + scale * B A (needs the whole base
-    weight each forward: ZeRO 0-2)."""
-    base_precision: Literal["auto", "nf4"] = "auto"
-    """auto: the base weights in the job's precision; nf4: the base's linear layers quantized at load to 4-bit
-    NormalFloat in blocks of 64 (QLoRA, through bitsandbytes; embeddings, norms and the head stay in the job's
-    precision). Needs bitsandbytes and ZeRO 0-2."""
-    lora_plus_ratio: float = 0.0
-    """LoRA+: the learning rate of every B is this many times train.lr (the LoRA+ paper suggests 16; its schedule
-    follows train.lr's); 0: one learning rate for all."""
-    double_quant: bool = True
-    """With nf4: store each block's scale in 8 bits too (QLoRA's double quantization, about 0.37 bit per weight
-    saved; under tensor parallelism the scales of each rank's blocks stay in fp32, exactly the whole matrix's)."""
-    compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """With nf4: the dtype the 4-bit weights are dequantized to for each product (bnb_4bit_compute_dtype); auto is
-    the job's precision."""
 
 
 @dataclass
@@ -106,6 +66,22 @@ class ModelConfig:
     partial_rotary_factor: Optional[float] = None
     """RoPE rotates only this share of each head's dimensions, the first ones (Phi-4-mini: 0.75; a family that
     reads it: Phi-3). null: the whole head."""
+    num_experts: int = 0
+    """Mixture of experts: routed experts per MoE layer (Qwen3-MoE's num_experts, Mixtral's num_local_experts; a
+    family with experts: docs/MODELS.md); 0: a dense model. model.pretrained fills it and the keys below."""
+    experts_per_token: int = 2
+    """Experts each token is routed to (top-k; config.json's num_experts_per_tok)."""
+    expert_ffn_hidden_size: Optional[int] = None
+    """One expert's SwiGLU inner width (Qwen3-MoE's moe_intermediate_size); null: ffn_hidden_size (Mixtral)."""
+    norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob)."""
+    moe_layers: Optional[list[int]] = None
+    """The layers whose MLP is a mixture of experts (Qwen3-MoE's decoder_sparse_step and mlp_only_layers leave the
+    others dense); null: every layer."""
+    router_aux_loss_coef: Optional[float] = None
+    """Weight of the load-balancing loss added to the training loss (Switch Transformer's, pooled over the layers
+    and the step's tokens of every rank, as transformers computes it; logged as moe/aux_loss, train/loss stays the
+    language-model loss); null: config.json's router_aux_loss_coef (0.001 by default); 0: none."""
     vocab_size: int = 256
     """Vocabulary size (256 with the byte tokenizer)."""
     seq_len: int = 128

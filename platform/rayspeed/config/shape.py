@@ -98,6 +98,18 @@ class ModelShape:
     """Output logits soft-capped the same way before the loss (Gemma 2: 30); None: none."""
     partial_rotary_factor: float = 1.0
     """The share of each head RoPE rotates (its first dimensions; Phi-4-mini: 0.75); the rest passes through."""
+    num_experts: int = 0
+    """Routed experts of each MoE layer; 0: a dense model."""
+    experts_per_token: int = 0
+    """Experts each token goes to (top-k)."""
+    expert_ffn_hidden_size: int = 0
+    """One expert's SwiGLU inner width."""
+    norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to 1."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers whose MLP is a mixture of experts (resolved: every layer of a model with experts unless given)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss in the training loss (a training setting, not part of the function)."""
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -137,7 +149,9 @@ class ModelShape:
                    query_pre_attn_scalar=float(scalar) if scalar else None,
                    attn_logit_softcapping=_optional_float(getattr(m, "attn_logit_softcapping", None)),
                    final_logit_softcapping=_optional_float(getattr(m, "final_logit_softcapping", None)),
-                   partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0), **rope)
+                   partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0),
+                   **expert_fields(m, int(m.num_layers),
+                                   int(ffn) if ffn is not None else default_ffn(int(m.hidden_size))), **rope)
 
     @property
     def family(self) -> Family:
@@ -220,15 +234,46 @@ class ModelShape:
 
     # ---- parameters
 
-    @functools.cached_property  # read for every stage of every layout a search costs
-    def layer_matrix_params(self) -> int:
-        """q and o (h x q_dim), k and v (h x kv_dim each), gate/up/down (h x f each), and the q/k/v biases when
-        present: all split by tp."""
+    def is_moe(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer in self.moe_layers
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's gate, up and down matrices."""
+        return 3 * self.hidden_size * self.expert_ffn_hidden_size
+
+    def mlp_params_of(self, layer: int) -> int:
+        """Layer `layer`'s MLP: gate/up/down (h x f each), or every expert's and the router's (experts x h)."""
+        if self.is_moe(layer):
+            return self.num_experts * (self.expert_params + self.hidden_size)
+        return 3 * self.hidden_size * self.ffn_hidden_size
+
+    @functools.cached_property
+    def attention_matrix_params(self) -> int:
+        """q and o (h x q_dim), k and v (h x kv_dim each), and the q/k/v biases when present: split by tp."""
         h, q = self.hidden_size, self.q_dim
         bias = (q + 2 * self.kv_dim) if self.qkv_bias else 0
         # q/k norms over the whole projections (OLMo 2) are split by tp with the heads.
         norms = (q + self.kv_dim) if self.family.qk_norm and self.family.qk_norm_width == "projection" else 0
-        return 2 * h * q + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden_size + bias + norms
+        return 2 * h * q + 2 * h * self.kv_dim + bias + norms
+
+    @functools.cached_property
+    def mlp_params(self) -> int:
+        """Every layer's MLP parameters together (all experts counted)."""
+        return sum(self.mlp_params_of(i) for i in range(self.num_layers))
+
+    @functools.cached_property  # read for every stage of every layout a search costs
+    def layer_matrix_params(self) -> int:
+        """The attention's matrices and the MLP's (per layer; a mean over the layers when MoE layers and dense ones
+        alternate): all split by tp."""
+        return self.attention_matrix_params + round(self.mlp_params / max(self.num_layers, 1))
+
+    @functools.cached_property
+    def inactive_params(self) -> int:
+        """Expert parameters a token does not pass through (experts - top-k of every MoE layer): in memory, not in
+        the FLOPs."""
+        return len(self.moe_layers) * (self.num_experts - self.experts_per_token) * self.expert_params
 
     @functools.cached_property  # read for every stage of every layout a search costs
     def layer_norm_params(self) -> int:
@@ -252,7 +297,8 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Total parameters N (final norm included)."""
-        return self.num_layers * self.layer_params + self.embedding_params + self.head_params + self.hidden_size
+        blocks = self.num_layers * (self.attention_matrix_params + self.layer_norm_params) + self.mlp_params
+        return blocks + self.embedding_params + self.head_params + self.hidden_size
 
     @property
     def non_embedding_params(self) -> int:
@@ -265,14 +311,29 @@ class ModelShape:
     @functools.cached_property  # read for every layout a search costs
     def flops_per_token(self) -> float:
         """Model FLOPs per token, forward + backward, PaLM's definition (Chowdhery et al. 2022, appendix B):
-        6 N + 12 L h s, N = non_embedding_params (the matmul weights: 2 FLOPs per weight forward, 4 backward) and
+        6 N + 12 L h s, N = non_embedding_params (the matmul weights: 2 FLOPs per weight forward, 4 backward; of a
+        mixture of experts the top-k experts a token passes through, not the inactive_params) and
         12 L h s the attention scores and their weighted sum (QK^T and AV, forward + backward, causal mask not
         discounted; h there is the query width q_dim, hidden for most families; a sliding-window layer counts its
         window instead of s when that is shorter: the keys it can see). Recomputation is hardware work,
         not model work, so it is not counted. The one definition of MFU everywhere: the training metric perf/mfu,
         the planner and scripts/bench_gpu.py."""
         spans = sum(self.attention_span(i) for i in range(self.num_layers))
-        return 6.0 * self.non_embedding_params + 12.0 * self.q_dim * spans
+        return 6.0 * (self.non_embedding_params - self.inactive_params) + 12.0 * self.q_dim * spans
+
+
+def expert_fields(m: Any, num_layers: int, ffn: int) -> dict[str, Any]:
+    """ModelShape's expert fields from a model section (nothing for a dense model)."""
+    experts = int(getattr(m, "num_experts", 0) or 0)
+    if not experts:
+        return {}
+    layers = getattr(m, "moe_layers", None)
+    coef = getattr(m, "router_aux_loss_coef", None)
+    return {"num_experts": experts, "experts_per_token": int(getattr(m, "experts_per_token", None) or 2),
+            "expert_ffn_hidden_size": int(getattr(m, "expert_ffn_hidden_size", None) or ffn),
+            "norm_topk_prob": bool(getattr(m, "norm_topk_prob", True)),
+            "moe_layers": tuple(int(i) for i in layers) if layers is not None else tuple(range(num_layers)),
+            "router_aux_loss_coef": float(coef) if coef is not None else 0.001}
 
 
 def _optional_float(value: Any) -> Optional[float]:

@@ -15,6 +15,7 @@ from rayspeed import families
 from rayspeed.config import adapter
 from rayspeed.config.context_split import context_problems
 from rayspeed.config.env_lint import lint_env
+from rayspeed.config.moe_keys import moe_problems
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
 from rayspeed.families.family import (
@@ -224,7 +225,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         elif par.pp != AUTO and len(split) != par.pp:
             p.append(f"parallel.stage_layers gives {len(split)} stages but parallel.pp is {par.pp}; set pp to "
                      f"{len(split)} or auto")
-    p += context_problems(m, par, kv)
+    p += context_problems(m, par, kv) + moe_problems(cfg)
     if par.sequence_parallel is True and par.tp == 1:
         p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
     if par.sequence_parallel is True and isinstance(par.tp, int) and sequence_parallel_problem(m.seq_len, par.tp):

@@ -68,6 +68,20 @@ class TensorNames:
     q, k, v; gate_up_proj: gate, up): checkpoint suffix -> the rayspeed suffixes in row order. Their in_layer
     entries name the fused tensor; the loader reads each rank's rows of each part, the export concatenates."""
 
+    experts: Mapping[str, tuple[str, Optional[int]]] = field(default_factory=lambda: frozen({}))
+    """The expert weights of a MoE block i, stacked [experts, out, in] in rayspeed, one tensor per expert in the
+    hub's checkpoints: rayspeed suffix -> (checkpoint suffix with `{e}` for the expert, the dimension of one expert's
+    matrix that tensor parallelism would split)."""
+
+    def expert_names(self, name: str, num_experts: int) -> list[str]:
+        """The checkpoint's per-expert tensors of stacked parameter `name`, expert 0 first ([]: not an expert
+        parameter)."""
+        m = LAYER_NAME.match(name)
+        entry = self.experts.get(m.group(2)) if m else None
+        if entry is None or m is None:
+            return []
+        return [f"{self.layer_prefix}{m.group(1)}.{entry[0].format(e=e)}" for e in range(num_experts)]
+
     def hf_name(self, name: str) -> str:
         """The checkpoint's name of rayspeed parameter `name` (KeyError for a name with no counterpart)."""
         if name in self.top:
@@ -124,6 +138,27 @@ def llama_tensor_names() -> TensorNames:
     top = {"embed.weight": ("model.embed_tokens.weight", 0), "norm.weight": ("model.norm.weight", None),
            "head.weight": ("lm_head.weight", 0)}
     return TensorNames(top=frozen(top), in_layer=frozen(in_layer))
+
+
+@dataclass(frozen=True)
+class ExpertKeys:
+    """A mixture-of-experts family's config.json keys."""
+    experts: str
+    """The number of routed experts (Qwen3-MoE: num_experts, Mixtral: num_local_experts)."""
+    expert_ffn: Optional[str] = None
+    """One expert's inner width (Qwen3-MoE: moe_intermediate_size); None: intermediate_size."""
+    norm_topk: Optional[str] = None
+    """Whether the top-k weights are renormalised (Qwen3-MoE: norm_topk_prob, default False); None: always."""
+    sparse_step: Optional[str] = None
+    """Every sparse_step-th layer is MoE (Qwen3-MoE: decoder_sparse_step), less `dense_layers`; None: every layer."""
+    dense_layers: Optional[str] = None
+    """Layers kept dense (Qwen3-MoE: mlp_only_layers)."""
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[int]:
+        """The MoE layers a config.json describes, as transformers builds them."""
+        step = int(hf.get(self.sparse_step) or 1) if self.sparse_step else 1
+        dense = set(hf.get(self.dense_layers) or []) if self.dense_layers else set()
+        return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
 
 
 def no_extras(shape: Any) -> dict[str, Any]:
@@ -188,6 +223,8 @@ class Family:
     """What config.json may say about sliding-window attention (one of SLIDING_POLICIES)."""
     export_extras: Callable[[Any], dict[str, Any]] = no_extras
     """The family's own config.json keys an export writes, given the ModelShape."""
+    moe: Optional["ExpertKeys"] = None
+    """How the family's config.json describes its experts (None: the family has none)."""
     block_module: Optional[str] = None
     """The module under rayspeed.model whose `Block` the family's blocks are; None: the decoder's own
     (model/transformer.py). The pipeline's split counts blocks of that class."""

@@ -20,6 +20,7 @@ import torch
 
 from rayspeed.config.hf_checkpoint import (
     checkpoint_layout,
+    expert_layout,
     param_shapes,
     stored_names,
     weight_files,
@@ -97,20 +98,29 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     files, _ = weight_files(Path(model_dir))
     stored = stored_names(files)
     expected = param_shapes(shape)
-    layout = checkpoint_layout(shape)
+    layout, experts = checkpoint_layout(shape), expert_layout(shape)
     names = shape.family.tensor_names
-    by_file: dict[Path, list[tuple[str, str, torch.nn.Parameter]]] = {}
+    by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     for name, p in named_parameters(model):
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
-        hname = stored.get(layout[name][0], layout[name][0])
-        by_file.setdefault(files[hname], []).append((name, hname, p))
+        # A stacked expert parameter is read expert by expert, each into its own row of the stack.
+        parts = [(hf, p[e]) for e, hf in enumerate(experts[name])] if name in experts else [(layout[name][0], p)]
+        for hf, target in parts:
+            hname = stored.get(hf, hf)
+            by_file.setdefault(files[hname], []).append((name, hname, target))
     elements = nbytes = 0
     with torch.no_grad():
         for f, entries in sorted(by_file.items()):
             with safe_open(str(f), framework="pt") as fh:
                 for name, hname, p in entries:
+                    if name in experts:
+                        value = _rank_slice(fh.get_slice(hname), None, None)
+                        p.copy_(value.to(device=p.device, dtype=p.dtype))
+                        elements += value.numel()
+                        nbytes += value.numel() * value.element_size()
+                        continue
                     fused = bool(names.fused_parts(layout[name][0]))
                     value = _rank_slice(fh.get_slice(hname), names.partition_dim(name), tp, layout[name][1],
                                         expected[name][0] if fused else None)
@@ -120,7 +130,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
                     p.copy_(value.to(device=p.device, dtype=p.dtype))
                     elements += value.numel()
                     nbytes += value.numel() * value.element_size()
-    return {"model_dir": str(model_dir), "parameters": sum(len(e) for e in by_file.values()),
+    return {"model_dir": str(model_dir), "parameters": len(named_parameters(model)),
             "elements": elements, "bytes_read": nbytes}
 
 
@@ -134,10 +144,17 @@ def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained"
         raise HFWeightsError(f"{what}: " + "; ".join(problems))
     files, _ = weight_files(Path(model_dir))
     stored, layout, expected = stored_names(files), checkpoint_layout(shape), param_shapes(shape)
-    names = shape.family.tensor_names
+    names, experts = shape.family.tensor_names, expert_layout(shape)
     out: dict[str, torch.Tensor] = {}
     for name in expected:
         if name == "head.weight" and shape.tie_embeddings:
+            continue
+        if name in experts:
+            stack = []
+            for hf in experts[name]:
+                with safe_open(str(files[stored.get(hf, hf)]), framework="pt") as fh:
+                    stack.append(fh.get_tensor(stored.get(hf, hf)).float())
+            out[name] = torch.stack(stack)
             continue
         hname = stored.get(layout[name][0], layout[name][0])
         with safe_open(str(files[hname]), framework="pt") as fh:
@@ -160,6 +177,10 @@ def hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, t
         value = state[name]
         if tuple(value.shape) != want:
             raise ValueError(f"{name}: weights hold {tuple(value.shape)}, the shape says {want}")
+        per_expert = names.expert_names(name, shape.num_experts)
+        if per_expert:  # the hub's layout: one tensor per expert (what save_pretrained writes and vLLM reads)
+            out.update({hf: value[e].detach().to("cpu").contiguous() for e, hf in enumerate(per_expert)})
+            continue
         hf = names.hf_name(name)
         parts = names.fused_parts(hf)
         if parts and name != parts[0]:
@@ -182,7 +203,7 @@ def hf_dir_mismatches(model_dir: str, shape: ModelShape) -> list[str]:
     if problems:
         return problems
     saved = ModelShape.from_config(SimpleNamespace(**keys, seq_len=shape.seq_len, init_std=shape.init_std))
-    skip = {"seq_len", "init_std", "max_position_embeddings"}
+    skip = {"seq_len", "init_std", "max_position_embeddings", "router_aux_loss_coef"}
     return [f"model.{f.name}: saved {getattr(saved, f.name)!r}, job {getattr(shape, f.name)!r}"
             for f in dataclasses.fields(ModelShape)
             if f.name not in skip and getattr(saved, f.name) != getattr(shape, f.name)]

@@ -27,6 +27,7 @@ from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
 from rayspeed.families.family import NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET, NORM_STYLES
 from rayspeed.model.attention import MaskRows, context_attention, masked_attention
+from rayspeed.model.moe import MoE, RouterStats
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, segment_positions, sum_over_cp
@@ -209,7 +210,8 @@ class Block(nn.Module):
         self.attn_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.attn = self.attention_class(dims, tp, sp, seed, name=f"{prefix}.attn", layer_idx=layer_idx)
         self.mlp_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
-        self.mlp = MLP(dims, tp, sp, seed, name=f"{prefix}.mlp")
+        self.mlp = MoE(dims, seed, f"{prefix}.mlp") if dims.is_moe(layer_idx) else MLP(dims, tp, sp, seed,
+                                                                                       name=f"{prefix}.mlp")
 
     def _checkpointed(self, fn, *args):
         if not torch.is_grad_enabled():  # nothing to recompute without a backward
@@ -328,6 +330,12 @@ class Transformer(nn.Module):
             block_class(dims)(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
             for i in range(dims.num_layers)
         )
+        # Every MoE layer reports its routing to one collector: the balance loss pools them all.
+        self.router_stats = RouterStats(dims.num_experts) if dims.num_experts else None
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.stats = self.router_stats
+        self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), no weight
         self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
@@ -344,16 +352,22 @@ class Transformer(nn.Module):
         over the count of every part's labels, so the sum over the cp group (DeepSpeed's gradient reduction over
         data x cp) is the unsplit loss."""
         x = self.embed(input_ids)
+        if self.router_stats is not None:
+            self.router_stats.start()
         where = SequenceLayout(self.cp, input_ids.shape[1], segment_ids, x.device) if self.cp.enabled else segment_ids
         for layer in self.layers:
             x = layer(x, where)
         x = self.norm(x)
+        self.aux_loss = self.router_stats.aux_loss() if self.router_stats is not None else None
         if labels is None:
             return self.head(x)
         if self.cp.enabled:
             count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
             return self.head.loss(x, labels, reduction="sum") / count
-        return self.head.loss(x, labels)
+        loss = self.head.loss(x, labels)
+        if self.aux_loss is not None and self.dims.router_aux_loss_coef:
+            loss = loss + self.dims.router_aux_loss_coef * self.aux_loss
+        return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter unsharded (all-gathered over tp; collective), keyed by parameter name.

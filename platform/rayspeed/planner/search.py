@@ -194,6 +194,8 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     continue
                 if cp > 1 and pp > 1:  # config/context_split.py says why to a job that sets both
                     continue
+                if sh.num_experts and max(tp, cp, pp) > 1:  # not built for experts yet (config/moe_keys.py says why)
+                    continue
                 if pp > sh.num_layers:  # any pp up to the layer count: stages may hold unequal numbers of blocks
                     if "pp" in fixed:
                         out.rejected.append(f"parallel.pp ({pp}) exceeds model.num_layers ({sh.num_layers}): "

@@ -1,0 +1,101 @@
+"""Mixture-of-experts keys: what a MoE family's config.json says about its experts, the MoE architectures rayspeed
+refuses (and why), and what a job with experts may not combine yet. Torch-free."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rayspeed.families import Family
+
+# Model keys a MoE config.json decides (with the shape keys of config/hf_config.py).
+MOE_SHAPE_KEYS = ("num_experts", "experts_per_token", "expert_ffn_hidden_size", "norm_topk_prob", "moe_layers")
+
+# Architectures with experts that rayspeed does not run, and what it would need first.
+UNSUPPORTED = {
+    "DeepseekV3ForCausalLM": "DeepSeek-V3's multi-head latent attention (MLA: compressed, decoupled-RoPE keys and "
+                             "values) and its shared experts with group-limited routing are not built",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-head latent attention (MLA) is not built",
+    "GptOssForCausalLM": "GPT-OSS's attention sinks (a learned per-head logit in every softmax), its clamped SwiGLU "
+                         "with biased experts and its MXFP4 expert weights are not built",
+    "Qwen3NextForCausalLM": "Qwen3-Next's hybrid attention (Gated DeltaNet linear-attention layers between gated "
+                            "full-attention ones) and its shared expert are not built",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE's shared expert with its sigmoid gate is not built",
+}
+
+
+def unsupported_reason(architecture: Optional[str]) -> Optional[str]:
+    """Why rayspeed does not run this MoE architecture (None: not one it names)."""
+    return UNSUPPORTED.get(str(architecture))
+
+
+def moe_keys_from_hf(family: Family, hf: dict[str, Any], where: str, problems: list[str]) -> dict[str, Any]:
+    """The expert keys of a config.json (num_experts 0 and nothing else for a dense family)."""
+    keys: dict[str, Any] = {"num_experts": 0, "experts_per_token": 2, "expert_ffn_hidden_size": None,
+                            "norm_topk_prob": True, "moe_layers": None}  # the model section's defaults: dense
+    names = family.moe
+    if names is None:
+        return keys
+    # transformers 5 writes either name for either family (its attribute_map): the hub's files use the family's.
+    count = next((hf[k] for k in (names.experts, "num_experts", "num_local_experts") if hf.get(k) is not None), 0)
+    experts, top_k = int(count or 0), int(hf.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        problems.append(f"{where}: {names.experts} {experts} and num_experts_per_tok {top_k} are not a mixture of "
+                        "experts (1 <= num_experts_per_tok <= experts)")
+    if float(hf.get("router_jitter_noise") or 0.0):
+        problems.append(f"{where}: router_jitter_noise {hf['router_jitter_noise']} is not supported (routing must be "
+                        "a function of the weights and tokens); set it to 0")
+    ffn = hf.get(names.expert_ffn) if names.expert_ffn else hf.get("intermediate_size")
+    num_layers = int(hf["num_hidden_layers"])
+    keys.update(num_experts=experts, experts_per_token=top_k, expert_ffn_hidden_size=int(ffn) if ffn else None,
+                norm_topk_prob=bool(hf.get(names.norm_topk, False)) if names.norm_topk else True,
+                moe_layers=names.moe_layers(hf, num_layers))
+    return keys
+
+
+def aux_coef_from_hf(family: Family, hf: dict[str, Any]) -> Optional[float]:
+    """config.json's router_aux_loss_coef for a MoE family (transformers' default 0.001 when it is left out)."""
+    if family.moe is None:
+        return None
+    value = hf.get("router_aux_loss_coef")
+    return float(value) if value is not None else 0.001
+
+
+def moe_problems(cfg: Any) -> list[str]:
+    """A job's expert keys that do not make a mixture of experts, and what it cannot combine yet; each names the
+    key and the fix."""
+    model, par = cfg.model, cfg.parallel
+    experts = int(getattr(model, "num_experts", 0) or 0)
+    if not experts:
+        return []
+    from rayspeed import families
+
+    family = families.find(model.architecture)
+    if family is None or family.moe is None:
+        moe = ", ".join(f.architecture for f in families.FAMILIES if f.moe is not None)
+        return [f"model.num_experts: {experts} needs a family with experts ({moe}); model.architecture is "
+                f"{model.architecture}: set model.num_experts: 0 or another architecture"]
+    out = []
+    if not 1 <= int(model.experts_per_token) <= experts:
+        out.append(f"model.experts_per_token: {model.experts_per_token} must be between 1 and model.num_experts "
+                   f"({experts})")
+    layers = model.moe_layers
+    if layers is not None and any(not 0 <= int(i) < model.num_layers for i in layers):
+        out.append(f"model.moe_layers: {layers} names layers outside 0..{model.num_layers - 1}")
+    if family.moe.sparse_step is None and layers is not None and sorted(layers) != list(range(model.num_layers)):
+        out.append(f"model.moe_layers: every layer of a {family.architecture} is a mixture of experts; leave it null")
+    ffn = model.expert_ffn_hidden_size
+    if family.moe.expert_ffn is None and ffn is not None and model.ffn_hidden_size not in (None, ffn):
+        out.append(f"model.expert_ffn_hidden_size: a {family.architecture}'s experts are ffn_hidden_size wide "
+                   f"({model.ffn_hidden_size}); leave it null")
+    for key, why in (("tp", "expert tensor parallelism is not built yet"),
+                     ("pp", "pipeline stages do not carry the load-balancing statistics yet"),
+                     ("cp", "the load-balancing statistics are not pooled over the context-parallel ranks yet")):
+        value = getattr(par, key, 1)
+        if value not in (1, "auto"):
+            out.append(f"parallel.{key}: {value} with a mixture of experts (model.num_experts "
+                       f"{model.num_experts}): {why}; set parallel.{key}: 1 (the experts are replicated on every "
+                       "data-parallel rank: ZeRO shards them)")
+    if getattr(model.adapter, "type", "none") != "none":
+        out.append("model.adapter.type: adapters on a mixture of experts are not built yet; set model.adapter.type: "
+                   "none")
+    return out

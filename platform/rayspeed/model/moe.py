@@ -1,0 +1,101 @@
+"""A mixture-of-experts MLP as transformers' Qwen3-MoE and Mixtral compute it, with the experts run as grouped
+matrix products (no Python loop over experts): a router (experts x hidden) scores each token in fp32, the top-k
+experts take it, weighted by their softmax probabilities (renormalised over the k when the shape says so), and
+the weighted sum of their SwiGLU outputs is the MLP's output.
+
+The load-balancing statistics (top-k assignments per expert, summed router probabilities, rows) of every MoE layer
+go to the model's `RouterStats`, which pools them as transformers' load_balancing_loss_func does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rayspeed.config.shape import ModelShape
+from rayspeed.parallel.layers import NO_TP, sharded_parameter
+
+
+class RouterStats:
+    """The forward's router statistics over every MoE layer: aux = E * sum_e (count_e / N) (prob_e / N), N the
+    rows of all layers together (transformers' pooled form, not a mean of per-layer losses)."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.recording = False
+        self.counts: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+        self.rows = 0
+
+    def start(self) -> None:
+        self.counts, self.probs, self.rows, self.recording = [], [], 0, True
+
+    def add(self, counts: torch.Tensor, probs: torch.Tensor, rows: int) -> None:
+        if self.recording:  # not while a checkpointed block is recomputed in backward
+            self.counts.append(counts)
+            self.probs.append(probs)
+            self.rows += rows
+
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        self.recording = False
+        if not self.counts:
+            return None
+        counts, probs = torch.stack(self.counts).sum(0), torch.stack(self.probs).sum(0)
+        return self.num_experts * torch.sum((counts / self.rows) * (probs / self.rows))
+
+    def load(self) -> Optional[torch.Tensor]:
+        """Tokens per expert of each MoE layer of the last forward, [layers, experts] (no gradient)."""
+        return torch.stack(self.counts).detach() if self.counts else None
+
+
+class MoE(nn.Module):
+    """Router and stacked experts of one layer: w_gate, w_up [experts, f, h], w_down [experts, h, f] (the hub's
+    per-expert matrices, stacked)."""
+
+    def __init__(self, dims: ModelShape, seed: int, name: str, stats: Optional[RouterStats] = None):
+        super().__init__()
+        e, h, f = dims.num_experts, dims.hidden_size, dims.expert_ffn_hidden_size
+        self.num_experts, self.top_k, self.normalise = e, dims.experts_per_token, dims.norm_topk_prob
+        self.stats = stats
+        init = dict(std=dims.init_std, seed=seed)
+        self.router = nn.Linear(h, e, bias=False)
+        self.router.weight = sharded_parameter((e, h), None, NO_TP, key=f"{name}.router.weight", **init)
+        self.w_gate = sharded_parameter((e, f, h), None, NO_TP, key=f"{name}.w_gate", **init)
+        self.w_up = sharded_parameter((e, f, h), None, NO_TP, key=f"{name}.w_up", **init)
+        self.w_down = sharded_parameter((e, h, f), None, NO_TP, std=dims.residual_init_std, seed=seed,
+                                        key=f"{name}.w_down")
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k], experts [tokens, k]) of the flat tokens x; records the statistics."""
+        logits = self.router(x)
+        probs = F.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.stats is not None:
+            counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
+            self.stats.add(counts, probs.sum(0), x.shape[0])
+        return weights.to(x.dtype), experts
+
+    def experts(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (token, choice) through its expert, grouped: (outputs in the flat choice order, the order)."""
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = x[order // self.top_k]
+        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        gate = F.grouped_mm(rows, self.w_gate.transpose(1, 2), offs=offsets)
+        up = F.grouped_mm(rows, self.w_up.transpose(1, 2), offs=offsets)
+        out = F.grouped_mm((F.silu(gate) * up).contiguous(), self.w_down.transpose(1, 2), offs=offsets)
+        return out, order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts = self.route(flat)
+        out, order = self.experts(flat, experts)
+        combined = torch.zeros(flat.shape[0] * self.top_k, shape[-1], dtype=out.dtype, device=out.device)
+        combined = combined.index_copy(0, order, out).view(flat.shape[0], self.top_k, shape[-1])
+        return (combined * weights.unsqueeze(-1)).sum(1).reshape(shape)
