@@ -149,3 +149,29 @@ def test_unsupported_moe_architectures_are_named_with_the_reason():
                        ("Qwen3NextForCausalLM", "hybrid attention")):
         _, problems = model_keys_from_hf({"architectures": [arch]}, "config.json")
         assert len(problems) == 1 and word in problems[0] and arch in problems[0]
+
+
+def test_recomputed_blocks_give_the_same_loss_and_gradients():
+    """The routers' statistics are recorded in the forward only: a block recomputed in backward (selective or full
+    checkpointing) neither records them twice nor loses the balance loss's gradient."""
+    from types import SimpleNamespace
+
+    from rayspeed.config.shape import ModelShape
+    from rayspeed.model.transformer import Transformer
+
+    shape = ModelShape.from_config(SimpleNamespace(
+        architecture="MixtralForCausalLM", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        ffn_hidden_size=48, vocab_size=64, seq_len=SEQ, tie_embeddings=False, num_experts=4, experts_per_token=2,
+        router_aux_loss_coef=0.5))
+    ids = _ids(64, 1)
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        model = Transformer(shape, activation_checkpointing=mode, seed=3)
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        runs[mode] = (loss.detach(), model.aux_loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    for mode in ("selective", "full"):
+        torch.testing.assert_close(runs[mode][0], runs["none"][0], **TOL)
+        torch.testing.assert_close(runs[mode][1], runs["none"][1], **TOL)
+        for name, grad in runs["none"][2].items():
+            torch.testing.assert_close(runs[mode][2][name], grad, **TOL, msg=lambda m: f"{mode} {name}: {m}")
