@@ -335,7 +335,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stats = self.router_stats
-        self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), no weight
+        self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), unweighted
         self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
@@ -358,15 +358,16 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, where)
         x = self.norm(x)
-        self.aux_loss = self.router_stats.aux_loss() if self.router_stats is not None else None
+        aux = self.router_stats.aux_loss() if self.router_stats is not None else None
+        self.aux_loss = aux.detach() if aux is not None else None  # kept for metrics, without the graph
         if labels is None:
             return self.head(x)
         if self.cp.enabled:
             count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
             return self.head.loss(x, labels, reduction="sum") / count
         loss = self.head.loss(x, labels)
-        if self.aux_loss is not None and self.dims.router_aux_loss_coef:
-            loss = loss + self.dims.router_aux_loss_coef * self.aux_loss
+        if aux is not None and self.dims.router_aux_loss_coef:
+            loss = loss + self.dims.router_aux_loss_coef * aux
         return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
