@@ -336,6 +336,7 @@ class Transformer(nn.Module):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stats = self.router_stats
         self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), unweighted
+        self.balance_loss: Optional[torch.Tensor] = None  # the weighted term in the last loss (with its graph)
         self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
@@ -360,14 +361,16 @@ class Transformer(nn.Module):
         x = self.norm(x)
         aux = self.router_stats.aux_loss() if self.router_stats is not None else None
         self.aux_loss = aux.detach() if aux is not None else None  # kept for metrics, without the graph
+        self.balance_loss = None
         if labels is None:
             return self.head(x)
         if self.cp.enabled:
             count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
             return self.head.loss(x, labels, reduction="sum") / count
         loss = self.head.loss(x, labels)
-        if aux is not None and self.dims.router_aux_loss_coef:
-            loss = loss + self.dims.router_aux_loss_coef * aux
+        self.balance_loss = aux * self.dims.router_aux_loss_coef if aux is not None else None
+        if self.balance_loss is not None:  # the loss transformers returns with output_router_logits
+            loss = loss + self.balance_loss
         return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

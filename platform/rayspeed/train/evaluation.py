@@ -86,7 +86,9 @@ class Validator:
                 counted += sum(int((c[1] != IGNORE_INDEX).sum()) for c in chunks)
             else:
                 for c in chunks:
-                    loss = over_cp(engine(*local_part(c, self.cp, self.device)), self.cp)
+                    loss = engine(*local_part(c, self.cp, self.device))
+                    balance = getattr(engine.module, "balance_loss", None)  # MoE: val/loss is the language loss
+                    loss = over_cp(loss - balance if balance is not None else loss, self.cp)
                     k = int((c[1] != IGNORE_INDEX).sum())
                     total += loss.detach().double() * (k if self.weighted else 1)
                     counted += k

@@ -76,11 +76,17 @@ class TrainStep:
         grad_scale = compat.cp_loss_scale(self.cfg.parallel.zero_stage, cp.world_size if cp is not None else 1)
         for mb in micro_batches:
             loss = eng(*local_part(mb, cp, self.device))
+            # A mixture of experts' balance term trains but is not the language-model loss train/loss reports,
+            # and the label-count scaling below is not for it.
+            balance = getattr(eng.module, "balance_loss", None)
+            if balance is not None:
+                loss = loss - balance
             if scale is not None:  # mean over this micro-batch's counted labels -> its share of the step's mean
                 loss = loss * (int((mb[1] != IGNORE_INDEX).sum()) * scale)
             if poison:
                 loss = loss * float("nan")
-            eng.backward(loss * grad_scale if grad_scale != 1.0 else loss)
+            trained = loss if balance is None else loss + balance
+            eng.backward(trained * grad_scale if grad_scale != 1.0 else trained)
             total += loss.detach().float()
             if eng.is_gradient_accumulation_boundary():
                 total = over_cp(total, cp)  # the parts' shares added up once per step, not per micro-batch

@@ -1,0 +1,43 @@
+"""A Mixtral job through the worker path (tests/_inprocess.py: two gloo workers, dp2, ZeRO-2, experts replicated):
+model.pretrained names a locally made MixtralForCausalLM; train/loss is the language-model loss alone (transformers'
+cross entropy on step 1's batch, without the balance term that trains beside it), and the registered version loads
+in transformers as a MixtralForCausalLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
+    import mlflow
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from _cluster import ROOT, metric_history
+    from _hf_models import first_batch_loss
+    from _inprocess import run_inprocess
+    from rayspeed.compat import mlflow_process_store
+
+    torch.manual_seed(5)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05)
+    model_dir = tmp_path / "tiny-mixtral"
+    transformers.MixtralForCausalLM(config).save_pretrained(model_dir)
+    sets = [f"model.pretrained={model_dir}", "name=tiny-mixtral", "train.max_steps=2", "tracking.log_every_steps=1",
+            "cluster.num_workers=2", "parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=2",
+            "tracking.charts_every_checkpoints=0", "tracking.loss_landscape=false",
+            "resilience.checkpoint_every_steps=0"]
+    summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
+    assert summary["status"] == "finished" and summary["layout"]["dp"] == 2, summary
+
+    expected, _ = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
+    (step, first), *_ = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
+    assert step == 1 and first == pytest.approx(expected, rel=1e-5)
+
+    with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        local = mlflow.artifacts.download_artifacts(
+            f"models:/rayspeed-tiny-mixtral/{summary['registered_model_version']}", dst_path=str(tmp_path / "dl"))
+    registered = AutoModelForCausalLM.from_pretrained(f"{local}/model", dtype=torch.float32)
+    assert type(registered).__name__ == "MixtralForCausalLM" and registered.config.num_local_experts == 4
