@@ -1,9 +1,13 @@
 """A Mixtral job through the worker path (tests/_inprocess.py: two gloo workers, dp2, ZeRO-2, experts replicated):
 model.pretrained names a locally made MixtralForCausalLM; train/loss is the language-model loss alone (transformers'
-cross entropy on step 1's batch, without the balance term that trains beside it), and the registered version loads
-in transformers as a MixtralForCausalLM."""
+cross entropy on step 1's batch, without the balance term that trains beside it); moe/aux_loss and
+moe/load_imbalance at step 1 are transformers' (its aux_loss per forward, averaged; its routing's tokens per expert
+over the whole global batch), moe/expert_load/ holds every routed token; the registered version loads in
+transformers as a MixtralForCausalLM."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -32,9 +36,31 @@ def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
     summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
     assert summary["status"] == "finished" and summary["layout"]["dp"] == 2, summary
 
-    expected, _ = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
-    (step, first), *_ = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
+    expected, windows = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
+    run_id = summary["mlflow_run_id"]
+    (step, first), *_ = metric_history(tmp_path, run_id, "train/loss")
     assert step == 1 and first == pytest.approx(expected, rel=1e-5)
+
+    # Rank r's forward j takes rows (j * dp + r) * b onward: every forward is one b-row chunk of the global batch.
+    hf = transformers.MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    b = summary["layout"]["micro_batch_size"]
+    with torch.no_grad():
+        chunks = [hf(windows[i:i + b, :-1], output_router_logits=True) for i in range(0, 8, b)]
+    aux = sum(float(o.aux_loss) for o in chunks) / len(chunks)
+    counts = torch.stack([sum(torch.bincount(torch.topk(o.router_logits[layer], 2).indices.reshape(-1), minlength=4)
+                              for o in chunks) for layer in range(2)]).double()
+    imbalance = (counts.max(1).values / counts.mean(1)).max().item()
+    for key, want in (("moe/aux_loss", aux), ("moe/load_imbalance", imbalance), ("moe/dropped_tokens", 0.0)):
+        (step, got), *_ = metric_history(tmp_path, run_id, key)
+        assert step == 1 and got == pytest.approx(want, rel=1e-5, abs=1e-7), key
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        names = sorted(a.path for a in client.list_artifacts(run_id, "moe/expert_load"))
+        assert names == ["moe/expert_load/step_0000002.json", "moe/expert_load/step_0000002.png"], names
+        load = json.loads(mlflow.artifacts.load_text(f"runs:/{run_id}/moe/expert_load/step_0000002.json"))
+    assert load["steps"] == [1, 2] and load["layers"] == [0, 1]
+    assert [sum(row) for row in load["tokens_per_expert"]] == [2 * 8 * 128 * 2] * 2  # steps x rows x tokens x k
 
     with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
         local = mlflow.artifacts.download_artifacts(

@@ -175,3 +175,32 @@ def test_recomputed_blocks_give_the_same_loss_and_gradients():
         torch.testing.assert_close(runs[mode][1], runs["none"][1], **TOL)
         for name, grad in runs["none"][2].items():
             torch.testing.assert_close(runs[mode][2][name], grad, **TOL, msg=lambda m: f"{mode} {name}: {m}")
+
+
+def test_a_frozen_router_keeps_its_weights_and_the_experts_train():
+    """model.freeze_router: the routers take no gradient (the experts and the rest still do); without experts the
+    key is refused, naming it."""
+    from rayspeed.config.load import parse
+    from rayspeed.config.shape import ModelShape
+    from rayspeed.errors import ConfigError
+    from rayspeed.engine.transforms import apply_transforms
+    from rayspeed.model.moe import MoE
+    from rayspeed.model.transformer import Transformer
+
+    model_keys = dict(architecture="MixtralForCausalLM", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=48, vocab_size=256, seq_len=SEQ, num_experts=4, freeze_router=True)
+    parallel = {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0, "sequence_parallel": False,
+                "activation_checkpointing": "none"}
+    cfg = parse({"name": "t", "model": model_keys, "parallel": parallel, "cluster": {"num_workers": 1}})
+    model = Transformer(ModelShape.from_config(cfg.model), seed=3)
+    assert ("router_freeze", "2 routers frozen") in apply_transforms(model, cfg, None, on_gpu=False)
+    ids = _ids(256, 2)
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    assert all(m.router.weight.grad is None and not m.router.weight.requires_grad for m in moe)
+    assert all(m.w_gate.grad is not None and m.w_gate.grad.abs().sum() > 0 for m in moe)
+
+    with pytest.raises(ConfigError) as refused:
+        parse({"name": "t", "model": {**model_keys, "architecture": "LlamaForCausalLM", "num_experts": 0},
+               "parallel": parallel, "cluster": {"num_workers": 1}})
+    assert "model.freeze_router: true needs a mixture of experts" in str(refused.value)

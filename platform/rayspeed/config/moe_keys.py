@@ -66,6 +66,9 @@ def moe_problems(cfg: Any) -> list[str]:
     model, par = cfg.model, cfg.parallel
     experts = int(getattr(model, "num_experts", 0) or 0)
     if not experts:
+        if getattr(model, "freeze_router", False):
+            return ["model.freeze_router: true needs a mixture of experts (model.num_experts is 0); set "
+                    "model.freeze_router: false"]
         return []
     from rayspeed import families
 

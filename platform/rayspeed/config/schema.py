@@ -80,8 +80,12 @@ class ModelConfig:
     others dense); null: every layer."""
     router_aux_loss_coef: Optional[float] = None
     """Weight of the load-balancing loss added to the training loss (Switch Transformer's, pooled over the layers
-    and the step's tokens of every rank, as transformers computes it; logged as moe/aux_loss, train/loss stays the
-    language-model loss); null: config.json's router_aux_loss_coef (0.001 by default); 0: none."""
+    and tokens of each forward, one micro-batch of one rank, as transformers computes it for its batch; moe/aux_loss
+    is its mean over the step's forwards, train/loss stays the language-model loss); null: config.json's
+    router_aux_loss_coef (0.001 by default); 0: none."""
+    freeze_router: bool = False
+    """Keep every MoE layer's router weights as loaded (a fine-tune that must not move the routing; the balance
+    loss then trains nothing: set router_aux_loss_coef: 0 with it)."""
     vocab_size: int = 256
     """Vocabulary size (256 with the byte tokenizer)."""
     seq_len: int = 128
@@ -326,7 +330,8 @@ class TrackingConfig:
     system_metrics: bool = True
     """Log CPU/GPU/memory system metrics under system/."""
     charts_every_checkpoints: int = 5
-    """Re-render the five dashboard charts (charts/*.png) every N checkpoints (0: only at the end)."""
+    """Re-render the five dashboard charts (charts/*.png), and a mixture of experts' moe/expert_load/, every N
+    checkpoints (0: only at the end)."""
     loss_landscape: bool = True
     """At the end, evaluate the loss around the final weights along random filter-normalised directions."""
     register_model: str = AUTO

@@ -1,6 +1,6 @@
 """What is done to the model of a rank, in one declared order, after it is built and its weights are in:
 
-    tensor_parallel -> expert_parallel -> pipeline_split -> adapters -> context_parallel
+    tensor_parallel -> expert_parallel -> pipeline_split -> router_freeze -> adapters -> context_parallel
         -> activation_checkpointing -> compile
 
     applied = apply_transforms(model, cfg, groups, on_gpu)     # [(name, what it did)], logged as one line
@@ -66,6 +66,17 @@ def _activation_checkpointing(model: torch.nn.Module, cfg: Any, groups: Any, on_
     for b in blocks:
         b.activation_checkpointing = mode
     return f"{mode} on {len(blocks)} blocks"
+
+
+def _router_freeze(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
+    if not cfg.model.freeze_router:
+        return None
+    from rayspeed.model.moe import MoE
+
+    routers = [m.router for m in model.modules() if isinstance(m, MoE)]
+    for router in routers:
+        router.weight.requires_grad_(False)
+    return f"{len(routers)} routers frozen"
 
 
 def _adapters(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
@@ -154,6 +165,7 @@ ORDER = (
     Transform("expert_parallel", "slot: each rank holds its experts"),
     Transform("pipeline_split", "each stage holds its layers under their global names (layers.{i}.*)",
               at_build=_pipeline_split),
+    Transform("router_freeze", "none", apply=_router_freeze),
     Transform("adapters", "adapter weights beside the frozen base names (<layer>.adapter.lora_A / lora_B / "
               "magnitude)", apply=_adapters),
     Transform("context_parallel", "slot: none (attention over a sequence split)"),

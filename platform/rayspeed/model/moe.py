@@ -4,12 +4,13 @@ experts take it, weighted by their softmax probabilities (renormalised over the 
 the weighted sum of their SwiGLU outputs is the MLP's output.
 
 The load-balancing statistics (top-k assignments per expert, summed router probabilities, rows) of every MoE layer
-go to the model's `RouterStats`, which pools them as transformers' load_balancing_loss_func does.
+go to the model's `RouterStats`, which pools them as transformers' load_balancing_loss_func does, and adds a
+training forward's tokens per expert and balance loss to its `LoadWindow` (what moe/* metrics report).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,29 @@ import torch.nn.functional as F
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.parallel.layers import NO_TP, sharded_parameter
+
+
+class LoadWindow:
+    """Training forwards since the last take(): tokens routed to each expert of each MoE layer [layers, experts],
+    the sum of their balance losses, how many, and the tokens dropped (none: routing is dropless)."""
+
+    def __init__(self):
+        self.counts: Optional[torch.Tensor] = None
+        self.aux: Any = 0.0
+        self.forwards = 0
+        self.dropped = 0
+
+    def add(self, counts: torch.Tensor, aux: torch.Tensor) -> None:
+        counts = counts.detach()
+        self.counts = counts.clone() if self.counts is None else self.counts + counts
+        self.aux = aux.detach() + self.aux
+        self.forwards += 1
+
+    def take(self) -> "LoadWindow":
+        taken = LoadWindow()
+        taken.counts, taken.aux, taken.forwards, taken.dropped = self.counts, self.aux, self.forwards, self.dropped
+        self.counts, self.aux, self.forwards, self.dropped = None, 0.0, 0, 0
+        return taken
 
 
 class RouterStats:
@@ -29,9 +53,12 @@ class RouterStats:
         self.counts: list[torch.Tensor] = []
         self.probs: list[torch.Tensor] = []
         self.rows = 0
+        self.windowed = False
+        self.window = LoadWindow()
 
-    def start(self) -> None:
-        self.counts, self.probs, self.rows, self.recording = [], [], 0, True
+    def start(self, windowed: bool = False) -> None:
+        """A forward begins; windowed: it trains, so its load goes to the window (evaluation's does not)."""
+        self.counts, self.probs, self.rows, self.recording, self.windowed = [], [], 0, True, windowed
 
     def add(self, counts: torch.Tensor, probs: torch.Tensor, rows: int) -> None:
         if self.recording:  # not while a checkpointed block is recomputed in backward
@@ -43,8 +70,12 @@ class RouterStats:
         self.recording = False
         if not self.counts:
             return None
-        counts, probs = torch.stack(self.counts).sum(0), torch.stack(self.probs).sum(0)
-        return self.num_experts * torch.sum((counts / self.rows) * (probs / self.rows))
+        per_layer = torch.stack(self.counts)
+        counts, probs = per_layer.sum(0), torch.stack(self.probs).sum(0)
+        aux = self.num_experts * torch.sum((counts / self.rows) * (probs / self.rows))
+        if self.windowed:
+            self.window.add(per_layer, aux)
+        return aux
 
     def load(self) -> Optional[torch.Tensor]:
         """Tokens per expert of each MoE layer of the last forward, [layers, experts] (no gradient)."""

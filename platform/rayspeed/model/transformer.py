@@ -354,7 +354,7 @@ class Transformer(nn.Module):
         data x cp) is the unsplit loss."""
         x = self.embed(input_ids)
         if self.router_stats is not None:
-            self.router_stats.start()
+            self.router_stats.start(windowed=self.training and torch.is_grad_enabled())
         where = SequenceLayout(self.cp, input_ids.shape[1], segment_ids, x.device) if self.cp.enabled else segment_ids
         for layer in self.layers:
             x = layer(x, where)

@@ -106,6 +106,8 @@ class MetricsCallback(Callback):
         # (last step of the window counted from this attempt's start, steps in it, seconds per step): the planner's
         # feedback compares its prediction with the steady-state windows (rayspeed.planner.feedback).
         self.perf_windows: list[tuple[int, int, float]] = []
+        # Others' metrics for the same log step (collectives: every rank calls them), e.g. the experts' load.
+        self.sources: list[Callable[[TrainState], dict[str, float]]] = []
 
     def should_log(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.cfg.train.max_steps
@@ -196,6 +198,8 @@ class MetricsCallback(Callback):
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
         metrics.update(self.comm.metrics())
+        for source in self.sources:
+            metrics.update(source(state))
         if step_time:
             self.perf_windows.append((step - state.start_step, w.steps, step_time))
         metrics.update(plan_metrics(self.plan.best, self.perf_windows, worst_rank_peak_memory_gib(self.device)))

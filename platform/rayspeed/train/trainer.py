@@ -184,13 +184,29 @@ class Trainer:
         metrics = MetricsCallback(c, self.plan, ctx, self.groups, self.device, events, tracker, step.lr,
                                   step.global_grad_norm, engine=self.engine)
         step.timing = metrics
-        for cb in (self.mlflow, RecoveryCallback(ctx, tracker, self.attempt_started),
+        expert_load = self.expert_load(tracker)  # after the tracker: its last artifact goes before the run closes
+        if expert_load is not None:
+            metrics.sources.append(expert_load.metrics)
+        for cb in (self.mlflow, *([expert_load] if expert_load is not None else []),
+                   RecoveryCallback(ctx, tracker, self.attempt_started),
                    *(load_callback(name) for name in c.train.callbacks),
                    OutputsCallback(c, ctx, self.payload, self.engine, self.groups, self.device, self.checkpointer,
                                    self.validator_batches, self.mlflow),
                    metrics, ValidationCallback(self.validator, self.engine, events)):
             events.add(cb)
         return events
+
+    def expert_load(self, tracker: Any) -> Any:
+        """The moe/* metrics and artifacts of a mixture of experts (None for a dense model)."""
+        stats = getattr(self.engine.module, "router_stats", None)
+        if stats is None:
+            return None
+        from rayspeed.config.shape import ModelShape
+        from rayspeed.train.moe_callback import ExpertLoad
+
+        dims = ModelShape.from_config(self.cfg.model)
+        return ExpertLoad(stats, [i for i in range(dims.num_layers) if dims.is_moe(i)], self.groups, self.device,
+                          tracker, every=self.cfg.tracking.charts_every_checkpoints)
 
     def train(self) -> RunResult:
         c, start = self.cfg, self.state["step"]
