@@ -23,8 +23,8 @@ def _model():
 
 
 def test_the_declared_order():
-    assert [t.name for t in ORDER] == ["tensor_parallel", "expert_parallel", "pipeline_split", "router_freeze", "adapters",
-                                       "context_parallel", "activation_checkpointing", "compile"]
+    assert [t.name for t in ORDER] == ["tensor_parallel", "expert_parallel", "pipeline_split", "router_freeze",
+                                       "adapters", "context_parallel", "activation_checkpointing", "compile"]
     assert all(t.name_map for t in ORDER)
 
 

@@ -182,8 +182,8 @@ def test_a_frozen_router_keeps_its_weights_and_the_experts_train():
     key is refused, naming it."""
     from rayspeed.config.load import parse
     from rayspeed.config.shape import ModelShape
-    from rayspeed.errors import ConfigError
     from rayspeed.engine.transforms import apply_transforms
+    from rayspeed.errors import ConfigError
     from rayspeed.model.moe import MoE
     from rayspeed.model.transformer import Transformer
 

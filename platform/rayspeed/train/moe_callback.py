@@ -1,8 +1,9 @@
 """How a mixture of experts routes, in MLflow: at every log step moe/aux_loss, moe/load_imbalance (the worst MoE
 layer's max over mean tokens per expert), moe/load_imbalance_layer (which layer that is) and moe/dropped_tokens,
-over the window's training forwards of every data-parallel rank; every tracking.charts_every_checkpoints checkpoints
-(the dashboard charts' cadence) and at the end, the tokens each expert of each layer took since the last such file, as moe/expert_load/step_<N>.json and a heatmap beside it (a few
-thousand numbers per file rather than thousands of metric keys).
+over the window's training forwards of every data-parallel rank; every tracking.charts_every_checkpoints
+checkpoints (the dashboard charts' cadence) and at the end, the tokens each expert of each layer took since the
+last such file, as moe/expert_load/step_<N>.json and a heatmap beside it (a few thousand numbers per file rather
+than thousands of metric keys).
 
     load = ExpertLoad(model.router_stats, moe_layers, groups, device, tracker, every=5)
     metrics.sources.append(load.metrics)      # rayspeed.train.metrics_callback: one dict per log step
