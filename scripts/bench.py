@@ -3,7 +3,7 @@
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
                             [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory,
-                                   pipeline_overhead,context_parallel]
+                                   pipeline_overhead,context_parallel,moe]
                             [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -44,6 +44,10 @@ Lines (in this order; "bench" names each):
                 model is built) of one 4096-token sequence through a 4-layer model, forward and backward, at cp 1
                 and at cp 2 (ulysses, ring), 2 gloo ranks, beside the planner's activations + logits + gradients
                 for the same layout: measured_mib, predicted_mib, ratio. About 30 seconds.
+  moe_experts   scripts/bench_moe.py: one mixture-of-experts layer (2048 tokens, 32 experts, top 4), forward and
+                backward, its experts as grouped matrix products (rayspeed's layer) against a Python loop over the
+                experts on the same weights: grouped_ms, loop_ms, loop_over_grouped, max_abs_diff (outputs and
+                gradients). A few seconds.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
@@ -562,6 +566,15 @@ def bench_context_parallel(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "context_parallel", "status": "failed", "rc": proc.returncode}]
 
 
+def bench_moe(args) -> list[dict[str, Any]]:
+    _note("moe: grouped experts against a loop over them (scripts/bench_moe.py)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"))
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_moe.py")], cwd=str(ROOT), env=env,
+                          stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines or [{"bench": "moe_experts", "status": "failed", "rc": proc.returncode}]
+
+
 def bench_gpu(args) -> list[dict[str, Any]]:
     try:
         import torch
@@ -626,8 +639,8 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,context_parallel",
-                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, context_parallel, "
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,context_parallel,moe",
+                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, context_parallel, moe, "
                     "plan_accuracy, activation_memory, pipeline_overhead (the last three not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
@@ -660,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_pipeline_overhead(args)
         if "context_parallel" in only:
             lines += bench_context_parallel(args)
+        if "moe" in only:
+            lines += bench_moe(args)
         if "gpu" in only:
             lines += bench_gpu(args)
         if "checkpoint" in only:

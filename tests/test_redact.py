@@ -13,7 +13,8 @@ def test_secret_names(name):
 
 
 @pytest.mark.parametrize("name", ["data.tokenizer", "max_tokens", "monkey", "RAY_AUTH_MODE", "AWS_ACCESS_KEY_ID",
-                                  "AWS_WEB_IDENTITY_TOKEN_FILE", "NCCL_SOCKET_IFNAME", "tracking.uri", "keyboard"])
+                                  "AWS_WEB_IDENTITY_TOKEN_FILE", "NCCL_SOCKET_IFNAME", "tracking.uri", "keyboard",
+                                  "model.experts_per_token"])
 def test_names_that_are_not_secrets(name):
     assert not is_secret_key(name)
 

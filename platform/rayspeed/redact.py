@@ -14,7 +14,8 @@ environment, the MLflow client).
 Names are split into words (on `_ . - /`, spaces and camelCase); a name is secret when one of its words is a secret
 word or ends with one of the unambiguous ones (`PGPASSWORD`, `githubtoken`), or when its last word is `pass` or
 `pat` (`DB_PASS`, `GITHUB_PAT`). So `data.tokenizer`, `max_tokens` or `monkey` are not secrets while
-`cluster.env.HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`, `apiKey` and `MLFLOW_TRACKING_PASSWORD` are. Names whose last word
+`cluster.env.HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`, `apiKey` and `MLFLOW_TRACKING_PASSWORD` are; a word after `per`
+is a rate (`model.experts_per_token` is a setting). Names whose last word
 says the value is a mode, a type, a file location or a size (`RAY_AUTH_MODE`, `AWS_WEB_IDENTITY_TOKEN_FILE`,
 `password_min_len`) are not: their values are settings.
 
@@ -87,7 +88,9 @@ def is_secret_key(name: Any) -> bool:
         return False
     if words[-1] in SECRET_LAST_WORDS:
         return True
-    return any(w in SECRET_WORDS or w.endswith(SECRET_SUFFIXES) for w in words)
+    # "per <word>" is a rate, a setting: model.experts_per_token, requests_per_key.
+    return any((w in SECRET_WORDS or w.endswith(SECRET_SUFFIXES)) and not (i and words[i - 1] == "per")
+               for i, w in enumerate(words))
 
 
 def is_path(value: str) -> bool:

@@ -25,35 +25,40 @@ SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidd
 
 def test_registry_finds_each_family_by_architecture_and_model_type():
     assert families.names() == ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                                "Olmo2ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+                                "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                                "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     for fam in families.FAMILIES:
         assert families.by_architecture(fam.architecture) is fam
         assert families.by_model_type(fam.model_type) is fam
-    assert [f.model_type for f in families.FAMILIES] == ["gemma2", "gemma3_text", "llama", "mistral", "olmo2", "phi3",
-                                                        "qwen2", "qwen3"]
+    assert [f.model_type for f in families.FAMILIES] == ["gemma2", "gemma3_text", "llama", "mistral", "mixtral",
+                                                        "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe"]
     assert families.DEFAULT is families.by_architecture("LlamaForCausalLM")
     assert families.find("GPT2LMHeadModel") is None
     with pytest.raises(KeyError, match="supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, "
-                                      "MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
-                                      "Qwen3ForCausalLM"):
+                                      "MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, "
+                                      "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         families.by_architecture("GPT2LMHeadModel")
     with pytest.raises(KeyError, match="gpt2"):
         families.by_model_type("gpt2")
 
 
 def test_the_records_say_what_differs_between_families():
-    gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3 = families.FAMILIES
-    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, False, False, False, False, True, False]
-    assert [f.qk_norm for f in families.FAMILIES] == [False, True, False, False, True, False, False, True]
-    assert [f.softcapping for f in families.FAMILIES] == [True] + [False] * 7
+    gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe = families.FAMILIES
+    assert [f.qkv_bias for f in families.FAMILIES] == [False] * 7 + [True, False, False]
+    assert [f.qk_norm for f in families.FAMILIES] == [False, True, False, False, False, True, False, False, True, True]
+    assert [f.softcapping for f in families.FAMILIES] == [True] + [False] * 9
+    assert [f for f in families.FAMILIES if f.moe is not None] == [mixtral, qwen3_moe]  # experts: model/moe.py
+    assert qwen3_moe.block_module == qwen3.block_module  # Qwen3's attention, q/k norms included
     assert (olmo2.qk_norm_width, qwen3.qk_norm_width) == ("projection", "head")  # OLMo 2: over heads x head_dim
     assert not any(f.o_bias for f in families.FAMILIES)
     assert [f.norm for f in families.FAMILIES] == ["rmsnorm_offset", "rmsnorm_offset", "rmsnorm", "rmsnorm",
-                                                   "rmsnorm_fp32_weight", "rmsnorm", "rmsnorm", "rmsnorm"]
-    assert [f.sliding_window for f in families.FAMILIES] == ["layer_types", "layer_types", "none", "all_layers", "none",
-                                                             "all_layers", "use_flag", "use_flag"]
-    assert [f.block_module for f in families.FAMILIES] == ["gemma2_block", "gemma3_block", None, None, "olmo2_block",
-                                                           None, None, "qwen3_block"]
+                                                   "rmsnorm", "rmsnorm_fp32_weight", "rmsnorm", "rmsnorm", "rmsnorm",
+                                                   "rmsnorm"]
+    assert [f.sliding_window for f in families.FAMILIES] == ["layer_types", "layer_types", "none", "all_layers",
+                                                             "all_layers", "none", "all_layers", "use_flag",
+                                                             "use_flag", "use_flag"]
+    assert [f.block_module for f in families.FAMILIES] == ["gemma2_block", "gemma3_block", None, None, None,
+                                                           "olmo2_block", None, None, "qwen3_block", "qwen3_block"]
     assert gemma2.tensor_names.in_layer.keys() < gemma3.tensor_names.in_layer.keys()  # Gemma 3 adds q/k norms
     # Phi-3's fused checkpoint tensors, each part's rows in order.
     assert phi3.tensor_names.fused_parts("model.layers.3.self_attn.qkv_proj.weight") == (

@@ -7,6 +7,7 @@ Where the weights come from, by the layout in the manifest:
   * ZeRO 1-3 without tensor or pipeline parallelism: DeepSpeed's own consolidation
     (`deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`), which assembles the fp32
     master weights from the data-parallel partitions (exact for bf16/fp16 training too);
+  * expert parallelism (ZeRO 0-2): each ep rank's module states, the expert stacks concatenated in rank order;
   * otherwise (ZeRO 0, or tp/pp > 1 with ZeRO 0-1): the module states DeepSpeed writes per tensor-parallel
     rank (`mp_rank_XX_model_states.pt`) or per pipeline layer (`layer_XX-model_YY-model_states.pt`),
     concatenated along each parameter's tensor-parallel dimension. Those hold the training dtype's copy: a
@@ -83,6 +84,22 @@ def _module_states(ds: Path, tp: int, names: TensorNames) -> dict[str, Any]:
     return _merge_tp(parts, names)
 
 
+def _expert_states(ds: Path, ep: int) -> dict[str, Any]:
+    """The module states of each ep rank (DeepSpeed's model-parallel files under expert parallelism, tp 1): the
+    expert stacks (layers.i.mlp.w_gate / w_up / w_down) concatenated in rank order, the rest from rank 0."""
+    import torch
+
+    parts = []
+    for r in range(ep):
+        f = ds / deepspeed_state.model_states_file(r)
+        if not f.is_file():
+            raise ConsolidateError(f"{ds}: {f.name} is missing")
+        parts.append(dict(_load(f)["module"]))
+    experts = (".mlp.w_gate", ".mlp.w_up", ".mlp.w_down")
+    return {name: torch.cat([p[name].float() for p in parts]) if name.endswith(experts) else value.float()
+            for name, value in parts[0].items()}
+
+
 def _layer_prefix(idx: int, num_layers: int) -> Optional[str]:
     """Canonical prefix of pipeline layer spec idx: [embed] [block 0..L-1] [final norm] [head or tied embed]."""
     if idx == 0:
@@ -124,7 +141,15 @@ def consolidate(ckpt_dir: str, model_section: Optional[dict[str, Any]] = None
     tp, pp, zero = int(layout.get("tp", 1)), int(layout.get("pp", 1)), int(layout.get("zero_stage", 0))
     ds = path / deepspeed_state.TAG
     notes = [f"{path.name}: step {meta.get('step')}, layout dp={layout.get('dp')} tp={tp} pp={pp} ZeRO-{zero}"]
-    if zero >= 1 and tp == 1 and pp == 1:
+    ep = int(layout.get("ep", 1))
+    if ep > 1:
+        if zero == 3:
+            raise ConsolidateError(f"{path}: ZeRO-3 with ep={ep} cannot be consolidated here; export from the MLflow "
+                                   "run id (the job logs its full model at the end)")
+        state = _expert_states(ds, ep)
+        if meta.get("precision", "fp32") not in ("fp32", None):
+            notes.append(f"weights from the module states, i.e. the {meta.get('precision')} training copy")
+    elif zero >= 1 and tp == 1 and pp == 1:
         state = deepspeed_state.fp32_from_zero(path)
         notes.append("fp32 master weights consolidated by deepspeed.utils.zero_to_fp32")
     elif zero == 3:

@@ -103,6 +103,7 @@ class CheckpointManager:
         self._local = self.placement.local_copy(self.chosen, self.ctx)
         now = Layout.from_parallel(self.cfg.parallel).partition()
         old_zero = int(((self.meta or {}).get("layout") or {}).get("zero_stage", 0))
+        resume.refuse_expert_conversion(self.meta or {}, now, manifest.name_of(self.chosen))
         if old_zero == 0 and now["zero_stage"] > 0:
             # A ZeRO-0 checkpoint holds whole weights and a plain optimizer state dict, not the partitions the
             # universal converter reads: the weights carry over, the optimizer state starts again.

@@ -69,6 +69,22 @@ def needs_universal(manifest: dict[str, Any], layout: dict[str, Any]) -> bool:
     return bool(before and now and [int(n) for n in before] != [int(n) for n in now])
 
 
+def refuse_expert_conversion(manifest: dict[str, Any], layout: dict[str, Any], name: str) -> None:
+    """Raise when resuming would convert a mixture of experts' shards between layouts: DeepSpeed's universal
+    conversion reads the ep ranks' expert rows as tensor-parallel slices, and a changed ep moves experts between
+    ranks; neither is built yet. ZeRO-0 at the same ep restores any dp (its files are per ep rank)."""
+    old = manifest.get("layout") or {}
+    old_ep, new_ep = int(old.get("ep", 1)), int(layout.get("ep", 1))
+    if old_ep == 1 and new_ep == 1:
+        return
+    if old_ep != new_ep or needs_universal(manifest, layout):
+        raise RuntimeError(
+            f"resume from {name}: it was written at ep {old_ep}, dp {old.get('dp')}, ZeRO-{old.get('zero_stage', 0)} "
+            f"and this attempt runs ep {new_ep}, dp {layout.get('dp')}, ZeRO-{layout.get('zero_stage', 0)}: converting "
+            f"expert shards between layouts is not built yet; resume with parallel.ep: {old_ep} and parallel.dp: "
+            f"{old.get('dp')} (at ZeRO-0 any dp that ep divides)")
+
+
 def conversion_workers() -> int:
     """Worker processes for DeepSpeed's extract and merge phases: the node's cores, up to 8 (the phases are
     I/O- and unpickling-bound; more workers than that only add memory)."""

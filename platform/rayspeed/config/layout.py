@@ -13,14 +13,15 @@ from typing import Any, Mapping, Optional
 
 CHECKPOINT_MODES = ("none", "selective", "full")
 LAYOUT_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum", "sequence_parallel",
-               "activation_checkpointing", "cp")
+               "activation_checkpointing", "cp", "ep")
 # The keys a ZeRO partition is tied to: a checkpoint written under other values needs a universal conversion.
-# cp belongs here: ZeRO partitions over dp x cp (a manifest without it was written at cp 1).
-PARTITION_KEYS = ("dp", "tp", "pp", "zero_stage", "cp")
+# cp belongs here: ZeRO partitions over dp x cp (a manifest without it was written at cp 1); ep too: experts split
+# over it, and ZeRO partitions over dp / ep.
+PARTITION_KEYS = ("dp", "tp", "pp", "zero_stage", "cp", "ep")
 # What a manifest and a run result record (the integer degrees and batch split).
-RECORD_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum", "cp")
+RECORD_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum", "cp", "ep")
 # What a key reads as in a record written before it existed.
-RECORD_DEFAULTS = {"cp": 1}
+RECORD_DEFAULTS = {"cp": 1, "ep": 1}
 
 
 class LayoutError(ValueError):
@@ -53,17 +54,22 @@ class Layout:
     """Transformer blocks per pipeline stage, first to last (None: as even as the engine splits them)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over this many ranks (rayspeed.parallel.context_parallel)."""
+    ep: int = 1
+    """Expert-parallel degree: a mixture of experts' experts split over this many data-parallel ranks (ep divides
+    dp; rayspeed.parallel.expert_parallel)."""
 
     def __post_init__(self) -> None:
-        degrees = (self.dp, self.tp, self.pp, self.micro_batch_size, self.grad_accum, self.hpz, self.cp)
+        degrees = (self.dp, self.tp, self.pp, self.micro_batch_size, self.grad_accum, self.hpz, self.cp, self.ep)
         if not all(type(v) is int and v >= 1 for v in degrees):  # the common case checked cheaply (planner search)
-            names = ("dp", "tp", "pp", "micro_batch_size", "grad_accum", "hpz", "cp")
+            names = ("dp", "tp", "pp", "micro_batch_size", "grad_accum", "hpz", "cp", "ep")
             bad = [f"{k} {getattr(self, k)}" for k in names
                    if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         else:
             bad = []
         if bad:
             raise LayoutError(f"layout degrees must be integers >= 1: {', '.join(bad)}")
+        if self.dp % self.ep:
+            raise LayoutError(f"ep ({self.ep}) must divide dp ({self.dp}): experts are split over data-parallel ranks")
         if self.zero_stage not in (0, 1, 2, 3):
             raise LayoutError(f"zero_stage {self.zero_stage!r} is not 0, 1, 2 or 3")
         if self.activation_checkpointing not in CHECKPOINT_MODES:
@@ -89,8 +95,9 @@ class Layout:
     @property
     def zero_ranks(self) -> int:
         """Ranks a ZeRO partition and the gradient reduction span: dp x cp (cp ranks hold the same weights and
-        their gradients add up)."""
-        return self.dp * self.cp
+        their gradients add up), divided by ep: under expert parallelism DeepSpeed partitions over the ranks holding
+        the same experts (the weights every ep rank holds alike are averaged over ep first)."""
+        return self.dp * self.cp // self.ep
 
     def check_world(self, world_size: int) -> None:
         """Raise LayoutError unless dp x cp x tp x pp is exactly the world."""
@@ -128,6 +135,7 @@ class Layout:
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
+        cp += f" ep{self.ep}" if self.ep > 1 else ""
         hpz = f" hpz{self.hpz}" if self.hpz > 1 else ""
         split = f" stages={'/'.join(map(str, self.stage_layers))}" if self.stage_layers is not None else ""
         return (f"dp{self.dp}{cp} tp{self.tp}{sp} pp{self.pp}{split} zero{self.zero_stage}{hpz} "
@@ -139,15 +147,17 @@ class Layout:
         split = getattr(par, "stage_layers", None)
         return cls(int(par.dp), int(par.tp), int(par.pp), int(par.zero_stage), int(par.micro_batch_size),
                    int(par.grad_accum), bool(par.sequence_parallel), str(par.activation_checkpointing),
-                   stage_layers=tuple(split) if split else None, cp=int(getattr(par, "cp", 1)))
+                   stage_layers=tuple(split) if split else None, cp=int(getattr(par, "cp", 1)),
+                   ep=int(getattr(par, "ep", 1)))
 
     @classmethod
     def from_record(cls, d: Mapping[str, Any]) -> "Layout":
         """From a manifest's or result's `layout` (older manifests carry neither stage_layers nor sp/ac nor cp)."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
-        if kw.get("cp") is None:
-            kw["cp"] = 1
+        for key, default in RECORD_DEFAULTS.items():
+            if kw.get(key) is None:
+                kw[key] = default
         if kw.get("stage_layers") is not None:
             kw["stage_layers"] = tuple(int(n) for n in kw["stage_layers"])
         return cls(**kw)

@@ -65,11 +65,17 @@ def moe_problems(cfg: Any) -> list[str]:
     key and the fix."""
     model, par = cfg.model, cfg.parallel
     experts = int(getattr(model, "num_experts", 0) or 0)
+    ep = getattr(par, "ep", 1)
+    if isinstance(ep, int) and ep < 1:
+        return [f"parallel.ep: must be >= 1 or auto, got {ep}"]
     if not experts:
+        out = []
         if getattr(model, "freeze_router", False):
-            return ["model.freeze_router: true needs a mixture of experts (model.num_experts is 0); set "
-                    "model.freeze_router: false"]
-        return []
+            out.append("model.freeze_router: true needs a mixture of experts (model.num_experts is 0); set "
+                       "model.freeze_router: false")
+        if ep not in (1, "auto"):
+            out.append(f"parallel.ep: {ep} needs a mixture of experts (model.num_experts is 0); set parallel.ep: 1")
+        return out
     from rayspeed import families
 
     family = families.find(model.architecture)
@@ -98,6 +104,16 @@ def moe_problems(cfg: Any) -> list[str]:
             out.append(f"parallel.{key}: {value} with a mixture of experts (model.num_experts "
                        f"{model.num_experts}): {why}; set parallel.{key}: 1 (the experts are replicated on every "
                        "data-parallel rank: ZeRO shards them)")
+    if ep not in (1, "auto"):
+        if experts % int(ep):
+            out.append(f"parallel.ep: {ep} must divide model.num_experts ({experts}); use a divisor of it")
+        dp = getattr(par, "dp", "auto")
+        if dp != "auto" and int(dp) % int(ep):
+            out.append(f"parallel.ep: {ep} must divide parallel.dp ({dp}): experts are split over data-parallel "
+                       "ranks")
+        if getattr(par, "pp", 1) not in (1, "auto"):
+            out.append(f"parallel.ep: {ep} with parallel.pp: {par.pp}: the pipeline engine does not take expert "
+                       "parallelism yet; set parallel.pp: 1")
     if getattr(model.adapter, "type", "none") != "none":
         out.append("model.adapter.type: adapters on a mixture of experts are not built yet; set model.adapter.type: "
                    "none")

@@ -220,6 +220,10 @@ class ParallelConfig:
     cp: Union[int, Auto] = AUTO
     """Context-parallel degree: each sequence split over this many ranks, activations per rank divided by cp (16k+
     tokens). auto: the planner weighs it where every rank keeps 2048+ tokens of each sequence; else 1."""
+    ep: Union[int, Auto] = AUTO
+    """Expert-parallel degree (a mixture of experts): each MoE layer's experts split over this many data-parallel
+    ranks, tokens sent to them by all-to-all; divides dp and model.num_experts. auto: the planner's pick (1 for a
+    dense model)."""
     cp_scheme: Literal["auto", "ulysses", "ring"] = AUTO
     """ulysses (all-to-alls; a tp rank's heads split over cp) or ring (k/v go around). auto: ulysses if heads split."""
     stage_layers: Optional[list[int]] = None

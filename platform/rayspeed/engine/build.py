@@ -97,6 +97,10 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
     kwargs: dict[str, Any] = dict(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     if not pipelined:
         kwargs["mpu"] = groups
+        if getattr(groups, "ep_size", 1) > 1:  # ZeRO over the ranks holding the same experts
+            from rayspeed.parallel.expert_parallel import DeepSpeedView
+
+            kwargs["mpu"] = DeepSpeedView(groups)
     if cfg.parallel.zero_stage == 3 and getattr(groups, "cp_size", 1) > 1:  # ZeRO-3 partitions over dp x cp
         from rayspeed import compat
 

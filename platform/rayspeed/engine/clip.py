@@ -24,7 +24,9 @@ class GradClipper:
         params = [p for p in parameters if p.requires_grad]
         tp_sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
         self.sharded = [p for p in params if tp_sharded and getattr(p, "tensor_model_parallel", False)]
-        ids = {id(p) for p in self.sharded}
+        # Experts split over ep (rayspeed.parallel.expert_parallel): each rank's are summed over the ep group.
+        self.experts = [p for p in params if getattr(p, "expert_parallel", False)]
+        ids = {id(p) for p in self.sharded + self.experts}
         self.replicated = [p for p in params if id(p) not in ids]
         self.params = params
         self.max_norm = float(max_norm)
@@ -46,6 +48,11 @@ class GradClipper:
                 shard = torch.zeros((), device=self.params[0].device)
             dist.all_reduce(shard, group=self.tp_group)
             sq = shard if sq is None else sq + shard
+        if self.experts:
+            held = self._sq(self.experts)
+            held = torch.zeros((), device=self.params[0].device) if held is None else held
+            dist.all_reduce(held, group=self.experts[0].expert_group)
+            sq = held if sq is None else sq + held
         if sq is None:
             return torch.zeros(())
         norm = sq.sqrt()
@@ -57,8 +64,11 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter], tp_group: Any = N
                      ) -> torch.Tensor:
     """The L2 norm of the model's gradients where DeepSpeed computes none (ZeRO-0 fp32), the same on every rank: this
     rank's replicated gradients, its tensor-parallel shards summed over the tp group, every pipeline stage's part
-    summed over the pp group (a weight tied across stages counts once per stage holding it)."""
+    summed over the pp group (a weight tied across stages counts once per stage holding it), its experts summed over
+    the ep group (each rank holds others)."""
     params = [p for p in parameters if p.grad is not None]
+    experts = [p for p in params if getattr(p, "expert_parallel", False)]
+    params = [p for p in params if not getattr(p, "expert_parallel", False)]
     sharded_tp = tp_group is not None and dist.get_world_size(tp_group) > 1
     shards = [p for p in params if sharded_tp and getattr(p, "tensor_model_parallel", False)]
     ids = {id(p) for p in shards}
@@ -70,6 +80,11 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter], tp_group: Any = N
         shard = torch.zeros((), device=device) if shard is None else shard
         dist.all_reduce(shard, group=tp_group)
         sq = sq + shard
+    if experts:
+        held = GradClipper._sq(experts)
+        held = torch.zeros((), device=device) if held is None else held
+        dist.all_reduce(held, group=experts[0].expert_group)
+        sq = sq + held
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     return sq.sqrt()

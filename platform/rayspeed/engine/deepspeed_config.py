@@ -33,6 +33,11 @@ def batch_arithmetic_problems(cfg: JobConfig) -> list[str]:
     return []
 
 
+def _ep(par: Any) -> int:
+    ep = getattr(par, "ep", 1)
+    return ep if isinstance(ep, int) else 1
+
+
 def rayspeed_clips(cfg: JobConfig) -> bool:
     """True when the worker clips gradients itself (rayspeed.engine.clip) and DeepSpeed's `gradient_clipping`
     is 0: ZeRO-0, fp32, no pipeline, where DeepSpeed's clip adds a data-parallel all-reduce of norms every
@@ -84,7 +89,8 @@ def deepspeed_config(cfg: JobConfig, plan: dict[str, Any] | None = None) -> dict
             zero[key] = int(ds_plan[key])
 
     ds: dict[str, Any] = {
-        "train_batch_size": train.global_batch_size,
+        # Under ep DeepSpeed's data-parallel group is the experts' (dp / ep ranks): its batch arithmetic with it.
+        "train_batch_size": train.global_batch_size // _ep(par),
         "train_micro_batch_size_per_gpu": int(par.micro_batch_size),
         "gradient_accumulation_steps": int(par.grad_accum),
         # ZeRO-0 fp32: the worker clips (rayspeed.engine.clip), without DeepSpeed's extra all-reduce.

@@ -68,6 +68,30 @@ def _activation_checkpointing(model: torch.nn.Module, cfg: Any, groups: Any, on_
     return f"{mode} on {len(blocks)} blocks"
 
 
+def _expert_parallel(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
+    """Each rank keeps its experts; the weights every ep rank holds alike average their gradients over ep as they
+    accumulate (hooks registered before DeepSpeed's own, which then reduce over the ranks holding the same
+    experts: rayspeed.parallel.expert_parallel.DeepSpeedView)."""
+    ep = getattr(groups, "ep", None)
+    if ep is None or not ep.enabled:
+        return None
+    from rayspeed.model.moe import MoE
+    from rayspeed.parallel.expert_parallel import average_over_ep
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.shard_experts(ep)
+    shared = [p for p in model.parameters() if not getattr(p, "expert_parallel", False)]
+    average_over_ep(shared, ep)
+    if not getattr(groups, "tp", None) or not groups.tp.enabled:
+        # Unsplit at tp 1, but built with their split dimension marked: DeepSpeed would count them in a gradient
+        # norm on every ep rank (it counts marked weights on each piece of a replica), not once.
+        for p in shared:
+            p.tensor_model_parallel = False
+    held = ep.local_experts(layers[0].num_experts) if layers else range(0)
+    return f"ep {ep.world_size}: experts {held.start}..{held.stop - 1} of {len(layers)} MoE layers on this rank"
+
+
 def _router_freeze(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
     if not cfg.model.freeze_router:
         return None
@@ -162,7 +186,8 @@ def _compile(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Opt
 ORDER = (
     Transform("tensor_parallel", "each rank holds its slice of the column/row-parallel weights and the vocabulary "
               "(consolidation concatenates them on the family record's tp dims)", at_build=_tensor_parallel),
-    Transform("expert_parallel", "slot: each rank holds its experts"),
+    Transform("expert_parallel", "each rank holds its experts' rows of the stacks (layers.{i}.mlp.w_gate / w_up / "
+              "w_down, a slice along the experts; consolidation concatenates the ep ranks')", apply=_expert_parallel),
     Transform("pipeline_split", "each stage holds its layers under their global names (layers.{i}.*)",
               at_build=_pipeline_split),
     Transform("router_freeze", "none", apply=_router_freeze),

@@ -17,7 +17,7 @@ Where the weights come from:
     deepspeed.utils.safe_get_full_fp32_param, which assembles the data-parallel partitions (ZeRO-3
     included); otherwise the module's own parameters (fp32 training).
   * tp > 1: each parameter is all-gathered over the tensor-parallel group to its full shape
-    (rayspeed.parallel.layers.gather_full).
+    (rayspeed.parallel.layers.gather_full); ep > 1: each expert stack over the expert-parallel group, in rank order.
   * pp > 1: every stage names its parameters as the Transformer does (canonical_named_parameters) and
     sends them to global rank 0 (gather_object over the pipeline group of dp rank 0, tp rank 0).
 The whole model is assembled in rank 0's host memory, one parameter at a time on the accelerator side,
@@ -96,6 +96,10 @@ def _full_fp32(p: Any, tp: Any) -> Any:
         from rayspeed.parallel.layers import gather_full
 
         value = gather_full(value, p, tp)
+    if getattr(p, "expert_parallel", False):  # this rank's experts: the whole stack from every ep rank's
+        from rayspeed.parallel.expert_parallel import gather_experts
+
+        value = gather_experts(value, p.expert_group)
     return value.detach().to("cpu", copy=True).to(torch.float32).contiguous()
 
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rayspeed.config.shape import ModelShape
+from rayspeed.parallel.expert_parallel import NO_EP, Dispatch, ExpertParallel, ScaleGrad
 from rayspeed.parallel.layers import NO_TP, sharded_parameter
 
 
@@ -84,13 +85,14 @@ class RouterStats:
 
 class MoE(nn.Module):
     """Router and stacked experts of one layer: w_gate, w_up [experts, f, h], w_down [experts, h, f] (the hub's
-    per-expert matrices, stacked)."""
+    per-expert matrices, stacked); after shard_experts(ep), this rank's experts only (the router stays whole)."""
 
     def __init__(self, dims: ModelShape, seed: int, name: str, stats: Optional[RouterStats] = None):
         super().__init__()
         e, h, f = dims.num_experts, dims.hidden_size, dims.expert_ffn_hidden_size
         self.num_experts, self.top_k, self.normalise = e, dims.experts_per_token, dims.norm_topk_prob
         self.stats = stats
+        self.ep = NO_EP
         init = dict(std=dims.init_std, seed=seed)
         self.router = nn.Linear(h, e, bias=False)
         self.router.weight = sharded_parameter((e, h), None, NO_TP, key=f"{name}.router.weight", **init)
@@ -98,6 +100,20 @@ class MoE(nn.Module):
         self.w_up = sharded_parameter((e, f, h), None, NO_TP, key=f"{name}.w_up", **init)
         self.w_down = sharded_parameter((e, h, f), None, NO_TP, std=dims.residual_init_std, seed=seed,
                                         key=f"{name}.w_down")
+
+    def shard_experts(self, ep: ExpertParallel) -> None:
+        """Keep this rank's experts of the stacks (rank j of the ep group: experts j * E/ep onward). Their parameters
+        are marked `expert_parallel` (they differ over the ep group, unlike every other weight; `expert_group` is
+        where the whole stack is gathered) and `model_parallel` (DeepSpeed counts every rank's in a norm)."""
+        if not ep.enabled:
+            return
+        held = ep.local_experts(self.num_experts)
+        for name in ("w_gate", "w_up", "w_down"):
+            full = getattr(self, name)
+            local = nn.Parameter(full.detach()[held.start:held.stop].clone(), requires_grad=full.requires_grad)
+            local.expert_parallel, local.expert_group, local.model_parallel = True, ep.group, True
+            self.register_parameter(name, local)
+        self.ep = ep
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, k], experts [tokens, k]) of the flat tokens x; records the statistics."""
@@ -116,11 +132,23 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = x[order // self.top_k]
-        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
-        gate = F.grouped_mm(rows, self.w_gate.transpose(1, 2), offs=offsets)
-        up = F.grouped_mm(rows, self.w_up.transpose(1, 2), offs=offsets)
-        out = F.grouped_mm((F.silu(gate) * up).contiguous(), self.w_down.transpose(1, 2), offs=offsets)
-        return out, order
+        tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
+        if not self.ep.enabled:
+            return self.grouped(rows, torch.cumsum(tokens_per_expert, 0).to(torch.int32)), order
+        route = Dispatch(tokens_per_expert, self.ep)  # rows to the ranks of their experts and back
+        return route.back(self.grouped(route.send(rows), route.local_offsets)), order
+
+    def grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by (this rank's) expert through their SwiGLU experts; offsets: each group's end.
+
+        Under ep an expert's gradient gathers every ep rank's tokens while the data-parallel reduction (over the
+        ranks holding the same experts) divides by dp / ep only: 1 / ep here makes it the mean over dp."""
+        w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down
+        if self.ep.enabled:
+            w_gate, w_up, w_down = (ScaleGrad.apply(w, 1.0 / self.ep.world_size) for w in (w_gate, w_up, w_down))
+        gate = F.grouped_mm(rows, w_gate.transpose(1, 2), offs=offsets)
+        up = F.grouped_mm(rows, w_up.transpose(1, 2), offs=offsets)
+        return F.grouped_mm((F.silu(gate) * up).contiguous(), w_down.transpose(1, 2), offs=offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -25,6 +25,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch.distributed as dist
 
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel
+from rayspeed.parallel.expert_parallel import NO_EP, ExpertParallel
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,14 @@ def cp_of(rank: int, tp: int, cp: int) -> int:
     return (rank // tp) % cp
 
 
-def layout(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Every tp / cp / dp / dp x cp / pp / model (tp x pp) group as lists of global ranks, without any process
-    group. Pure arithmetic so planners and tests can reason about placement before a world exists.
+def layout(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Every tp / cp / dp / dp x cp / pp / model (tp x pp) group, and with ep the expert groups, as lists of global
+    ranks, without any process group. Pure arithmetic so planners and tests can reason about placement before a
+    world exists.
+
+    ep is carved out of dp: ep consecutive data-parallel ranks (strided by cp x tp, so inside a node while
+    ep x cp x tp fits in it) hold the experts between them ("ep"); the ranks holding the same experts, one in every
+    ep group of the dp x cp replicas, are the experts' data-parallel group ("edp": where their gradients reduce).
     """
     def at(p, d, t, c):
         return rank_of(p, d, t, dp, tp, c, cp)
@@ -79,8 +85,18 @@ def layout(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]
     # DeepSpeed's "model parallel" group is every rank holding a piece of one model replica:
     # all tensor slices of all stages for one data shard (and sequence part).
     mp_groups = [sorted(at(p, d, t, c) for p in P for t in T) for d in D for c in C]
-    return {"tp": tp_groups, "cp": cp_groups, "dp": dp_groups, "dpcp": dpcp_groups, "pp": pp_groups,
-            "mp": mp_groups}
+    out = {"tp": tp_groups, "cp": cp_groups, "dp": dp_groups, "dpcp": dpcp_groups, "pp": pp_groups, "mp": mp_groups}
+    if ep > 1:
+        if dp % ep:
+            raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism is carved out of data parallelism")
+        out["ep"] = [[at(p, d0 + j, t, c) for j in range(ep)] for p in P for c in C for t in T
+                     for d0 in range(0, dp, ep)]
+        out["edp"] = [sorted(at(p, d, t, c) for d in D if d % ep == j for c in C) for p in P for t in T
+                      for j in range(ep)]
+        # DeepSpeed's model-parallel group under ep: every rank holding a piece of one replica, experts included.
+        out["epmp"] = [sorted(at(p, q * ep + j, t, c) for p in P for t in T for j in range(ep))
+                       for q in range(dp // ep) for c in C]
+    return out
 
 
 def check_tp_within_nodes(node_ids_by_rank: Sequence[Hashable], tp: int) -> None:
@@ -115,10 +131,10 @@ class ParallelGroups:
     """
 
     def __init__(self, dp: int, tp: int, pp: int, timeout: Optional[datetime.timedelta] = None, cp: int = 1,
-                 cp_scheme: str = "ulysses"):
+                 cp_scheme: str = "ulysses", ep: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups needs an initialized torch.distributed world")
-        for name, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
+        for name, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if size < 1:
                 raise ValueError(f"{name} must be >= 1, got {size}")
         world = dist.get_world_size()
@@ -133,7 +149,7 @@ class ParallelGroups:
         self.pp_rank, self.dp_rank, self.tp_rank = coords_of(self.global_rank, dp, tp, cp)
         self.cp_rank = cp_of(self.global_rank, tp, cp)
 
-        groups = layout(dp, tp, pp, cp)
+        groups = layout(dp, tp, pp, cp, ep)
         self.tp_ranks, self.tp_group = self._mine(groups["tp"])
         self.dp_ranks, self.dp_group = self._mine(groups["dp"])
         self.pp_ranks, self.pp_group = self._mine(groups["pp"])
@@ -144,6 +160,15 @@ class ParallelGroups:
         else:  # no extra groups (each new_group is collective): the sequence is whole and ZeRO spans dp
             self.cp_ranks, self.cp_group = [self.global_rank], None
             self.dpcp_ranks, self.dpcp_group = self.dp_ranks, self.dp_group
+        self.ep_size = ep
+        if ep > 1:
+            self.ep_ranks, ep_group = self._mine(groups["ep"])
+            self.edp_ranks, self.edp_group = self._mine(groups["edp"])
+            self.epmp_ranks, self.epmp_group = self._mine(groups["epmp"])
+            self.ep = ExpertParallel(group=ep_group, rank=self.ep_ranks.index(self.global_rank), world_size=ep)
+        else:  # every expert on every rank: they reduce with the rest over dp x cp
+            self.ep_ranks, self.edp_ranks, self.edp_group, self.ep = [self.global_rank], self.dpcp_ranks, \
+                self.dpcp_group, NO_EP
         self.tp = TensorParallel(group=self.tp_group, rank=self.tp_rank, world_size=tp)
         self.cp = (ContextParallel(group=self.cp_group, rank=self.cp_rank, world_size=cp, ranks=tuple(self.cp_ranks),
                                    scheme=cp_scheme) if cp > 1 else NO_CP)
@@ -166,6 +191,7 @@ class ParallelGroups:
 
     def __repr__(self) -> str:
         cp = f", cp={self.cp_size}" if self.cp_size > 1 else ""
+        cp += f", ep={self.ep_size}" if self.ep_size > 1 else ""
         cp_rank = f" cp_rank={self.cp_rank}" if self.cp_size > 1 else ""
         return (
             f"ParallelGroups(dp={self.dp}{cp}, tp={self.tp_size}, pp={self.pp}, rank={self.global_rank}: "

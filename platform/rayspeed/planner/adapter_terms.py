@@ -89,7 +89,7 @@ def trained_and_frozen(ctx: Any, lay: Any, stage: int, layers: int, n_stage: Opt
     """(parameters that train, frozen parameters) of one rank of `stage` holding `layers` blocks (of n_stage
     parameters in all; None: that stage's own count)."""
     if n_stage is None:
-        n_stage = stage_params(ctx.shape, lay.tp, lay.pp, stage, layers)
+        n_stage = stage_params(ctx.shape, lay.tp, lay.pp, stage, layers, lay.ep)
     ap = ctx.adapter
     if ap is None:
         return n_stage, 0.0

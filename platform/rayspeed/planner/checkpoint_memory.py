@@ -32,7 +32,7 @@ def rank_bytes(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     """(bytes written by a data-parallel rank 0, bytes written by any other rank), worst pipeline stage."""
     best = (0.0, 0.0)
     for stage in {0, lay.pp - 1}:
-        n = stage_params(ctx.shape, lay.tp, lay.pp, stage)
+        n = stage_params(ctx.shape, lay.tp, lay.pp, stage, ep=lay.ep)
         ms = model_state_bytes(n, ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.zero_ranks)
         partition = ms["master_weights"] + ms["optimizer_states"]
         if lay.zero_stage == 0:

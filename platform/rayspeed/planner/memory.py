@@ -201,7 +201,7 @@ def buckets(ctx: Ctx, lay: Layout) -> dict:
     (h^2 reduce/all-gather buckets, 0.9 h^2 prefetch, 10h persistence threshold), clamped so that small
     models still send a few large messages and large ones do not reserve gigabytes."""
     n0 = split_of(ctx.shape, lay)[0]
-    key = ("buckets", lay.tp, lay.pp, n0)
+    key = ("buckets", lay.tp, lay.pp, n0, lay.ep)
     got = ctx.memo.get(key)
     if got is None:
         got = ctx.memo[key] = _buckets(ctx, lay, n0)
@@ -210,8 +210,9 @@ def buckets(ctx: Ctx, lay: Layout) -> dict:
 
 def _buckets(ctx: Ctx, lay: Layout, n0: int) -> dict:
     sh = ctx.shape
-    n = stage_params(sh, lay.tp, lay.pp, 0, n0)
+    n = stage_params(sh, lay.tp, lay.pp, 0, n0, lay.ep)
     bucket = int(min(max(sh.hidden_size * sh.hidden_size, 2**23), 5e8, max(n, 1)))
+    bucket = -(-bucket // 64) * 64  # ZeRO-1/2 want a multiple of their alignment (2 elements); a tiny model's n is odd
     layer_elems = sh.layer_matrix_params // lay.tp
     return {
         "reduce_bucket_size": bucket,
@@ -250,7 +251,7 @@ def zero3_gathered_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     if stage == 0 or stage == lay.pp - 1:
         biggest = max(biggest, sh.vocab_size * sh.hidden_size / lay.tp)
     live = (min(b["stage3_max_live_parameters"], 2 * biggest) + b["stage3_prefetch_bucket_size"]) * ctx.w_bytes
-    n = stage_params(sh, lay.tp, lay.pp, stage, split_of(sh, lay)[stage])
+    n = stage_params(sh, lay.tp, lay.pp, stage, split_of(sh, lay)[stage], lay.ep)
     secondary = n * ctx.w_bytes / lay.hpz if lay.hpz > 1 else 0.0
     return live + secondary
 

@@ -14,14 +14,17 @@ def even_split(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(base + (1 if i >= pp - extra else 0) for i in range(pp))
 
 
-def stage_params(sh: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None) -> int:
+def stage_params(sh: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None, ep: int = 1) -> int:
     """Parameters held by one rank of pipeline stage `stage` (0-based) with tensor degree tp, holding `layers`
     blocks (default: the even share L // pp). The vocab-parallel embedding sits on the first stage, the final
     norm and output head on the last; a tied head on pp > 1 is a second copy on the last stage (its gradient
-    is all-reduced with the first stage's)."""
+    is all-reduced with the first stage's). Under ep a rank holds 1 / ep of each MoE layer's experts."""
     if layers is None:
         layers = sh.num_layers // pp
     n = layers * (sh.layer_matrix_params // tp + sh.layer_norm_params)
+    if ep > 1:
+        moe_share = len(sh.moe_layers) / sh.num_layers  # MoE layers spread over the stages alike
+        n -= round(layers * moe_share * sh.num_experts * sh.expert_params * (ep - 1) / ep)
     if stage == 0:
         n += sh.embedding_params // tp
     if stage == pp - 1:
@@ -31,13 +34,13 @@ def stage_params(sh: ModelShape, tp: int, pp: int, stage: int, layers: int | Non
     return n
 
 
-def max_stage_params(sh: ModelShape, tp: int, pp: int, split: tuple[int, ...] | None = None) -> int:
+def max_stage_params(sh: ModelShape, tp: int, pp: int, split: tuple[int, ...] | None = None, ep: int = 1) -> int:
     """The largest stage: the first, the last, or the middle stage with the most blocks."""
     split = split or tuple([sh.num_layers // pp] * pp)
     cands = {0, pp - 1}
     if pp > 2:
         cands.add(max(range(1, pp - 1), key=lambda i: split[i]))
-    return max(stage_params(sh, tp, pp, i, split[i]) for i in cands)
+    return max(stage_params(sh, tp, pp, i, split[i], ep) for i in cands)
 
 
 def local_tokens(sh: ModelShape, lay: Layout) -> int:

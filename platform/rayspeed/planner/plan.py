@@ -14,6 +14,7 @@ from rayspeed.errors import ConfigError
 from rayspeed.planner.checkpoint_memory import checkpoint_plan
 from rayspeed.planner.checkpoint_memory import explain_lines as checkpoint_explain
 from rayspeed.planner.claims import build_claims
+from rayspeed.planner.ep_terms import ep_problem
 from rayspeed.planner.explain import render
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.hypotheses import CAP_RULE, RuleTest, check_accumulation_cap
@@ -292,6 +293,7 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
         tp = int(layout.get("tp", 1))
         pp = int(layout.get("pp", 1))
         cp = int(layout.get("cp", 1))
+        ep = int(layout.get("ep", 1))
         dp = int(layout.get("dp", ctx.world // max(1, tp * pp * cp)))
         mb = int(layout.get("micro_batch_size", 1))
         ga = int(layout.get("grad_accum", max(1, ctx.global_batch // max(1, dp * mb))))
@@ -304,8 +306,10 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     sp = layout.get("sequence_parallel", default_sequence_parallel(sh.seq_len, tp))
     sp = sp if isinstance(sp, bool) else str(sp).lower() == "true"
     ac = str(layout.get("activation_checkpointing", "none"))
-    if min(dp, tp, pp, cp, mb, ga) < 1:
-        fatal.append("dp, cp, tp, pp, micro_batch_size and grad_accum must be >= 1")
+    if min(dp, tp, pp, cp, ep, mb, ga) < 1:
+        fatal.append("dp, cp, ep, tp, pp, micro_batch_size and grad_accum must be >= 1")
+    elif ep_problem(sh, dp, ep):
+        fatal.append(str(ep_problem(sh, dp, ep)))
     elif dp * cp * tp * pp != ctx.world:
         fatal.append(f"dp ({dp}) x cp ({cp}) x tp ({tp}) x pp ({pp}) = {dp * cp * tp * pp} != world size "
                      f"({ctx.world})")
@@ -322,7 +326,7 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
     if ac not in CHECKPOINT_MODES:
         fatal.append(f"activation_checkpointing {ac!r} is not one of {list(CHECKPOINT_MODES)}")
     lay_d = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": z, "micro_batch_size": mb, "grad_accum": ga,
-             "sequence_parallel": sp, "activation_checkpointing": ac, "cp": cp}
+             "sequence_parallel": sp, "activation_checkpointing": ac, "cp": cp, "ep": ep}
     if split is not None:
         lay_d["stage_layers"] = list(split)
     if fatal:
@@ -357,9 +361,9 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
         warnings.append(f"grad_accum {ga} is above the field guide's cap ({accumulation_cap(ctx)})")
     hpz = max(1, min(dp, ctx.node_size // tp)) if z == 3 and hpz_applies(ctx, tp, dp) else 1
     hpz = hpz if cp == 1 else 1
-    e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, hpz, stage_layers=split, cp=cp))
+    e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, hpz, stage_layers=split, cp=cp, ep=ep))
     if hpz > 1 and not e.fits:  # hierarchical partitioning only where its node-local copy fits
-        e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, 1, stage_layers=split, cp=cp))
+        e = evaluate(ctx, Layout(dp, tp, pp, z, mb, ga, sp, ac, 1, stage_layers=split, cp=cp, ep=ep))
     d = _plan_dict(cfg, ctx, e)
     d["valid"] = not broken
     d["runnable"] = not broken and not unbuildable

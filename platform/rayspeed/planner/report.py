@@ -13,6 +13,7 @@ def summary(res: Any) -> str:
     b = res.best
     unit = "worker" if b["gpu"] == "cpu" else "GPU"
     cp = f" x cp {b['cp']} ({b['cp_scheme']})" if b.get("cp", 1) > 1 else ""
+    cp += f" (experts over ep {b['ep']})" if b.get("ep", 1) > 1 else ""
     lines = [
         f"layout: dp {b['dp']}{cp} x tp {b['tp']} x pp {b['pp']}, ZeRO-{b['zero_stage']}, micro-batch "
         f"{b['micro_batch_size']} x accumulation {b['grad_accum']}, sequence_parallel {b['sequence_parallel']}, "

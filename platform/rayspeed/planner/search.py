@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from rayspeed.config.validate import default_sequence_parallel, sequence_paralle
 from rayspeed.errors import ConfigError
 from rayspeed.planner import hardware, hwprofile
 from rayspeed.planner.adapter_terms import AdapterPlan
+from rayspeed.planner.ep_terms import ep_degrees, ep_problem
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.margin import margin_bytes
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
@@ -196,6 +198,12 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     continue
                 if sh.num_experts and max(tp, cp, pp) > 1:  # not built for experts yet (config/moe_keys.py says why)
                     continue
+                dp = W // (tp * cp * pp)
+                eps = ep_degrees(sh, dp, fixed)
+                bad_ep = [why for why in (ep_problem(sh, dp, e) for e in eps) if why]
+                if bad_ep:
+                    out.rejected.extend(bad_ep)
+                    continue
                 if pp > sh.num_layers:  # any pp up to the layer count: stages may hold unequal numbers of blocks
                     if "pp" in fixed:
                         out.rejected.append(f"parallel.pp ({pp}) exceeds model.num_layers ({sh.num_layers}): "
@@ -205,7 +213,6 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     out.rejected.append(f"parallel.stage_layers {list(split)} must give pp ({pp}) stages adding up to "
                                         f"model.num_layers ({sh.num_layers})")
                     continue
-                dp = W // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
                     out.rejected.append(f"parallel.dp ({fixed['dp']}) x cp ({cp}) x tp ({tp}) x pp ({pp}) "
                                         f"must equal the world size ({W}); dp would be {dp}")
@@ -263,11 +270,10 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                             hpzs = [1]
                             if z == 3 and cp == 1 and hpz_applies(ctx, tp, dp):
                                 hpzs.append(max(1, min(dp, ctx.node_size // tp)))
-                            for ac in modes:
-                                for hpz in hpzs:
-                                    out.layouts.append(Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
-                                                              stage_layers=split if (split and pp > 1) else None,
-                                                              cp=cp))
+                            for ac, hpz, ep in itertools.product(modes, hpzs, eps):
+                                out.layouts.append(Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
+                                                          stage_layers=split if (split and pp > 1) else None,
+                                                          cp=cp, ep=ep))
     return out
 
 

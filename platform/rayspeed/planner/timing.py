@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from rayspeed.config.layout import Layout
-from rayspeed.planner import adapter_terms, cp_terms  # noqa: F401  (cp_terms registers its terms)
+from rayspeed.planner import adapter_terms, cp_terms, ep_terms  # noqa: F401  (cp_ and ep_terms register terms)
 from rayspeed.planner import gemm as gemm_model
 from rayspeed.planner.adapter_terms import trained_and_frozen
 from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, nccl_s
@@ -141,11 +141,13 @@ def attention_bwd_extra(ctx: Ctx, lay: Layout, T: float) -> float:
 
 
 def dense_gemm_s(ctx: Ctx, lay: Layout) -> float:
-    """One block's projections (q, k, v, o, gate, up, down) forward for one micro-batch."""
-    h, q, f, kv, t, T = ctx.shape.hidden_size, ctx.shape.q_dim, ctx.shape.ffn_hidden_size, ctx.shape.kv_dim, lay.tp, \
-        local_tokens(ctx.shape, lay)
-    return (gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h) + gemm_s(ctx, T, h, 2 * f / t)
-            + gemm_s(ctx, T, f / t, h))
+    """One block's projections (q, k, v, o, gate, up, down) forward for one micro-batch (a mixture of experts' MLP:
+    planner/ep_terms.py mlp_gemm_s)."""
+    sh = ctx.shape
+    h, q, f, kv, t, T = sh.hidden_size, sh.q_dim, sh.ffn_hidden_size, sh.kv_dim, lay.tp, local_tokens(sh, lay)
+    attention = gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h)
+    dense = gemm_s(ctx, T, h, 2 * f / t) + gemm_s(ctx, T, f / t, h)
+    return attention + (ep_terms.mlp_gemm_s(ctx, T, dense, gemm_s) if sh.num_experts else dense)
 
 
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
@@ -162,7 +164,8 @@ def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     # computed in fp32 (~6h each: read, fp32 statistics, scaled write) and two residual adds (3h each).
     # Inside: RoPE on q and k in fp32 (~3 passes), the attention-output reshape (2 q), SwiGLU silu and
     # product (5f). Backward moves about twice as much.
-    elems = T * (18 * h / out_div + (3 * (q + kv) + 2 * q + 5 * f) / t)
+    width = ep_terms.swiglu_width(sh) if sh.num_experts else float(f)
+    elems = T * (18 * h / out_div + (3 * (q + kv) + 2 * q + 5 * width) / t)
     return g, _mem_s(ctx, elems * ctx.w_bytes), engine_overheads(ctx, lay)[0]
 
 
@@ -373,7 +376,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     tp_total = m * tpc
 
     # Data parallel / ZeRO, for the stage whose parameters are largest (the one the others wait for).
-    n_stage = max_stage_params(sh, lay.tp, p, split)
+    n_stage = max_stage_params(sh, lay.tp, p, split, lay.ep)
     n_train = trained_and_frozen(ctx, lay, 0, max(split), n_stage)[0]  # an adapter job reduces what trains only
     grads, weights, updated = n_train * ctx.comm_bytes, n_stage * ctx.w_bytes, n_train * ctx.w_bytes
     b = buckets(ctx, lay)

@@ -44,7 +44,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if c.cluster.use_gpu else torch.device("cpu")
         # Process groups are built once and passed explicitly to everything that communicates.
         self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp, cp=c.parallel.cp,
-                                     cp_scheme=c.parallel.cp_scheme)
+                                     cp_scheme=c.parallel.cp_scheme, ep=c.parallel.ep)
         self.chaos = ChaosDrills(c.chaos, ctx.rank, ctx.experiment_dir)
         self.checkpointer = CheckpointManager(c, ctx, chosen, meta, payload.mlflow_run_id, self.chaos,
                                               identity=payload.run_identity or run_identity(parse(payload.job)),

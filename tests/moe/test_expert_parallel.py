@@ -1,0 +1,99 @@
+"""Expert parallelism against the same model with every expert on every rank (2 gloo ranks, ep2, fp32, rtol = atol =
+1e-5), for Qwen3-MoE (a dense layer among the sparse ones) and Mixtral: each rank's logits, loss and balance loss on
+its own tokens, and every gradient: the router's and the dense weights' are the rank's own, an expert's is the mean
+over the ep ranks of what each rank's tokens gave it (they all reach the rank that holds it; the data-parallel
+reduction over the ranks holding the same experts completes the mean over dp). The unsharded model is itself
+parity-tested against transformers (test_moe_parity.py). The group layout is checked as arithmetic."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from _dist import run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+SHAPES = {
+    "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", head_dim=16, num_experts=4, expert_ffn_hidden_size=24,
+                      norm_topk_prob=False, moe_layers=[0, 2]),
+    "mixtral": dict(architecture="MixtralForCausalLM", num_experts=4),
+}
+
+
+def _shape(family):
+    from rayspeed.config.shape import ModelShape
+
+    return ModelShape.from_config(SimpleNamespace(
+        hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, vocab_size=64, seq_len=16,
+        tie_embeddings=False, experts_per_token=2, router_aux_loss_coef=0.1, **SHAPES[family]))
+
+
+def _ep_against_unsharded(rank, world, family):
+    import torch
+    import torch.distributed as dist
+
+    from rayspeed.model.moe import MoE
+    from rayspeed.model.transformer import Transformer
+    from rayspeed.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups(dp=world, tp=1, pp=1, ep=world)
+    shape = _shape(family)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(11 + rank))  # each rank its own
+    ref = Transformer(shape, seed=5)
+    want = ref(ids[:, :-1], ids[:, 1:])
+    want.backward()
+    want_logits = ref(ids[:, :-1]).detach()
+    model = Transformer(shape, seed=5)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.shard_experts(groups.ep)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    out = {"loss": (loss.detach(), want.detach()), "aux": (model.aux_loss, ref.aux_loss),
+           "logits": (model(ids[:, :-1]).detach(), want_logits), "grads": {}}
+    held = groups.ep.local_experts(shape.num_experts)
+    wanted = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g = wanted[name].grad.clone()
+        if getattr(p, "expert_parallel", False):
+            dist.all_reduce(g)  # every rank's tokens reach the experts this rank holds
+            g = g[held.start:held.stop] / world
+        out["grads"][name] = (p.grad.detach(), g)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_ep2_equals_every_expert_on_every_rank(family):
+    import torch
+
+    for rank, out in enumerate(run_distributed(_ep_against_unsharded, 2, family)):
+        for key in ("loss", "aux", "logits"):
+            torch.testing.assert_close(*out[key], **TOL, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert any("w_gate" in n for n in out["grads"])
+        for name, (got, want) in out["grads"].items():
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_expert_groups_are_carved_out_of_data_parallel():
+    from rayspeed.parallel.groups import layout
+
+    g = layout(dp=4, tp=2, pp=1, ep=2)
+    assert g["ep"] == [[0, 2], [4, 6], [1, 3], [5, 7]]  # ep consecutive dp ranks of one tensor slice
+    assert g["edp"] == [[0, 4], [2, 6], [1, 5], [3, 7]]  # the same experts in every ep group
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        layout(dp=4, tp=1, pp=1, ep=3)
+
+
+def test_resuming_across_an_ep_change_is_refused_naming_the_layout_to_resume_at():
+    from rayspeed.checkpoint.resume import refuse_expert_conversion
+
+    written = {"layout": {"dp": 4, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 4}}
+    refuse_expert_conversion(written, {"dp": 4, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 4}, "ckpt")
+    refuse_expert_conversion({"layout": {**written["layout"], "zero_stage": 0}},  # ZeRO-0: files per ep rank
+                             {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 0, "cp": 1, "ep": 4}, "ckpt")
+    refuse_expert_conversion({"layout": {"dp": 4, "zero_stage": 2}}, {"dp": 2, "zero_stage": 2, "ep": 1}, "ckpt")
+    for now in ({"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 2},
+                {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 4}):
+        with pytest.raises(RuntimeError, match="resume with parallel.ep: 4 and parallel.dp: 4"):
+            refuse_expert_conversion(written, now, "ckpt")

@@ -1,0 +1,94 @@
+"""Expert parallelism through the real DeepSpeed engine (gloo, fp32, rtol = atol = 1e-5): a Mixtral-shaped ep2
+engine built by rayspeed's engine builder (DeepSpeed's mpu: rayspeed.parallel.expert_parallel.DeepSpeedView) trains
+as the engine with every expert on every rank, on the same weights and each rank's own tokens (dp2 at ZeRO 0 and 1;
+dp4, so that ZeRO partitions over the two ranks holding the same experts, at ZeRO 2 and 3): each
+rank's loss of every step, every gradient of the first step after DeepSpeed's reduction (an expert's: its rows of
+the unsplit engine's), the first step's global gradient norm, and the weights after the steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from _deepspeed_world import _init_deepspeed
+from _dist import run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+MODEL = dict(architecture="MixtralForCausalLM", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+             ffn_hidden_size=48, vocab_size=256, seq_len=16, num_experts=4, router_aux_loss_coef=0.1)
+STEPS = 2
+LR = 3e-5  # Adam moves a weight by about lr whatever its gradient: small, so near-zero gradients flip nothing
+
+
+def _cfg(ep, zero, world):
+    from rayspeed.config import parse
+
+    return parse({
+        "name": "ep", "model": MODEL,
+        "train": {"global_batch_size": 2 * world, "precision": "fp32", "max_steps": 10, "warmup_steps": 0, "lr": LR},
+        "parallel": dict(dp=world, ep=ep, tp=1, pp=1, cp=1, zero_stage=zero, micro_batch_size=2, grad_accum=1,
+                         sequence_parallel=False, activation_checkpointing="none"),
+        "cluster": {"num_workers": world},
+    })
+
+
+def _run(engine, rank):
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    from rayspeed.engine.clip import global_grad_norm
+
+    losses, grads, norm = [], {}, None
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 256, (2, MODEL["seq_len"] + 1), generator=g)
+        loss = engine(ids[:, :-1], ids[:, 1:])
+        engine.backward(loss)
+        if step == 0:
+            for name, p in engine.module.named_parameters():
+                full = safe_get_full_grad(p)
+                grads[name] = (p.grad if full is None else full).detach().clone()
+            if engine.zero_optimization_stage() == 0:  # no DeepSpeed norm: the worker's own (rayspeed.engine.clip)
+                norm = float(global_grad_norm(engine.module.parameters()))
+        engine.step()
+        if step == 0 and norm is None:
+            norm = float(engine.get_global_grad_norm())
+        losses.append(float(loss.detach()))
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return losses, grads, norm, weights
+
+
+def _ep_engine_against_dp(rank, world, zero):
+    import torch
+
+    from rayspeed.engine.build import build_engine
+    from rayspeed.engine.deepspeed_config import deepspeed_config
+    from rayspeed.parallel.groups import ParallelGroups
+
+    _init_deepspeed()
+    out = {}
+    for ep in (1, 2):
+        cfg = _cfg(ep, zero, world)
+        groups = ParallelGroups(dp=world, tp=1, pp=1, ep=ep)
+        engine, _ = build_engine(cfg, deepspeed_config(cfg), groups, torch.device("cpu"))
+        out[ep] = _run(engine, rank)
+        held = groups.ep.local_experts(MODEL["num_experts"]) if ep > 1 else None
+    return {"out": out, "held": (held.start, held.stop)}
+
+
+@pytest.mark.parametrize("zero,world", [(0, 2), (1, 2), (2, 4), (3, 4)])
+def test_ep2_engine_trains_as_every_expert_on_every_rank(zero, world):
+    import torch
+
+    for rank, r in enumerate(run_distributed(_ep_engine_against_dp, world, zero, timeout_s=120)):
+        (l1, g1, n1, w1), (l2, g2, n2, w2) = r["out"][1], r["out"][2]
+        lo, hi = r["held"]
+        assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5), (rank, l1, l2)
+        # The first step's norm: DeepSpeed's at ZeRO 1-2 (experts summed over its model-parallel group), rayspeed's
+        # at ZeRO-0 (over the ep group).
+        assert n2 == pytest.approx(n1, rel=1e-5), (rank, n1, n2)
+        experts = [n for n in w2 if n.endswith(("w_gate", "w_up", "w_down"))]
+        assert experts and w2[experts[0]].shape[0] == hi - lo
+        for name in w2:
+            want_g, want_w = (g1[name][lo:hi], w1[name][lo:hi]) if name in experts else (g1[name], w1[name])
+            torch.testing.assert_close(g2[name], want_g, **TOL, msg=lambda m: f"rank {rank} grad {name}: {m}")
+            torch.testing.assert_close(w2[name], want_w, **TOL, msg=lambda m: f"rank {rank} weight {name}: {m}")
