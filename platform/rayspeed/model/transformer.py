@@ -344,9 +344,11 @@ class Transformer(nn.Module):
             self.register_state_dict_post_hook(_frozen_tied_head_once)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                segment_ids: Optional[torch.Tensor] = None, reduction: str = "mean") -> torch.Tensor:
         """Labels of -100 are not counted (the mean is over the others). segment_ids [b, s]: document masking
-        (attention within a document, positions from its start); None: plain causal attention.
+        (attention within a document, positions from its start); None: plain causal attention. reduction "none":
+        each label's cross entropy [b, s] (0 where not counted; a preference objective's per-token log-probabilities
+        negated), without the balance loss.
 
         Context parallel (cp): the three are this rank's part of each sequence (context_parallel.py `shard`), the
         logits those of its tokens, and the loss this rank's share of the whole sequence's mean: its tokens' sum
@@ -364,6 +366,10 @@ class Transformer(nn.Module):
         self.balance_loss = None
         if labels is None:
             return self.head(x)
+        if reduction == "none":
+            if self.cp.enabled:
+                raise ValueError("per-token losses under context parallelism are not built")
+            return self.head.loss(x, labels, reduction="none").view(labels.shape)
         if self.cp.enabled:
             count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
             return self.head.loss(x, labels, reduction="sum") / count

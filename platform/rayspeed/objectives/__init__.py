@@ -1,0 +1,1 @@
+"""Training objectives past next-token prediction (rayspeed.objectives.dpo)."""
