@@ -12,6 +12,9 @@ OUT/model/   LlamaForCausalLM (hidden 64, 2 layers, GQA, tied embeddings, transf
              ones: rayspeed finds the assistant turns by rendering the conversation turn by turn).
 OUT/chats/   chats-0.jsonl .. chats-3.jsonl: {"messages": [{"role", "content"}, ...]} records: short questions
              about a fixed set of facts, some with a system prompt, some with two exchanges.
+OUT/preferences/prefs.jsonl: conversational preference pairs (TRL's form: {"prompt": [messages], "chosen":
+             [the assistant's right answer], "rejected": [a hedged answer to another question]}) for the DPO example
+             (configs/tiny-dpo-cpu.yaml).
 
 `--arch qwen3` makes a Qwen3ForCausalLM instead (head_dim 32 over 4 heads of a 64-wide model, ChatML tokens, a
 template that drops the reasoning of earlier assistant turns as Qwen3's does, answers with an empty
@@ -115,6 +118,19 @@ def conversations(n: int = 800, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
+def preferences(n: int = 240, seed: int = 1) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        (q, a), (_, wrong) = rng.sample(FACTS, 2)
+        prompt = ([{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.3 else [])
+        hedged = f"I am not sure, maybe {wrong[0].lower()}{wrong[1:]}"
+        out.append({"prompt": prompt + [{"role": "user", "content": q}],
+                    "chosen": [{"role": "assistant", "content": a}],
+                    "rejected": [{"role": "assistant", "content": hedged}]})
+    return out
+
+
 def train_tokenizer(texts: list[str], vocab: int = 512, arch: str = "llama") -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -161,6 +177,11 @@ def save(out: str, seed: int = 0, arch: str = "llama") -> dict[str, Any]:
         with open(os.path.join(chats, f"chats-{i}.jsonl"), "w") as f:
             for r in records[i::4]:
                 f.write(json.dumps(r) + "\n")
+    prefs = os.path.join(out, "preferences")
+    os.makedirs(prefs, exist_ok=True)
+    with open(os.path.join(prefs, "prefs.jsonl"), "w") as f:
+        for r in preferences(seed=seed + 1):
+            f.write(json.dumps(r) + "\n")
     texts = [m["content"] for r in records for m in r["messages"]] + ["system user assistant"] * 10
     tokenizer = train_tokenizer(texts, arch=arch)
     model_dir = os.path.join(out, "model")
@@ -171,7 +192,7 @@ def save(out: str, seed: int = 0, arch: str = "llama") -> dict[str, Any]:
     if other_stop is not None:  # the turn's end and the document's end both stop generation, as published
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(other_stop)]
     model.save_pretrained(model_dir)
-    return {"model": model_dir, "chats": chats, "records": len(records), "vocab": len(tokenizer)}
+    return {"model": model_dir, "chats": chats, "records": len(records), "vocab": len(tokenizer), "preferences": prefs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     made = save(a.out, a.seed, a.arch)
     print(f"model and tokenizer (vocab {made['vocab']}, chat template): {made['model']}")
     print(f"{made['records']} chat records in {made['chats']}/chats-*.jsonl")
+    print(f"preference pairs in {made['preferences']}/prefs.jsonl")
     return 0
 
 

@@ -19,7 +19,8 @@ Dropout on the adapter input follows tp1's mask on every layout: the generator d
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -55,6 +56,7 @@ class LoraAdapter(nn.Module):
         self.name, self.row, self.tp, self.scale, self.p = name, row, tp, float(scale), float(dropout)
         self.sequence_parallel = sequence_parallel and tp.enabled
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.enabled = True
         a = full_uniform((rank, in_features), in_features ** -0.5, seed, f"{name}.lora_A")
         b = torch.zeros(out_features, rank)
         if tp.enabled:
@@ -106,6 +108,8 @@ class LoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.enabled:  # adapters_disabled: the base layer alone (a DPO reference without a copy)
+            return y
         h = self.dropped(x)
         if self.row:
             z = leave_tp_region(F.linear(h, self.lora_A), self.tp, self.sequence_parallel)
@@ -131,3 +135,16 @@ class LoraAdapter(nn.Module):
         kind = "row" if self.row else "column"
         return (f"{kind}, in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}, "
                 f"dropout={self.p:g}, dora={self.magnitude is not None}, tp={self.tp.world_size}")
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model's base alone while inside (peft's disable_adapter): every LoRA adapter adds nothing."""
+    adapters = [m for m in model.modules() if isinstance(m, LoraAdapter)]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in adapters:
+            a.enabled = True

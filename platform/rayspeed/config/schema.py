@@ -12,6 +12,7 @@ from typing import Final, Literal, Optional, Union
 
 from rayspeed import families
 from rayspeed.config.adapter_keys import AdapterConfig
+from rayspeed.config.objective_keys import DpoConfig
 
 Auto = Literal["auto"]
 AUTO: Final = "auto"
@@ -186,6 +187,11 @@ class TrainConfig:
     """Validation every N steps (0: only at the end)."""
     eval_batches: int = 4
     """Validation global batches per evaluation."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: next-token loss on the data (text, or chat with the loss on the assistant's tokens); dpo: preference
+    tuning on pairs of a prompt with a chosen and a rejected completion (train.dpo; README "Preference tuning")."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """The DPO loss and its reference (read with train.objective: dpo)."""
     init_from: Optional[str] = None
     """A reloadable model directory (rayspeed export) or models:/<name>@<alias> / models:/<name>/<version>: initial
     weights for a warm start; the optimizer starts fresh."""

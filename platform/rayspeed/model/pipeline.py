@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -100,9 +100,16 @@ class PipelineLoss:
         self.tp = tp or NO_TP
         self.chunk_tokens, self.cap = chunk_tokens, cap
         self.scale: Optional[float] = None
+        # A preference objective's loss from each label's cross entropy: labels arrive as (labels, *what it needs).
+        self.per_token: Optional[Callable[..., torch.Tensor]] = None
 
-    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs, labels: Any) -> torch.Tensor:
         hidden, weight = outputs
+        if self.per_token is not None:
+            labels, *extra = labels
+            ce = linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
+                                      reduction="none", cap=self.cap)
+            return self.per_token(ce.view(labels.shape), labels, *extra)
         if self.scale is None:
             return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens, cap=self.cap)
         return self.scale * linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens,

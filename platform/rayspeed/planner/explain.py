@@ -112,7 +112,10 @@ def render(ctx: Ctx, best: Estimate, alternatives: list[Estimate], estimates: li
              f"{sh.num_heads} heads / {sh.num_kv_heads} kv, ffn {sh.ffn_hidden_size}, vocab {sh.vocab_size}, "
              f"seq {sh.seq_len}, {'tied' if sh.tie_embeddings else 'untied'} embeddings)")
     L.append(f"cluster: {ctx.world} x {ctx.hw.name} ({ctx.nodes} node(s) x {ctx.node_size}), {ctx.precision}; "
-             f"global batch {ctx.global_batch} sequences = {ctx.global_batch * sh.seq_len:,} tokens per step")
+             + (f"global batch {ctx.global_batch} sequences = {ctx.global_batch * sh.seq_len:,} tokens per step"
+                if ctx.rows_per_sample == 1 else
+                f"global batch {ctx.global_batch} preference pairs = {ctx.global_batch * ctx.rows_per_sample} "
+                f"sequences = {ctx.global_batch * ctx.rows_per_sample * sh.seq_len:,} tokens per step"))
     L.append("hardware: "
              + (ctx.profile and f"calibrated profile {ctx.profile} (held-out error "
                                 f"{'%.1f%%' % (100 * ctx.model_error) if ctx.model_error else 'not fitted'})"

@@ -3,6 +3,7 @@ rayspeed.config.layout.Layout."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,9 +35,22 @@ class Ctx:
     document_masking: bool = False  # data.document_masking: a [b, 1, s, s] mask per block, k/v expanded (memory.py)
     cp_scheme: str = "auto"  # parallel.cp_scheme as set (config/context_split.py resolves auto per layout)
     adapter: Any = None  # planner.adapter_terms.AdapterPlan of model.adapter (None: every parameter trains)
+    dpo: Any = None  # planner.dpo_terms.DpoPlan of train.objective dpo (None: next-token loss)
+    rows_per_sample: int = 1  # sequences a sample is (2 for a DPO pair) while its layout still counts samples
     # Costs shared by many layouts of one search (block, head, split), keyed by what they depend on; never
     # copied by dataclasses.replace (init=False), so a changed context starts empty.
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def in_rows(self, lay: Any) -> tuple["Ctx", Any]:
+        """(ctx, layout) costed in sequences: a DPO micro-batch of b pairs is 2b rows through the model, its global
+        batch 2G (the layout keeps counting pairs; the costing sees what the GPUs run)."""
+        if self.rows_per_sample == 1:
+            return self, lay
+        rows = self.memo.get(("rows",))
+        if rows is None:
+            rows = self.memo[("rows",)] = dataclasses.replace(self, rows_per_sample=1,
+                                                              global_batch=self.global_batch * self.rows_per_sample)
+        return rows, dataclasses.replace(lay, micro_batch_size=lay.micro_batch_size * self.rows_per_sample)
 
     @property
     def compute_factor(self) -> float:

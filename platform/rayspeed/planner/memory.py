@@ -268,6 +268,7 @@ def communicators(lay: Layout) -> int:
 
 def stage_breakdown(ctx: Ctx, lay: Layout, stage: int) -> dict:
     """Bytes per component for one rank of `stage`."""
+    ctx, lay = ctx.in_rows(lay)
     layers = split_of(ctx.shape, lay)[stage]
     trained, frozen = trained_and_frozen(ctx, lay, stage, layers)
     out = model_state_bytes(round(trained), ctx.precision, ctx.grad_accum_dtype, lay.zero_stage, lay.zero_ranks)

@@ -22,6 +22,9 @@ def summary(res: Any) -> str:
         + ", ".join(f"{k} {v:.3g}" for k, v in b["memory_breakdown_gib"].items() if v > 0),
         f"time: {b['step_time_s']:.4f} s per step, {b['tokens_per_s_per_gpu']:,.0f} tokens/s per {unit}, "
         f"MFU {100 * b['mfu']:.1f}% ({b['world_size']} x {b['gpu']}, {b['precision']})",
+        *([f"dpo: a micro-batch of {b['micro_batch_size']} pairs is {2 * b['micro_batch_size']} sequences; the "
+           f"reference pass before step 1 takes about {b['dpo_reference_pass_s_per_1000_pairs']:.3g} s per 1,000 "
+           "pairs"] if b.get("dpo_reference_pass_s_per_1000_pairs") is not None else []),
         f"strategy rule: {res.rules['strategy']['recommends']} ({res.rules['strategy']['note']})",
         "run with --explain for the reasons and the runner-ups",
     ]

@@ -16,6 +16,7 @@ from rayspeed.config.validate import default_sequence_parallel, sequence_paralle
 from rayspeed.errors import ConfigError
 from rayspeed.planner import hardware, hwprofile
 from rayspeed.planner.adapter_terms import AdapterPlan
+from rayspeed.planner.dpo_terms import DpoPlan, reference_pass_s
 from rayspeed.planner.ep_terms import ep_degrees, ep_problem
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.margin import margin_bytes
@@ -88,7 +89,8 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
                world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
                notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)),
                cp_scheme=str(getattr(cfg.parallel, "cp_scheme", AUTO)),
-               adapter=AdapterPlan.of(cfg.model.adapter, shape), **extra)
+               adapter=AdapterPlan.of(cfg.model.adapter, shape), dpo=DpoPlan.of(cfg),
+               rows_per_sample=2 if getattr(t, "objective", "sft") == "dpo" else 1, **extra)
 
 
 # ---------------------------------------------------------------- constraints
@@ -316,7 +318,8 @@ class Estimate:
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
-        return self.ctx.global_batch * self.ctx.shape.seq_len / self.step_s / self.ctx.world
+        rows = self.ctx.global_batch * self.ctx.rows_per_sample  # a DPO pair is two sequences
+        return rows * self.ctx.shape.seq_len / self.step_s / self.ctx.world
 
     @property
     def mfu(self) -> float:
@@ -351,6 +354,8 @@ class Estimate:
             mfu=round(self.mfu, 4),
             time_breakdown_s=self.time.as_dict(),
         )
+        if self.ctx.dpo is not None and self.ctx.dpo.reference == "precomputed":
+            d["dpo_reference_pass_s_per_1000_pairs"] = round(reference_pass_s(self.ctx, self.layout), 3)
         if not self.fits:
             k, v = self.biggest_part()
             d["reason"] = (f"needs {self.memory_gib:.2f} GiB on the worst rank (stage {self.worst_stage}) but "

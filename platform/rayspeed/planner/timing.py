@@ -356,6 +356,7 @@ def stage_parts(ctx: Ctx, lay: Layout) -> list[tuple[float, float, float, float]
 
 
 def step_time(ctx: Ctx, lay: Layout) -> StepTime:
+    ctx, lay = ctx.in_rows(lay)
     sh, hw = ctx.shape, ctx.hw
     m, p, d = lay.grad_accum, lay.pp, lay.zero_ranks
     split = split_of(sh, lay)

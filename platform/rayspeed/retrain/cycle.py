@@ -193,6 +193,12 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
         cfg = load(config, overrides)
     except ConfigError as e:
         raise _Stop("bad_input", e.render()) from None
+    if cfg.train.objective == "dpo":
+        # Promotion re-evaluates both versions' val/loss the same way; a DPO loss is relative to each version's own
+        # reference, so two versions' are not comparable: benchmark gates (eval.harness) are the measure to use.
+        raise _Stop("bad_input", "train.objective: dpo: retraining promotes on a re-evaluated next-token val/loss, "
+                                 "which a DPO job does not train on; retrain its SFT job, or run the DPO job on its "
+                                 "own (python jobs/train.py) and promote by hand")
     base, reg, uri, storage = cfg.name, registered_model_name(cfg), tracking_uri(cfg), storage_path(cfg)
     refused = access_problem(uri, "tracking.uri" if cfg.tracking.uri != AUTO else "MLFLOW_TRACKING_URI")
     if refused:

@@ -91,8 +91,48 @@ def load_corpus(cfg: JobConfig, storage: str, executor: str = "inline") -> Corpu
     return Corpus(train, val)
 
 
+def load_pairs(cfg: JobConfig, storage: str) -> Corpus:
+    """A DPO job's preference pairs (rayspeed.data.pairs), tokenized now (inline) if the cache lacks them."""
+    from rayspeed.data import load_tokenizer
+    from rayspeed.data.pairs import build_pairs
+
+    spec = data_spec(cfg)
+    cache = cache_dir(cfg, storage)
+    tok = load_tokenizer(spec.tokenizer)
+    train = build_pairs(spec, cache, tok)
+    val = build_pairs(spec.with_split(cfg.data.val_split), cache, tok) if cfg.data.val_split else None
+    for pf in (train, val):
+        if pf is not None and pf.tokens.size and int(pf.tokens.max()) >= cfg.model.vocab_size:
+            raise ConfigError(f"data: {pf.source} holds token id {int(pf.tokens.max())} but model.vocab_size is "
+                              f"{cfg.model.vocab_size}")
+    return Corpus(train, val)
+
+
+def pair_splits(corpus: Corpus, cfg: JobConfig) -> tuple[Any, Any]:
+    """(train, val) PairSplits: the source's own validation split, or the tail val_fraction of the pairs."""
+    s = cfg.model.seq_len
+    if corpus.val is None:
+        return corpus.train.split(cfg.data.val_fraction, s)
+    return corpus.train.whole("train", s), corpus.val.whole("val", s)
+
+
+def prepare_pairs(cfg: JobConfig, storage: str) -> Corpus:
+    corpus = load_pairs(cfg, storage)
+    train, val = pair_splits(corpus, cfg)
+    g = cfg.train.global_batch_size
+    key = "data.val_split" if corpus.val is not None else "data.val_fraction"
+    if val.num_pairs < g:  # validation reads whole global batches
+        raise ConfigError(f"{key}: the validation data holds {val.num_pairs} preference pairs, fewer than one global "
+                          f"batch ({g}); raise {key} (or lower train.global_batch_size)")
+    log.info("data: %s; %d training and %d validation preference pairs (%d left out: the prompt alone fills "
+             "model.seq_len + 1 tokens)", corpus, train.num_pairs, val.num_pairs, train.dropped)
+    return corpus
+
+
 def prepare(cfg: JobConfig, storage: str, launcher: str) -> Corpus:
     """The launcher's step: tokenize on the cluster (Ray Data) or in a local process pool, check, log."""
+    if cfg.train.objective == "dpo":
+        return prepare_pairs(cfg, storage)
     executor = "pool" if launcher == "local" or paths.is_uri(storage) else "ray"
     corpus = load_corpus(cfg, storage, executor)
     train, val = splits(corpus, cfg)
@@ -124,10 +164,18 @@ def splits(corpus: Corpus, cfg: JobConfig) -> tuple[Any, Any]:
 
 def dataset_inputs(corpus: Corpus, cfg: JobConfig) -> list[dict[str, Any]]:
     """What MLflow records as the run's dataset inputs: one per split, with source, digest and sizes."""
-    train, val = splits(corpus, cfg)
     d = cfg.data
     source = d.dataset if d.source == "hf" else (", ".join(DataSpec.paths(d.path)) or d.source)
-    out = []
+    out: list[dict[str, Any]] = []
+    if cfg.train.objective == "dpo":
+        for context, split, pf in zip(("training", "validation"), pair_splits(corpus, cfg),
+                                      (corpus.train, corpus.val or corpus.train)):
+            out.append({"context": context, "name": f"{cfg.name}-{context}", "source_type": d.source,
+                        "source": source, "split": d.split if context == "training" or not d.val_split else d.val_split,
+                        "digest": pf.content_hash[:32], "num_documents": split.num_pairs, "format": "preference",
+                        "tokenizer": d.tokenizer})
+        return out
+    train, val = splits(corpus, cfg)
     for context, split, tf in (("training", train, corpus.train), ("validation", val, corpus.val or corpus.train)):
         docs = tf.num_documents
         if tf.doc_starts is not None and split.num_tokens != tf.num_tokens and split.num_tokens:

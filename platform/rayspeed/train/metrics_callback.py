@@ -214,8 +214,10 @@ class MetricsCallback(Callback):
             if system:
                 metrics.update(system)
         state.last_loss = mean_loss
-        log_rank(log, "step %d/%d loss %.4f lr %.2e %s s/step", step, c.train.max_steps, mean_loss, lr,
-                 f"{step_time:.3f}" if step_time else "-")
+        prefs = (f" reward accuracy {metrics['rewards/accuracies']:.3f} margin {metrics['rewards/margins']:.3f}"
+                 if "rewards/accuracies" in metrics else "")  # a DPO job's progress beside its loss
+        log_rank(log, "step %d/%d loss %.4f lr %.2e %s s/step%s", step, c.train.max_steps, mean_loss, lr,
+                 f"{step_time:.3f}" if step_time else "-", prefs)
         w.restart()
         self.events.log(state, metrics)
         return metrics

@@ -58,6 +58,8 @@ class OutputsCallback(Callback):
 
     def _landscape(self) -> Optional[dict[str, Any]]:
         c = self.cfg
+        if not self.landscape_batches:  # a DPO job: the next-token loss surface is not what it trains
+            return None
         try:
             from rayspeed.monitoring.landscape import loss_landscape
 

@@ -31,6 +31,7 @@ class TrainStep:
         self.batches, self.chaos, self.clipper, self.watchdog = batches, chaos, clipper, watchdog
         self.checkpointer, self.tags = checkpointer, tags
         self.timing: Any = None
+        self.objective: Any = None  # a DPO job's (rayspeed.train.dpo_objective): the loss of a micro-batch of pairs
         self.grad_norm: Optional[torch.Tensor] = None
         self.guard: Any = None
         if cfg.health.watchdog != "off":
@@ -59,6 +60,10 @@ class TrainStep:
     def run(self, micro_batches: list, scale: Optional[float] = None, step: int = 0) -> torch.Tensor:
         eng = self.engine
         poison = self.chaos.poisons_loss(step)
+        if self.pipelined and self.objective is not None:
+            if self.guard is not None:
+                self.guard.arm(step, None)
+            return self.objective.train_batch(eng, micro_batches)
         if self.pipelined:
             if scale is not None:
                 eng.module.loss_fn.scale = scale
@@ -75,7 +80,8 @@ class TrainStep:
         cp = getattr(self.groups, "cp", None)
         grad_scale = compat.cp_loss_scale(self.cfg.parallel.zero_stage, cp.world_size if cp is not None else 1)
         for mb in micro_batches:
-            loss = eng(*local_part(mb, cp, self.device))
+            loss = (eng(*local_part(mb, cp, self.device)) if self.objective is None
+                    else self.objective.train_loss(eng, mb))
             # A mixture of experts' balance term trains but is not the language-model loss train/loss reports,
             # and the label-count scaling below is not for it.
             balance = getattr(eng.module, "balance_loss", None)

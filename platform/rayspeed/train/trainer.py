@@ -63,8 +63,10 @@ class Trainer:
         self.train_split: Any = None
         self.batches: Any = None
         self.validator_batches: list[Any] = []
-        self.validator: Optional[Validator] = None
+        self.validator: Any = None
         self.data_inputs: list[dict[str, Any]] = []
+        self.dpo: Any = None  # a DPO job's data (rayspeed.train.dpo_setup.DpoData)
+        self.objective: Any = None  # and its objective (rayspeed.train.dpo_objective.DpoObjective)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Optional[RunResult]:
@@ -85,9 +87,12 @@ class Trainer:
             from rayspeed.engine.clip import GradClipper
 
             self.clipper = GradClipper(self.engine.module.parameters(), c.train.grad_clip, self.groups.tp_group)
-        self.validator = Validator(c, self.validator_batches, self.device, self.pipelined,
-                                   lambda t: dp_mean(t, self.groups, self.device), weighted=self.batches.weighted,
-                                   cp=self.groups.cp)
+        if self.dpo is not None:  # the reference from the initial weights: before any checkpoint is loaded
+            self.objective, self.validator = self.dpo.objective(self.engine, self.device, self.pipelined)
+        else:
+            self.validator = Validator(c, self.validator_batches, self.device, self.pipelined,
+                                       lambda t: dp_mean(t, self.groups, self.device),
+                                       weighted=self.batches.weighted, cp=self.groups.cp)
         phases["engine"] = time.time() - t
         t = time.time()
         client = self.checkpointer.load(self.engine)
@@ -121,6 +126,13 @@ class Trainer:
         from rayspeed.train import data_setup
 
         c, g, dm = self.cfg, self.groups, self.cfg.data.document_masking
+        if c.train.objective == "dpo":
+            from rayspeed.train.dpo_setup import DpoData
+
+            self.dpo = DpoData(c, g, self.payload.storage_path)
+            self.batches, self.train_split = self.dpo.batches, self.dpo.train
+            self.data_inputs = data_setup.dataset_inputs(self.dpo.corpus, c) if self.ctx.is_rank0 else []
+            return
         corpus = data_setup.load_corpus(c, self.payload.storage_path)  # the launcher tokenized it: a cache hit
         train, val = data_setup.splits(corpus, c)
         schedule = make_schedule(train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
@@ -144,6 +156,9 @@ class Trainer:
         old = self.batches.schedule
         schedule = GlobalBatchSchedule(old.num_sequences, c.train.global_batch_size, old.seed, start_step=step,
                                        start_sample=int(data_state["consumed_samples"]))
+        if self.dpo is not None:
+            self.batches = self.dpo.rebatched(schedule, step)
+            return
         self.batches = RankBatches(self.train_split, c.model.seq_len, schedule, g.dp_rank, g.dp,
                                    c.parallel.micro_batch_size, c.parallel.grad_accum, start_step=step,
                                    document_masking=self.batches.document_masking,
@@ -187,7 +202,13 @@ class Trainer:
         expert_load = self.expert_load(tracker)  # after the tracker: its last artifact goes before the run closes
         if expert_load is not None:
             metrics.sources.append(expert_load.metrics)
-        for cb in (self.mlflow, *([expert_load] if expert_load is not None else []),
+        extra: list[Any] = [expert_load] if expert_load is not None else []
+        if self.objective is not None:
+            from rayspeed.train.dpo_objective import DpoValidationMetrics
+
+            metrics.sources.append(self.objective.metrics)
+            extra.append(DpoValidationMetrics(self.validator, tracker, lambda: self.mlflow.logged_until))
+        for cb in (self.mlflow, *extra,
                    RecoveryCallback(ctx, tracker, self.attempt_started),
                    *(load_callback(name) for name in c.train.callbacks),
                    OutputsCallback(c, ctx, self.payload, self.engine, self.groups, self.device, self.checkpointer,
@@ -215,6 +236,7 @@ class Trainer:
                            resumed_from=self.state.get("resumed_from"))
         step = TrainStep(c, self.engine, self.pipelined, self.groups, self.device, self.batches, self.chaos,
                          self.clipper, self.watchdog, self.checkpointer, self.mlflow.set_tags)
+        step.objective = self.objective
         events = self.callbacks(step)
         saves = Cadence(self.checkpointer, self.engine, self.client_state, events)
         try:
