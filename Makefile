@@ -19,7 +19,7 @@ export PATH := $(BIN):$(PATH)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,eval]'
 	@touch $@
 
 setup: $(STAMP)

@@ -114,6 +114,10 @@ def _retrain(p: argparse.ArgumentParser) -> None:
                    help="relative val/loss improvement required to promote: new < champion * (1 - margin) (default 0)")
     p.add_argument("--launcher", choices=("ray", "local"), default="ray",
                    help="ray (default): the cluster in RAY_ADDRESS, else an embedded local Ray; local: in-process")
+    p.add_argument("--gate", dest="gates", action="append", default=[], metavar="TASK/METRIC[:MIN_DELTA]",
+                   help="promote only when the challenger's eval.harness score of TASK/METRIC is at least the "
+                        "champion's + MIN_DELTA in the metric's direction (both scored now, the same way; "
+                        "repeatable; with gates, val/loss and --margin do not decide)")
     p.add_argument("--cold", action="store_true", help="train from scratch even when a champion exists")
     p.add_argument("--keep-cycles", type=int, default=3,
                    help="cycle folders (checkpoints) kept under storage; older ones are deleted (0: keep all)")

@@ -4,7 +4,8 @@ conversational pairs under Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers (config
 is ln 2 (the reference is the initial weights, precomputed before the first step), and training raises
 rewards/accuracies and rewards/margins and lowers val/loss; the same job with rank 1 killed at step 5 restarts,
 reads the reference file instead of scoring the pairs again, resumes its step-4 checkpoint and logs the
-uninterrupted run's losses and rewards to 1e-5."""
+uninterrupted run's losses and rewards to 1e-5. The uninterrupted job also scores its last checkpoint on a local
+lm-eval task (eval.harness) in a Ray task of its own, beside the training workers."""
 
 from __future__ import annotations
 
@@ -40,9 +41,13 @@ def _series(home, run_id, key):
 
 
 def test_a_dpo_job_learns_the_preferences_and_resumes_exactly(ray_head, tmp_path):
+    from _facts_task import write_task
+
     made = _example(tmp_path / "example")
     whole, killed, cache = tmp_path / "whole", tmp_path / "killed", tmp_path / "cache"
-    r, s = run_job(whole, _sets(made, cache, "dpo"), ray_head.address)
+    harness = ["--set", "eval.harness.tasks=[facts]", "--set", f"eval.harness.include_path={write_task(tmp_path)}",
+               "--set", "eval.harness.every_checkpoints=0"]
+    r, s = run_job(whole, [*_sets(made, cache, "dpo"), *harness], ray_head.address)
     assert r.returncode == 0 and s["status"] == "finished", r.stdout[-3000:] + r.stderr[-3000:]
     assert s["layout"]["dp"] == 2 and s["world_size"] == 2
     assert "dpo reference: 216 train pairs scored with the initial weights" in r.stderr
@@ -55,6 +60,8 @@ def test_a_dpo_job_learns_the_preferences_and_resumes_exactly(ray_head, tmp_path
     assert len(val) == 2 and val[-1] < val[0] < math.log(2) - 0.2, val
     assert _series(whole, run_id, "val/rewards/accuracies")[-1] > 0.9
     assert "reward accuracy" in r.stderr  # the step log line of a DPO job
+    (step, acc_facts), = metric_history(whole, run_id, "eval/facts/acc")  # the final model only (every 0)
+    assert step == 8 and 0.0 <= acc_facts <= 1.0, r.stderr[-3000:]
 
     r, s2 = run_job(killed, [*_sets(made, cache, "dpo"), "--set", "chaos.kill_rank_at_step={rank: 1, step: 5}"],
                     ray_head.address)

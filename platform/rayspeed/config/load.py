@@ -257,7 +257,8 @@ def parse(data: Any, overrides: list[str] | None = None, source: str = "<dict>",
 
 # Inputs a job file may name with ./ or ../: anchored once, here, so the driver, every worker and the records
 # (config/resolved.yaml) see one absolute path, whatever directory each process runs in.
-_RELATIVE_INPUTS = (("model", "pretrained"), ("data", "path"), ("data", "tokenizer"), ("train", "init_from"))
+_RELATIVE_INPUTS = (("model", "pretrained"), ("data", "path"), ("data", "tokenizer"), ("train", "init_from"),
+                    ("eval", "harness", "include_path"), ("eval", "harness", "tasks"))
 
 
 def relative_base() -> str:
@@ -276,8 +277,10 @@ def _anchor(value: Any) -> Any:
 
 
 def _anchor_relative_paths(data: dict) -> None:
-    for section, key in _RELATIVE_INPUTS:
-        sec = data.get(section)
+    for *sections, key in _RELATIVE_INPUTS:
+        sec: Any = data
+        for name in sections:
+            sec = sec.get(name) if isinstance(sec, dict) else None
         if isinstance(sec, dict) and key in sec:
             sec[key] = _anchor(sec[key])
 

@@ -12,6 +12,7 @@ from typing import Final, Literal, Optional, Union
 
 from rayspeed import families
 from rayspeed.config.adapter_keys import AdapterConfig
+from rayspeed.config.eval_keys import EvalConfig
 from rayspeed.config.objective_keys import DpoConfig
 
 Auto = Literal["auto"]
@@ -437,5 +438,7 @@ class JobConfig:
     """Checkpoint storage."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Preflight checks."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Benchmark evaluation of committed checkpoints (validation loss: train.eval_every_steps)."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """Fault injection for drills; off unless set."""

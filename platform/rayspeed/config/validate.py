@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from rayspeed import families
-from rayspeed.config import adapter, objective_keys
+from rayspeed.config import adapter, eval_keys, objective_keys
 from rayspeed.config.context_split import context_problems
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.moe_keys import moe_problems
@@ -179,7 +179,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         p.append(f"model.vocab_size ({m.vocab_size}) must be >= 256 with data.tokenizer: bytes")
     p += data_problems(cfg)
     p += adapter.problems(cfg, family)
-    p += objective_keys.problems(cfg)
+    p += objective_keys.problems(cfg) + eval_keys.problems(cfg)
     if t.global_batch_size < 1:
         p.append(f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
     if t.max_steps < 1:

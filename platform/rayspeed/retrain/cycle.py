@@ -158,15 +158,17 @@ def prune_cycles(storage: str, base: str, keep: int, current: Optional[str] = No
 
 def run_cycle(config: str, overrides: Sequence[str] = (), *, force: bool = False, margin: float = 0.0,
               launcher: str = "ray", cold: bool = False, keep_cycles: int = 3, reeval_max_gflop: float = 2000.0,
-              job_cmd: Optional[Sequence[str]] = None, env: Optional[dict[str, str]] = None) -> CycleResult:
+              job_cmd: Optional[Sequence[str]] = None, env: Optional[dict[str, str]] = None,
+              gates: Sequence[str] = ()) -> CycleResult:
     """One cycle (see the module doc). Never raises for expected failures: the result carries the outcome.
 
     job_cmd: the training command the job arguments are appended to (default: this Python, -m rayspeed train).
+    gates: --gate values (rayspeed.retrain.gates): promotion on benchmark scores instead of val/loss.
     """
     t0 = time.time()
     try:
         return _cycle(config, list(overrides), force, margin, launcher, cold, keep_cycles, reeval_max_gflop,
-                      job_cmd, env, t0)
+                      job_cmd, env, t0, list(gates))
     except _Stop as s:
         return CycleResult(s.outcome, redact_text(s.reason), seconds=round(time.time() - t0, 1))
     except Exception as e:  # anything unexpected: a failed cycle with the reason, never a traceback to cron
@@ -177,7 +179,7 @@ def run_cycle(config: str, overrides: Sequence[str] = (), *, force: bool = False
 
 def _cycle(config: str, overrides: list[str], force: bool, margin: float, launcher: str, cold: bool,
            keep_cycles: int, reeval_max_gflop: float, job_cmd: Optional[Sequence[str]],
-           env: Optional[dict[str, str]], t0: float) -> CycleResult:
+           env: Optional[dict[str, str]], t0: float, gate_specs: list[str]) -> CycleResult:
     from rayspeed.config.load import load
     from rayspeed.config.schema import AUTO
     from rayspeed.errors import ConfigError
@@ -193,6 +195,12 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
         cfg = load(config, overrides)
     except ConfigError as e:
         raise _Stop("bad_input", e.render()) from None
+    from rayspeed.retrain.gates import parse_gates
+
+    try:
+        gates = parse_gates(gate_specs, cfg)
+    except ValueError as e:
+        raise _Stop("bad_input", str(e)) from None
     if cfg.train.objective == "dpo":
         # Promotion re-evaluates both versions' val/loss the same way; a DPO loss is relative to each version's own
         # reference, so two versions' are not comparable: benchmark gates (eval.harness) are the measure to use.
@@ -218,7 +226,7 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
     trained = False
     try:
         trained = _locked_cycle(cfg, config, overrides, force, margin, launcher, cold, reeval_max_gflop, job_cmd,
-                                env, base, reg, uri, storage, state_file, result, lock)
+                                env, base, reg, uri, storage, state_file, result, lock, gates)
     except _Stop as s:
         result.outcome, result.reason = s.outcome, s.reason
     except Exception as e:  # anything unexpected: a failed cycle, with the reason, never a traceback to cron
@@ -239,7 +247,7 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
 def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, margin: float, launcher: str,
                   cold: bool, reeval_max_gflop: float, job_cmd: Optional[Sequence[str]],
                   env: Optional[dict[str, str]], base: str, reg: str, uri: str, storage: str, state_file: Path,
-                  result: CycleResult, lock: Any) -> bool:
+                  result: CycleResult, lock: Any, gates: list[Any]) -> bool:
     """Steps 3-7 under the lock; fills `result`. True when a training job ran to a decision."""
     from rayspeed.errors import ConfigError
 
@@ -354,7 +362,10 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
                 log.warning("comparing recorded val/loss values (on different data): %s", how)
                 baseline = f"version {champ.version}: recorded val/loss (on other data; {how})"
     result.val_loss, result.champion_val_loss, result.baseline = new_val, champ_val, baseline
-    promote, why = decide(new_val, champ_val, margin, has_champion=champ is not None)
+    if gates and champ is not None:  # the benchmark gates decide (rayspeed.retrain.gates)
+        promote, why = _gated(gates, cfg, uri, reg, str(champ.version), version, storage, tags)
+    else:
+        promote, why = decide(new_val, champ_val, margin, has_champion=champ is not None)
     if baseline:
         tags[TAG_BASELINE] = f"{baseline} = {champ_val}"
     if promote:
@@ -377,6 +388,20 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
         except Exception as e:
             log.warning("could not tag run %s: %s", result.mlflow_run_id, e)
     return True
+
+
+def _gated(gates: list[Any], cfg: Any, uri: str, reg: str, champion_version: str, version: str, storage: str,
+           tags: dict[str, str]) -> tuple[bool, str]:
+    from rayspeed.benchmarks.harness import metrics_of
+    from rayspeed.retrain.gates import judge, model_dirs, score_versions
+
+    try:
+        old, new = score_versions(model_dirs(uri, reg, [champion_version, version], storage), cfg)
+    except Exception as e:  # an evaluation that fails decides nothing: the champion stays
+        return False, f"the gates could not be measured ({type(e).__name__}: {str(e)[:300]})"
+    for who, results in (("champion", old), ("challenger", new)):
+        tags[f"rayspeed.retrain.gate_scores.{who}"] = json.dumps(metrics_of(results), sort_keys=True)
+    return judge(gates, new, old, version, champion_version)
 
 
 def _still_champion(uri: str, reg: str, before: Optional[str], lock: Any) -> Optional[str]:

@@ -157,6 +157,28 @@ def qlora_problems(cfg: JobConfig) -> list[str]:
     return p
 
 
+def harness_problems(cfg: JobConfig) -> list[str]:
+    """eval.harness needs lm-eval where the evaluations run (the driver's environment here) and tasks it knows:
+    task YAML files, names under include_path, or lm-eval's own tasks."""
+    import dataclasses
+    import importlib.util
+
+    h = cfg.eval.harness
+    if not h.tasks:
+        return []
+    if importlib.util.find_spec("lm_eval") is None:
+        return ["eval.harness: lm-evaluation-harness is not installed; pip install 'lm-eval[hf]==0.4.13' (the "
+                "rayspeed[eval] extra, which `make setup` installs), or drop eval.harness.tasks"]
+    from rayspeed.benchmarks.harness import unknown_tasks
+
+    unknown = unknown_tasks(dataclasses.asdict(h))
+    if unknown:
+        return [f"eval.harness.tasks: {unknown} are neither task YAML files, nor tasks under "
+                f"eval.harness.include_path ({h.include_path}), nor lm-eval's own tasks; give the path of a task "
+                "file or its folder as include_path"]
+    return []
+
+
 def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> list[str]:
     """Every problem a launch would stop at before the cluster starts (see the module doc). `job` is the job as
     written, `cfg` the resolved one (its layout from the plan)."""
@@ -169,6 +191,7 @@ def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> li
         lambda: data_problems(cfg),
         lambda: callback_problems(cfg),
         lambda: qlora_problems(cfg),
+        lambda: harness_problems(cfg),
     ]
     problems: list[str] = []
     for check in checks:

@@ -203,6 +203,10 @@ class Trainer:
         if expert_load is not None:
             metrics.sources.append(expert_load.metrics)
         extra: list[Any] = [expert_load] if expert_load is not None else []
+        if c.eval.harness.tasks:
+            from rayspeed.train.harness_callback import HarnessCallback
+
+            extra.append(HarnessCallback(c, ctx, tracker))
         if self.objective is not None:
             from rayspeed.train.dpo_objective import DpoValidationMetrics
 

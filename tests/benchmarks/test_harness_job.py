@@ -1,0 +1,63 @@
+"""eval.harness during an SFT job through the worker path (tests/_inprocess.py: two gloo workers; the evaluations
+are background processes, as under --launcher local): the example chat model fine-tuned with a local lm-eval task
+(a multiple-choice JSONL the test writes) logs eval/facts/acc at each committed checkpoint's step, its results
+JSON as eval/step_N.json, and the first evaluation's score reaches MLflow while training goes on: before the
+last step's loss is logged, with steps logged between its submission and its result (the job's own callback slows
+the steps after the evaluated checkpoint until the scores are in, so the order does not hang on this machine's
+speed; the scores it waits for are the ones rayspeed keeps for a job's callbacks)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from _facts_task import write_task
+from rayspeed.train.events import Callback
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+class SlowSteps(Callback):
+    """Until the first evaluation's scores are in (rank 0's state.extra["eval.harness"]), up to 5 s per step after
+    its checkpoint: an evaluation takes some tens of seconds here, longer than the rest of the training would."""
+
+    def on_step_end(self, state):
+        for _ in range(20):
+            if not state.is_rank0 or state.step <= 20 or 20 in state.extra.get("eval.harness", {}):
+                return
+            time.sleep(0.25)
+
+
+def test_scores_at_each_checkpoint_arrive_while_training_goes_on(examples_home, tmp_path):
+    import mlflow
+
+    from _cluster import ROOT, metric_history
+    from _inprocess import run_inprocess
+    from rayspeed.compat import mlflow_process_store
+
+    made = examples_home[1]
+    tasks = write_task(tmp_path)
+    sets = [f"model.pretrained={made['model']}", f"data.path={made['chats']}/*.jsonl", "name=sft-harness",
+            "train.max_steps=40", "resilience.checkpoint_every_steps=10", "train.eval_every_steps=0",
+            "eval.harness.tasks=[facts]", f"eval.harness.include_path={tasks}", "eval.harness.every_checkpoints=2",
+            "train.callbacks=[test_harness_job:SlowSteps]", "tracking.log_every_steps=1"]
+    summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-chat-finetune-cpu.yaml"), sets, workers=2,
+                            timeout_s=600)
+    assert summary["status"] == "finished", summary
+    run_id = summary["mlflow_run_id"]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    scores = sorted(client.get_metric_history(run_id, "eval/facts/acc"), key=lambda m: m.step)
+    assert [m.step for m in scores] == [20, 40] and all(0.0 <= m.value <= 1.0 for m in scores)
+    losses = {m.step: m.timestamp for m in client.get_metric_history(run_id, "train/loss")}
+    first = scores[0].timestamp
+    assert first < losses[40], "the first evaluation's score came after training ended"
+    assert sum(1 for s, ts in losses.items() if 20 < s < 40 and ts < first) >= 3  # steps went on meanwhile
+    with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        names = sorted(a.path for a in client.list_artifacts(run_id, "eval"))
+        record = json.loads(mlflow.artifacts.load_text(f"runs:/{run_id}/eval/step_0000020.json"))
+    assert names == ["eval/step_0000020.json", "eval/step_0000040.json"], names
+    assert record["results"]["facts"]["acc,none"] == scores[0].value and record["n-samples"]["facts"]["effective"] == 4
+    assert record["chat_template"] is True  # the example's tokenizer has one (eval.harness.chat_template auto)
+    assert metric_history(tmp_path, run_id, "train/loss")[-1][0] == 40
