@@ -3,7 +3,7 @@
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
                             [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory,
-                                   pipeline_overhead,context_parallel,moe]
+                                   pipeline_overhead,context_parallel,moe,dpo]
                             [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -48,6 +48,9 @@ Lines (in this order; "bench" names each):
                 backward, its experts as grouped matrix products (rayspeed's layer) against a Python loop over the
                 experts on the same weights: grouped_ms, loop_ms, loop_over_grouped, max_abs_diff (outputs and
                 gradients). A few seconds.
+  dpo_reference scripts/bench_dpo.py: one DPO micro-batch (4 pairs of 256 tokens) forward and backward with the
+                reference's log-probabilities precomputed against a resident frozen copy scoring it: both step times,
+                their ratio beside the planner's assumption (4/3), the copy's MiB, the loss difference. Seconds.
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
@@ -575,6 +578,15 @@ def bench_moe(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "moe_experts", "status": "failed", "rc": proc.returncode}]
 
 
+def bench_dpo(args) -> list[dict[str, Any]]:
+    _note("dpo: a DPO step with a precomputed against a resident reference (scripts/bench_dpo.py)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"))
+    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_dpo.py")], cwd=str(ROOT), env=env,
+                          stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines or [{"bench": "dpo_reference", "status": "failed", "rc": proc.returncode}]
+
+
 def bench_gpu(args) -> list[dict[str, Any]]:
     try:
         import torch
@@ -639,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,context_parallel,moe",
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,context_parallel,moe,dpo",
                     help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, context_parallel, moe, "
                     "plan_accuracy, activation_memory, pipeline_overhead (the last three not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
@@ -675,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_context_parallel(args)
         if "moe" in only:
             lines += bench_moe(args)
+        if "dpo" in only:
+            lines += bench_dpo(args)
         if "gpu" in only:
             lines += bench_gpu(args)
         if "checkpoint" in only:
