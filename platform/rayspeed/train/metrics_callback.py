@@ -190,7 +190,8 @@ class MetricsCallback(Callback):
             "resilience/world_size": ctx.world_size,
         }
         if step_time:
-            tokens_per_s = c.train.global_batch_size * c.model.seq_len / step_time
+            rows = 2 if c.train.objective == "dpo" else 1  # a preference pair is two sequences through the model
+            tokens_per_s = rows * c.train.global_batch_size * c.model.seq_len / step_time
             metrics.update({"perf/step_time_s": step_time, "perf/tokens_per_s": tokens_per_s})
             if self.peak_flops:
                 metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * ctx.world_size)
