@@ -3,13 +3,15 @@ with its own tokenizer and a small standard-form preference set: the reference i
 weights, so step 1's loss is ln 2 and its rewards are zero exactly (TRL's reading of a policy equal to its
 reference); training raises rewards/accuracies and rewards/margins and lowers val/loss (the DPO loss on the
 held-out pairs) below ln 2; the reference file is written once beside the token cache, and the same job through a
-two-stage pipeline reads it and trains as the dp job did."""
+two-stage pipeline reads it and trains as the dp job did; at ZeRO-3 with a cache of its own, the reference pass
+scores the same numbers and the job trains as the dp job did."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import numpy as np
 import pytest
 
 from _hf_models import LLAMA_TIED, save
@@ -70,3 +72,16 @@ def test_a_dpo_job_starts_at_ln2_and_learns_the_preferences(tmp_path):
     assert piped_loss[2] == pytest.approx(loss[2], rel=1e-5, abs=1e-5)
     piped_acc = dict(metric_history(tmp_path, piped["mlflow_run_id"], "rewards/accuracies"))
     assert piped_acc[2] == pytest.approx(acc[2], abs=1e-6)
+
+    # ZeRO-3 with a cache of its own: its reference pass gathers every layer over dp, so both ranks run as many
+    # forwards (the held-out pairs do not split evenly); it scores what the dp job scored and trains as it did.
+    zero3 = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"),
+                          sets + ["name=tiny-dpo-z3", "train.max_steps=2", "parallel.zero_stage=3",
+                                  f"data.cache_dir={tmp_path / 'cache-z3'}", "train.eval_every_steps=0"], workers=2)
+    assert zero3["status"] == "finished" and zero3["layout"]["zero_stage"] == 3, zero3
+    scored = {p.name: np.load(p) for p in (tmp_path / "cache-z3").glob("reference-*.npy")}
+    assert set(scored) == {p.name for p in cache}  # the same keys: the layout is not part of them
+    for p in cache:
+        np.testing.assert_allclose(scored[p.name], np.load(p), rtol=1e-5, atol=1e-5)
+    z3_loss = dict(metric_history(tmp_path, zero3["mlflow_run_id"], "train/loss"))
+    assert z3_loss[2] == pytest.approx(loss[2], rel=1e-5, abs=1e-5)
