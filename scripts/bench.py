@@ -560,31 +560,29 @@ def bench_pipeline_overhead(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "pipeline_overhead", "status": "failed", "rc": proc.returncode}]
 
 
+def _script_lines(script: str, bench: str, extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    """The JSON lines a benchmark script prints (one failed line naming it when it prints none)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"), **(extra_env or {}))
+    proc = subprocess.run([PY, str(ROOT / "scripts" / script)], cwd=str(ROOT), env=env, stdout=subprocess.PIPE,
+                          text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines or [{"bench": bench, "status": "failed", "rc": proc.returncode}]
+
+
 def bench_context_parallel(args) -> list[dict[str, Any]]:
     _note("context_parallel: peak memory per rank at cp 1 and cp 2 (scripts/bench_context_parallel.py)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT / "platform"))
-    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_context_parallel.py")], cwd=str(ROOT), env=env,
-                          stdout=subprocess.PIPE, text=True)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return lines or [{"bench": "context_parallel", "status": "failed", "rc": proc.returncode}]
+    return _script_lines("bench_context_parallel.py", "context_parallel",
+                         {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def bench_moe(args) -> list[dict[str, Any]]:
     _note("moe: grouped experts against a loop over them (scripts/bench_moe.py)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"))
-    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_moe.py")], cwd=str(ROOT), env=env,
-                          stdout=subprocess.PIPE, text=True)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return lines or [{"bench": "moe_experts", "status": "failed", "rc": proc.returncode}]
+    return _script_lines("bench_moe.py", "moe_experts")
 
 
 def bench_dpo(args) -> list[dict[str, Any]]:
     _note("dpo: a DPO step with a precomputed against a resident reference (scripts/bench_dpo.py)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"))
-    proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_dpo.py")], cwd=str(ROOT), env=env,
-                          stdout=subprocess.PIPE, text=True)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return lines or [{"bench": "dpo_reference", "status": "failed", "rc": proc.returncode}]
+    return _script_lines("bench_dpo.py", "dpo_reference")
 
 
 def bench_gpu(args) -> list[dict[str, Any]]:

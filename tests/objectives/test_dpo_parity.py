@@ -52,31 +52,42 @@ def _trl(model_dir, tmp_path, loss, settings):
     return value.detach(), stats, grads, batch
 
 
-def _rayspeed(model_dir, batch, loss, settings):
+def _shape(model_dir):
     from types import SimpleNamespace
 
     from rayspeed.config.hf_config import model_keys_from_hf, read_pretrained_config
     from rayspeed.config.shape import ModelShape
-    from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.transformer import Transformer
-    from rayspeed.objectives.dpo import DpoSettings, completion_lengths, dpo_loss, sequence_logps
 
     hf, path = read_pretrained_config(model_dir)
     keys, problems = model_keys_from_hf(hf, str(path), seq_len=64)
     assert not problems
-    shape = ModelShape.from_config(SimpleNamespace(**keys, seq_len=64))
-    policy, reference = Transformer(shape), Transformer(shape)
-    load_hf_weights(policy, model_dir, shape)
-    load_hf_weights(reference, model_dir.parent / "reference", shape)
-    ids, mask = batch["input_ids"], batch["completion_mask"]
+    return ModelShape.from_config(SimpleNamespace(**keys, seq_len=64))
+
+
+def _dpo_pass(policy, reference, ids, mask, loss, settings):
+    """rayspeed's DPO loss and per-pair statistics of the batch, backward done on the policy."""
+    from rayspeed.objectives.dpo import DpoSettings, completion_lengths, dpo_loss, sequence_logps
+
     labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     logps = sequence_logps(-policy(ids[:, :-1], labels, reduction="none"), labels)
     with torch.no_grad():
         ref = sequence_logps(-reference(ids[:, :-1], labels, reduction="none"), labels)
     value, stats = dpo_loss(logps, ref, completion_lengths(labels), DpoSettings(loss=loss, **settings))
     value.backward()
+    return value.detach(), {k: float(v.mean()) for k, v in stats.items()}
+
+
+def _rayspeed(model_dir, batch, loss, settings):
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.transformer import Transformer
+
+    shape = _shape(model_dir)
+    policy, reference = Transformer(shape), Transformer(shape)
+    load_hf_weights(policy, model_dir, shape)
+    load_hf_weights(reference, model_dir.parent / "reference", shape)
+    value, stats = _dpo_pass(policy, reference, batch["input_ids"], batch["completion_mask"], loss, settings)
     grads = {shape.family.tensor_names.hf_name(n): p.grad for n, p in policy.named_parameters()}
-    return value.detach(), {k: float(v.mean()) for k, v in stats.items()}, grads
+    return value, stats, grads
 
 
 @pytest.mark.parametrize("loss", sorted(CASES))
@@ -94,21 +105,14 @@ def test_rayspeed_dpo_equals_trl(model_dir, tmp_path, loss):
 
 def _tp2_sp_rank(rank, world, model_dir, batch, loss, settings):
     """rayspeed's DPO loss, statistics and whole gradients (tp shards gathered) at tp2 with sequence parallelism."""
-    from types import SimpleNamespace
-
     from _hf_parity import init_deepspeed_gloo
-    from rayspeed.config.hf_config import model_keys_from_hf, read_pretrained_config
-    from rayspeed.config.shape import ModelShape
     from rayspeed.model.hf_weights import load_hf_weights
     from rayspeed.model.transformer import Transformer
-    from rayspeed.objectives.dpo import DpoSettings, completion_lengths, dpo_loss, sequence_logps
     from rayspeed.parallel.groups import ParallelGroups
     from rayspeed.parallel.layers import gather_full
 
     init_deepspeed_gloo()
-    hf, path = read_pretrained_config(model_dir)
-    keys, _ = model_keys_from_hf(hf, str(path), seq_len=64)
-    shape = ModelShape.from_config(SimpleNamespace(**keys, seq_len=64))
+    shape = _shape(model_dir)
     tp = ParallelGroups(dp=1, tp=2, pp=1).tp
     policy = Transformer(shape, tp=tp, sequence_parallel=True)
     reference = Transformer(shape, tp=tp, sequence_parallel=True)
@@ -117,14 +121,9 @@ def _tp2_sp_rank(rank, world, model_dir, batch, loss, settings):
     ids, mask = batch["input_ids"], batch["completion_mask"]
     if ids.shape[1] % 2 == 0:  # sequence parallelism splits the model's input (ids[:, :-1]) evenly over tp
         ids, mask = (torch.nn.functional.pad(t, (0, 1)) for t in (ids, mask))
-    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-    logps = sequence_logps(-policy(ids[:, :-1], labels, reduction="none"), labels)
-    with torch.no_grad():
-        ref = sequence_logps(-reference(ids[:, :-1], labels, reduction="none"), labels)
-    value, stats = dpo_loss(logps, ref, completion_lengths(labels), DpoSettings(loss=loss, **settings))
-    value.backward()
+    value, stats = _dpo_pass(policy, reference, ids, mask, loss, settings)
     grads = {shape.family.tensor_names.hf_name(n): gather_full(p.grad, p, tp) for n, p in policy.named_parameters()}
-    return value.detach(), {k: float(v.mean()) for k, v in stats.items()}, grads
+    return value, stats, grads
 
 
 def test_tp2_with_sequence_parallelism_equals_trl(model_dir, tmp_path):
@@ -209,17 +208,11 @@ def test_pp2_through_the_pipeline_engine_equals_trl(model_dir, tmp_path):
 
 
 def _reference_logps(model_dir, batch, weights=None):
-    from types import SimpleNamespace
-
-    from rayspeed.config.hf_config import model_keys_from_hf, read_pretrained_config
-    from rayspeed.config.shape import ModelShape
     from rayspeed.model.hf_weights import load_hf_weights
     from rayspeed.model.transformer import Transformer
     from rayspeed.objectives.dpo import sequence_logps
 
-    hf, path = read_pretrained_config(model_dir)
-    keys, _ = model_keys_from_hf(hf, str(path), seq_len=64)
-    shape = ModelShape.from_config(SimpleNamespace(**keys, seq_len=64))
+    shape = _shape(model_dir)
     reference = Transformer(shape)
     load_hf_weights(reference, weights or model_dir.parent / "reference", shape)
     ids, mask = batch["input_ids"], batch["completion_mask"]
