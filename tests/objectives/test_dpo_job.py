@@ -4,12 +4,16 @@ weights, so step 1's loss is ln 2 and its rewards are zero exactly (TRL's readin
 reference); training raises rewards/accuracies and rewards/margins and lowers val/loss (the DPO loss on the
 held-out pairs) below ln 2; the reference file is written once beside the token cache, and the same job through a
 two-stage pipeline reads it and trains as the dp job did; at ZeRO-3 with a cache of its own, the reference pass
-scores the same numbers and the job trains as the dp job did."""
+scores the same numbers and the job trains as the dp job did. Elasticity: the dp job's step-4 checkpoint, resumed
+by one worker (dp1, twice the examples per rank for the same global batch: DeepSpeed's universal checkpoint carries
+the ZeRO-2 partitions across), continues the dp2 job's losses, rewards and validation to 1e-5 (the pairs and their
+reference log-probabilities are global, not a rank's)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -39,7 +43,7 @@ def test_a_dpo_job_starts_at_ln2_and_learns_the_preferences(tmp_path):
             "train.objective=dpo", "train.dpo.beta=0.5", "train.max_steps=8", "train.lr=3e-3", "train.min_lr=3e-4",
             "train.warmup_steps=0", "train.eval_every_steps=4", "tracking.log_every_steps=1",
             "cluster.num_workers=2", "parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=2",
-            "tracking.charts_every_checkpoints=0", "resilience.checkpoint_every_steps=0"]
+            "tracking.charts_every_checkpoints=0", "resilience.checkpoint_every_steps=4"]
     summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
     assert summary["status"] == "finished" and summary["layout"]["dp"] == 2, summary
     run_id = summary["mlflow_run_id"]
@@ -56,6 +60,21 @@ def test_a_dpo_job_starts_at_ln2_and_learns_the_preferences(tmp_path):
     val = history("val/loss")
     assert set(val) == {4, 8} and val[8] < math.log(2) - 0.05, val
     assert history("val/rewards/accuracies")[8] >= 0.75
+
+    # The dp job's step-4 checkpoint under another job name, resumed by a world of one.
+    step4, = tmp_path.glob("**/tiny-dpo/checkpoint_step00000004")
+    shutil.copytree(step4, step4.parent.parent / "tiny-dpo-dp1" / step4.name)
+    resized = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"),
+                            sets + ["name=tiny-dpo-dp1"], workers=1)
+    assert resized["status"] == "finished" and resized["layout"]["dp"] == 1, resized
+    def batch(layout):
+        return layout["dp"] * layout["micro_batch_size"] * layout["grad_accum"]
+
+    assert batch(resized["layout"]) == batch(summary["layout"]), resized["layout"]
+    for key in ("train/loss", "rewards/accuracies", "rewards/margins", "logps/chosen", "val/loss"):
+        got, want = dict(metric_history(tmp_path, resized["mlflow_run_id"], key)), history(key)
+        assert set(got) == {s for s in want if s > 4}, (key, got)
+        assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(got)], rel=1e-5, abs=1e-5), key
 
     cache = list((tmp_path / "cache").glob("reference-*.npy"))
     assert len(cache) == 2, cache  # the training and the held-out pairs
