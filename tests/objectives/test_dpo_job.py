@@ -31,6 +31,10 @@ def _pairs(path, n=48):
                                 "rejected": f"The answer is {bad}, maybe."}) + "\n")
 
 
+def _global_batch(layout):
+    return layout["dp"] * layout["micro_batch_size"] * layout["grad_accum"]
+
+
 def test_a_dpo_job_starts_at_ln2_and_learns_the_preferences(tmp_path):
     from _cluster import ROOT, metric_history
     from _inprocess import run_inprocess
@@ -67,10 +71,7 @@ def test_a_dpo_job_starts_at_ln2_and_learns_the_preferences(tmp_path):
     resized = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"),
                             sets + ["name=tiny-dpo-dp1"], workers=1)
     assert resized["status"] == "finished" and resized["layout"]["dp"] == 1, resized
-    def batch(layout):
-        return layout["dp"] * layout["micro_batch_size"] * layout["grad_accum"]
-
-    assert batch(resized["layout"]) == batch(summary["layout"]), resized["layout"]
+    assert _global_batch(resized["layout"]) == _global_batch(summary["layout"]), resized["layout"]
     for key in ("train/loss", "rewards/accuracies", "rewards/margins", "logps/chosen", "val/loss"):
         got, want = dict(metric_history(tmp_path, resized["mlflow_run_id"], key)), history(key)
         assert set(got) == {s for s in want if s > 4}, (key, got)
