@@ -85,7 +85,7 @@ def test_expert_groups_are_carved_out_of_data_parallel():
         layout(dp=4, tp=1, pp=1, ep=3)
 
 
-def test_resuming_across_an_ep_change_is_refused_naming_the_layout_to_resume_at():
+def test_an_ep_change_converts_at_zero_1_and_2_and_is_refused_elsewhere_naming_the_layout_to_resume_at():
     from rayspeed.checkpoint.resume import refuse_expert_conversion
 
     written = {"layout": {"dp": 4, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 4}}
@@ -93,7 +93,12 @@ def test_resuming_across_an_ep_change_is_refused_naming_the_layout_to_resume_at(
     refuse_expert_conversion({"layout": {**written["layout"], "zero_stage": 0}},  # ZeRO-0: files per ep rank
                              {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 0, "cp": 1, "ep": 4}, "ckpt")
     refuse_expert_conversion({"layout": {"dp": 4, "zero_stage": 2}}, {"dp": 2, "zero_stage": 2, "ep": 1}, "ckpt")
-    for now in ({"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 2},
-                {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 4}):
-        with pytest.raises(RuntimeError, match="resume with parallel.ep: 4 and parallel.dp: 4"):
-            refuse_expert_conversion(written, now, "ckpt")
+    for now in ({"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "cp": 1, "ep": 2},  # the universal conversion
+                {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 1, "cp": 1, "ep": 4}):
+        refuse_expert_conversion(written, now, "ckpt")
+    for before, now in ((0, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "cp": 1, "ep": 2}),
+                        (2, {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 3, "cp": 1, "ep": 4}),
+                        (3, {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 3, "cp": 1, "ep": 4})):
+        with pytest.raises(RuntimeError, match="resume with parallel.zero_stage: 1 or 2 on both sides, or "
+                                               "parallel.ep: 4 and parallel.dp: 4"):
+            refuse_expert_conversion({"layout": {**written["layout"], "zero_stage": before}}, now, "ckpt")

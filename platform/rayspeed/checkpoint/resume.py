@@ -70,19 +70,25 @@ def needs_universal(manifest: dict[str, Any], layout: dict[str, Any]) -> bool:
 
 
 def refuse_expert_conversion(manifest: dict[str, Any], layout: dict[str, Any], name: str) -> None:
-    """Raise when resuming would convert a mixture of experts' shards between layouts: DeepSpeed's universal
-    conversion reads the ep ranks' expert rows as tensor-parallel slices, and a changed ep moves experts between
-    ranks; neither is built yet. ZeRO-0 at the same ep restores any dp (its files are per ep rank)."""
+    """Raise when resuming would convert a mixture of experts' shards in a way that is not built: the universal
+    conversion carries them between ep and dp degrees at ZeRO-1 and 2 on both sides (the expert stacks concatenated
+    in ep rank order, every other weight taken once: engine.deepspeed_state.expert_universal_info). ZeRO-0 files
+    hold each ep rank's module and optimizer whole (any dp restores them at the same ep, no other ep), and ZeRO-3
+    partitions each rank's experts apart from DeepSpeed's universal reader of them."""
     old = manifest.get("layout") or {}
     old_ep, new_ep = int(old.get("ep", 1)), int(layout.get("ep", 1))
     if old_ep == 1 and new_ep == 1:
         return
-    if old_ep != new_ep or needs_universal(manifest, layout):
-        raise RuntimeError(
-            f"resume from {name}: it was written at ep {old_ep}, dp {old.get('dp')}, ZeRO-{old.get('zero_stage', 0)} "
-            f"and this attempt runs ep {new_ep}, dp {layout.get('dp')}, ZeRO-{layout.get('zero_stage', 0)}: converting "
-            f"expert shards between layouts is not built yet; resume with parallel.ep: {old_ep} and parallel.dp: "
-            f"{old.get('dp')} (at ZeRO-0 any dp that ep divides)")
+    if old_ep == new_ep and not needs_universal(manifest, layout):
+        return
+    stages = (int(old.get("zero_stage", 0)), int(layout.get("zero_stage", 0)))
+    if all(z in (1, 2) for z in stages):
+        return
+    raise RuntimeError(
+        f"resume from {name}: it was written at ep {old_ep}, dp {old.get('dp')}, ZeRO-{stages[0]} and this attempt "
+        f"runs ep {new_ep}, dp {layout.get('dp')}, ZeRO-{stages[1]}: expert shards convert between layouts at "
+        f"ZeRO-1 and 2 only; resume with parallel.zero_stage: 1 or 2 on both sides, or parallel.ep: {old_ep} and "
+        f"parallel.dp: {old.get('dp')} (at ZeRO-0 any dp that ep divides)")
 
 
 def conversion_workers() -> int:

@@ -53,6 +53,20 @@ def universal_command(ckpt_dir: Path, workers: int) -> list[str]:
             "--inject_missing_state", "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
 
 
+def expert_universal_info(module: Any) -> dict[str, Any]:
+    """What DeepSpeed's universal converter needs to know of a model whose experts are sharded over ep ranks (the
+    ranks it reads as model-parallel slices): every weight but the experts is the same on each rank (taken once);
+    the expert stacks, rows in rank order, are concatenated along the expert dimension (its default), so a new ep
+    takes its own rows back (DeepSpeedView.get_slice_parallel_world_size). Empty without sharded experts."""
+    from deepspeed.checkpoint.constants import TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO
+
+    experts = [n for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)]
+    if not experts:
+        return {}
+    anything_else = "^(?!(?:" + "|".join(re.escape(n) for n in experts) + ")$)"
+    return {UNIVERSAL_CHECKPOINT_INFO: {TP_REPLICATED_PARAMETER_PATTERNS: [anything_else]}}
+
+
 def with_universal_load(ds_config: dict[str, Any]) -> dict[str, Any]:
     """The DeepSpeed config that loads a universal checkpoint (what the engine must be built with)."""
     return {**ds_config, "checkpoint": {"load_universal": True}}
@@ -65,9 +79,11 @@ class DeepSpeedState:
         # holds what trains, its optimizer state, schedule and RNG.
         module = getattr(engine, "module", None)
         self.frozen = module is not None and any(not p.requires_grad for p in module.parameters())
+        self.universal_info = expert_universal_info(module) if module is not None else {}
 
     def save(self, folder: Path, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(folder), tag=TAG, client_state=client_state, save_latest=False,
+        self.engine.save_checkpoint(str(folder), tag=TAG, client_state={**client_state, **self.universal_info},
+                                    save_latest=False,
                                     exclude_frozen_parameters=self.frozen)
 
     def load(self, folder: Path, *, universal: bool = False, module_only: bool = False) -> Optional[dict[str, Any]]:

@@ -184,6 +184,13 @@ class DeepSpeedView:
         weights every ep rank holds alike are such copies, so the rank it reads spans tp x ep."""
         return self.groups.ep.rank * self.groups.tp_size + self.groups.tp_rank
 
+    def get_tensor_model_parallel_world_size(self) -> int:
+        """The pieces of a replica, as the rank above counts them: the model-state files a checkpoint holds (its
+        recorded tensor degree) and the cuts a universal checkpoint's expert stacks take at load."""
+        return self.groups.ep.world_size * self.groups.tp_size
+
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size  # what a universal load asks first
+
     def __getattr__(self, name: str) -> Any:  # tensor and pipeline groups: the job's own
         if name.startswith("get_"):
             return getattr(self.groups, name)
