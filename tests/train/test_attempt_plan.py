@@ -55,3 +55,15 @@ def test_pinned_tp_and_pp_are_said():
     attempt = plan_attempt(_job(), meta, 4)
     assert (attempt.layout.tp, attempt.layout.dp) == (2, 2)
     assert "resume: tp 2, pp 1 kept from the checkpoint" in attempt.notes
+
+
+@pytest.mark.parametrize("zero, pinned", [(0, 2), (3, 2), (2, "auto")])
+def test_an_experts_ep_stays_the_checkpoints_where_its_zero_stage_cannot_convert_it(zero, pinned):
+    from rayspeed.train.attempt_plan import pin_model_parallel
+
+    job = parse({"model": {"hidden_size": 64, "num_layers": 4, "num_heads": 4, "vocab_size": 256,
+                           "architecture": "MixtralForCausalLM", "num_experts": 4},
+                 "train": {"global_batch_size": 16}, "cluster": {"num_workers": [2, 4]}})
+    meta = {"layout": {**META["layout"], "zero_stage": zero, "ep": 2}}
+    assert pin_model_parallel(job, meta).parallel.ep == pinned
+    assert pin_model_parallel(job, {"layout": {**META["layout"], "zero_stage": zero}}).parallel.ep == "auto"
