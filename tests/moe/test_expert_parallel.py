@@ -102,3 +102,46 @@ def test_an_ep_change_converts_at_zero_1_and_2_and_is_refused_elsewhere_naming_t
         with pytest.raises(RuntimeError, match="resume with parallel.zero_stage: 1 or 2 on both sides, or "
                                                "parallel.ep: 4 and parallel.dp: 4"):
             refuse_expert_conversion({"layout": {**written["layout"], "zero_stage": before}}, now, "ckpt")
+
+
+def _pretrained_under_ep(rank, world, model_dir):
+    import logging
+
+    from rayspeed.config import parse
+    from rayspeed.engine.build import build_model
+    from rayspeed.parallel.groups import ParallelGroups
+
+    cfg = parse({"name": "ep-load", "model": {"pretrained": model_dir, "seq_len": 16},
+                 "train": {"global_batch_size": 4, "precision": "fp32"},
+                 "parallel": dict(dp=world, ep=world, tp=1, pp=1, cp=1, zero_stage=0, micro_batch_size=2,
+                                  grad_accum=1),
+                 "cluster": {"num_workers": world}})
+    reports = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.args)
+    logging.getLogger("rayspeed.engine.build").addHandler(handler)
+    logging.getLogger("rayspeed.engine.build").setLevel(logging.INFO)
+    model = build_model(cfg, ParallelGroups(dp=world, tp=1, pp=1, ep=world))
+    return {"elements": reports[-1][2], "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_a_pretrained_mixture_sharded_over_ep_reads_only_each_ranks_experts(tmp_path):
+    import torch
+    import transformers
+
+    torch.manual_seed(2)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    hf = transformers.MixtralForCausalLM(config)
+    hf.save_pretrained(tmp_path / "mixtral")
+    total = sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    hub = hf.state_dict()
+    for rank, out in enumerate(run_distributed(_pretrained_under_ep, 2, str(tmp_path / "mixtral"))):
+        assert out["elements"] == total - experts // 2, rank  # its two experts of four, and every other weight
+        for layer in range(2):
+            gate = out["params"][f"layers.{layer}.mlp.w_gate"]
+            assert gate.shape[0] == 2
+            fused = hub[f"model.layers.{layer}.mlp.experts.gate_up_proj"]  # [experts, 2 x ffn, hidden]
+            torch.testing.assert_close(gate, fused[2 * rank:2 * rank + 2, :48], rtol=0, atol=0)

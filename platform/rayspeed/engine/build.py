@@ -34,12 +34,27 @@ def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
 
     with deferred_init():  # every value is overwritten by the load: no seeded full tensors
         model = _build_model(cfg, groups)
+    _shard_experts_before_load(model, groups)
     model_dir = local_model_dir(str(cfg.model.pretrained))
     report = load_hf_weights(model, model_dir, ModelShape.from_config(cfg.model),
                              tp=groups.tp if cfg.parallel.tp > 1 else None)
     log.info("model.pretrained %s: %d parameters, %d elements (%.1f MB) read from %s", cfg.model.pretrained,
              report["parameters"], report["elements"], report["bytes_read"] / 1e6, model_dir)
     return model
+
+
+def _shard_experts_before_load(model: torch.nn.Module, groups: Any) -> None:
+    """Under expert parallelism each rank keeps its experts' rows before the checkpoint is read, so it reads only
+    their tensors (the full stacks, allocated and never touched, are dropped here); the expert_parallel transform
+    then finds them sharded."""
+    ep = getattr(groups, "ep", None)
+    if ep is None or not ep.enabled:
+        return
+    from rayspeed.model.moe import MoE
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.shard_experts(ep)
 
 
 def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:

@@ -105,8 +105,13 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
-        # A stacked expert parameter is read expert by expert, each into its own row of the stack.
-        parts = [(hf, p[e]) for e, hf in enumerate(experts[name])] if name in experts else [(layout[name][0], p)]
+        # A stacked expert parameter is read expert by expert, each into its own row of the stack; sharded over ep,
+        # a rank reads only the experts it holds.
+        if name in experts:
+            first = getattr(p, "first_expert", 0)
+            parts = [(hf, p[e - first]) for e, hf in enumerate(experts[name]) if first <= e < first + p.shape[0]]
+        else:
+            parts = [(layout[name][0], p)]
         for hf, target in parts:
             hname = stored.get(hf, hf)
             by_file.setdefault(files[hname], []).append((name, hname, target))

@@ -105,13 +105,14 @@ class MoE(nn.Module):
         """Keep this rank's experts of the stacks (rank j of the ep group: experts j * E/ep onward). Their parameters
         are marked `expert_parallel` (they differ over the ep group, unlike every other weight; `expert_group` is
         where the whole stack is gathered) and `model_parallel` (DeepSpeed counts every rank's in a norm)."""
-        if not ep.enabled:
+        if not ep.enabled or self.ep.enabled:  # once: a pretrained load shards before it reads
             return
         held = ep.local_experts(self.num_experts)
         for name in ("w_gate", "w_up", "w_down"):
             full = getattr(self, name)
             local = nn.Parameter(full.detach()[held.start:held.stop].clone(), requires_grad=full.requires_grad)
             local.expert_parallel, local.expert_group, local.model_parallel = True, ep.group, True
+            local.first_expert = held.start  # the global id of row 0 (a checkpoint load reads only these)
             self.register_parameter(name, local)
         self.ep = ep
 
