@@ -16,6 +16,7 @@ from rayspeed.planner.timing import step_time
 
 CAP_RULE = "max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33))"
 TREE_RULE = "8-64 GPUs: NCCL_ALGO=Tree"
+STRATEGY_RULE = "< 10B: pure DP; 10-100B: PP with 2 stages below 32 GPUs, else DP + TP (2D); > 100B: 3D (DP x PP x TP)"
 
 
 @dataclass
@@ -26,6 +27,7 @@ class RuleTest:
     why: str  # one line, with the numbers
     numbers: dict = field(default_factory=dict)
     excluded: list = field(default_factory=list)  # estimates the applied rule keeps out of the ranking
+    kept: list | None = None  # an applied rule's remaining estimates, ranked (the search's ranking: made once)
 
     def as_dict(self) -> dict:
         return {"rule": self.rule, "statement": self.statement, "applied": self.applied, "why": self.why,
@@ -58,7 +60,7 @@ def check_accumulation_cap(ctx: Ctx, estimates: list[Estimate]) -> RuleTest:
         nums["best_within_cap"] = _brief(within[0])
     if not over:
         return RuleTest("accumulation_cap", CAP_RULE, True,
-                        f"applied: none of the {len(above)} layouts beyond grad_accum {cap} fits", nums, above)
+                        f"applied: none of the {len(above)} layouts beyond grad_accum {cap} fits", nums, above, within)
     if not within:
         return RuleTest("accumulation_cap", CAP_RULE, False,
                         f"not applied: no layout within grad_accum {cap} fits; beyond it {over[0].layout.short()} does "
@@ -68,7 +70,7 @@ def check_accumulation_cap(ctx: Ctx, estimates: list[Estimate]) -> RuleTest:
     if rank([w, b])[0] is w:
         return RuleTest("accumulation_cap", CAP_RULE, True,
                         f"applied: the model agrees; the best beyond the cap ({b.layout.short()}, {b.step_s:.4g} s, "
-                        f"{b.memory_text()}) is {delta:+.1f}% against the best within it", nums, above)
+                        f"{b.memory_text()}) is {delta:+.1f}% against the best within it", nums, above, within)
     why = ("it fits with the memory margin and the best within the cap does not" if b.safe and not w.safe
            else f"it is {-delta:.1f}% faster than the best within the cap ({w.layout.short()}, {w.step_s:.4g} s)")
     return RuleTest("accumulation_cap", CAP_RULE, False,
@@ -105,8 +107,7 @@ def check_strategy(ctx: Ctx, best: Estimate, ranked: list[Estimate], all_est: li
     restricts the search: when the model finds another family faster, that one is chosen and this says by how
     much."""
     members = [e for e in ranked if pred(e.layout)]
-    statement = ("< 10B: pure DP; 10-100B: PP with 2 stages below 32 GPUs, else DP + TP (2D); "
-                 "> 100B: 3D (DP x PP x TP)")
+    statement = STRATEGY_RULE
     nums: dict = {"recommends": name}
     if not members:
         possible = [e for e in all_est if pred(e.layout)]

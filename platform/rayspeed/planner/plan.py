@@ -86,8 +86,11 @@ def _search(cfg: JobConfig, ctx: Ctx, fixed: dict):
     cap = check_accumulation_cap(ctx, estimates) if "grad_accum" not in fixed else RuleTest(
         "accumulation_cap", CAP_RULE, False, "not applied: parallel.grad_accum is fixed in the job file",
         {"max_grad_accum": accumulation_cap(ctx)})
-    out = {id(e) for e in cap.excluded}
-    ranked = rank([e for e in estimates if id(e) not in out])
+    if cap.kept is not None:
+        ranked = cap.kept
+    else:
+        out = {id(e) for e in cap.excluded}
+        ranked = rank([e for e in estimates if id(e) not in out])
     return en, estimates, ranked, list(ctx.notes), cap
 
 

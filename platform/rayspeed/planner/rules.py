@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 
 from rayspeed.config.layout import Layout
-from rayspeed.planner.hypotheses import RuleTest, check_nccl_tree, check_strategy
+from rayspeed.planner.hypotheses import STRATEGY_RULE, RuleTest, check_nccl_tree, check_strategy
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.search import Estimate
 
@@ -25,9 +25,6 @@ def strategy_family(ctx: Ctx) -> tuple[str, Callable[[Layout], bool]]:
             return "pipeline parallel with 2 stages (10-100B, < 32 GPUs)", lambda l: l.pp == 2 and l.tp == 1
         return "data + tensor parallel, 2D (10-100B, >= 32 GPUs)", lambda l: l.tp > 1 and l.pp == 1
     return "3D: data x pipeline x tensor (> 100B)", lambda l: l.tp > 1 and l.pp > 1
-
-
-STRATEGY_RULE = "< 10B: pure DP; 10-100B: PP with 2 stages below 32 GPUs, else DP + TP (2D); > 100B: 3D (DP x PP x TP)"
 
 
 def strategy_rule(ctx: Ctx, best: Estimate | None, ranked: list[Estimate], all_est: list[Estimate]) -> dict:
