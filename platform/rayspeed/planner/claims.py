@@ -168,14 +168,29 @@ def hpz_claim(best: Estimate, estimates: list[Estimate]) -> dict | None:
             "text": f"ZeRO++ hierarchical partitioning evaluated, not chosen: {verdict}"}
 
 
+def rule_claims(cap: RuleTest, rules: dict) -> list[dict]:
+    """The seed rules tested as hypotheses, one claim each: the accumulation cap, the strategy by size and (on GPU
+    clusters of 9-64) the NCCL tree."""
+    strategy = rules["strategy"]
+    out = [{"kind": "rule", **cap.as_dict(), "text": f"accumulation cap: {cap.why}"},
+           {**{k: v for k, v in strategy.items() if k not in ("note", "applied", "rule")}, "kind": "rule",
+            "rule": "strategy", "statement": strategy["rule"], "applied": strategy.get("applied", False),
+            "text": f"strategy by size: {strategy['note']}"}]
+    tree = rules["comm_profile"].get("nccl_algo_test")
+    if tree:
+        out.append({"kind": "rule", **tree, "text": f"NCCL_ALGO=Tree: {tree['why']}"})
+    return out
+
+
 def build_claims(ctx: Ctx, best: Estimate, ranked: list[Estimate], estimates: list[Estimate], cap: RuleTest,
-                 fixed: dict) -> list[dict]:
+                 fixed: dict, rules: dict) -> list[dict]:
     excluded = {id(e) for e in cap.excluded}
     claims = [chosen_claim(ctx, best, estimates, excluded)]
     claims += faster_claims(ctx, best, estimates, excluded)[:LISTED]
     claims += key_claims(best, ranked, estimates, excluded, fixed)
-    claims.append({"kind": "rule", **cap.as_dict(), "text": f"accumulation cap: {cap.why}"})
+    rule = rule_claims(cap, rules)
+    claims.append(rule[0])
     hpz = hpz_claim(best, estimates)
     if hpz:
         claims.append(hpz)
-    return claims
+    return claims + rule[1:]

@@ -117,14 +117,7 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, prof
     rules = all_rules(ctx, best.layout, best, ranked, estimates, cfg.train.precision,
                       cfg.resilience.collective_timeout_s, cap)
     rules["lr"]["applied"] = cfg.train.lr == AUTO
-    claims = build_claims(ctx, best, ranked, estimates, cap, fixed)
-    strategy = rules["strategy"]
-    claims.append({**{k: v for k, v in strategy.items() if k not in ("note", "applied", "rule")}, "kind": "rule",
-                   "rule": "strategy", "statement": strategy["rule"], "applied": strategy.get("applied", False),
-                   "text": f"strategy by size: {strategy['note']}"})
-    tree = rules["comm_profile"].get("nccl_algo_test")
-    if tree:
-        claims.append({"kind": "rule", **tree, "text": f"NCCL_ALGO=Tree: {tree['why']}"})
+    claims = build_claims(ctx, best, ranked, estimates, cap, fixed, rules)
     counts = {"evaluated": len(estimates), "fitting": sum(1 for e in estimates if e.fits),
               "ranked": len(ranked), "excluded_by_cap": len(cap.excluded)}
     text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts, claims)
