@@ -59,7 +59,9 @@ def init_deepspeed_gloo() -> None:
 
 def pipeline_logits_and_loss(shape, model_dir, groups, ids):
     """pp2: the stages by hand for the logits (the engine never materialises them: None on the first stage),
-    DeepSpeed's eval_batch for the loss (every stage)."""
+    DeepSpeed's eval_batch for the loss (every stage), then one train_batch (lr 0) for this stage's gradients as
+    they accumulate, by Transformer name (a tied embedding's two parts each on its stage, before DeepSpeed adds
+    them): (logits, loss, gradients)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -85,7 +87,14 @@ def pipeline_logits_and_loss(shape, model_dir, groups, ids):
               "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
                                            config=config)
-    return logits, engine.eval_batch(iter([(inputs, labels)])).detach().float().reshape(())
+    loss = engine.eval_batch(iter([(inputs, labels)])).detach().float().reshape(())
+    from rayspeed.model.pipeline import canonical_named_parameters
+
+    grads: dict = {}
+    for name, p in canonical_named_parameters(module):
+        p.register_post_accumulate_grad_hook(lambda q, k=name: grads.__setitem__(k, q.grad.detach().clone()))
+    engine.train_batch(iter([(inputs, labels)]))
+    return logits, loss, grads
 
 
 def shard(full: torch.Tensor, dim, rank: int, world: int) -> torch.Tensor:
@@ -140,7 +149,7 @@ def tp2_and_pp2(shape, model_dir: str, ids: torch.Tensor):
 def assert_rank_matches(result, rank: int, ref: dict, shape, where: str = "") -> None:
     """One rank's tp2_and_pp2 result against transformers: pp2's loss (and logits on the last stage), tp2's
     logits, loss and this rank's shard of every gradient."""
-    logits, loss, grads, (pp_logits, pp_loss) = result
+    logits, loss, grads, (pp_logits, pp_loss, _) = result
     where = f"{where} rank {rank}".strip()
     torch.testing.assert_close(pp_loss, ref["loss"], **TOL, msg=lambda m: f"{where} pp2 loss: {m}")
     if rank == 1:  # the last stage holds the head
@@ -153,3 +162,18 @@ def assert_rank_matches(result, rank: int, ref: dict, shape, where: str = "") ->
     for name, g in grads.items():
         torch.testing.assert_close(g, reference_grad(ref, shape, name, rank, 2), **TOL,
                                    msg=lambda m: f"{where} {name}: {m}")
+
+
+def assert_pp2_gradients(per_rank: list, ref: dict, shape, where: str = "") -> None:
+    """pp2's gradients (pipeline_logits_and_loss, one dict per stage) against transformers': every checkpoint
+    tensor's from the stage that holds it, a tied embedding's two parts added."""
+    from rayspeed.config.hf_checkpoint import checkpoint_layout
+
+    total: dict = {}
+    for grads in per_rank:
+        for name, g in grads.items():
+            total[name] = total[name] + g if name in total else g
+    assert {checkpoint_layout(shape)[n][0] for n in total} == set(ref["grads"]), where
+    for name, g in total.items():
+        torch.testing.assert_close(g, reference_grad(ref, shape, name), **TOL,
+                                   msg=lambda m: f"{where} pp2 {name}: {m}".strip())

@@ -16,6 +16,7 @@ from _dist import run_distributed
 from _hf_models import GEMMA2, save, shape_of
 from _hf_parity import (
     TOL,
+    assert_pp2_gradients,
     assert_rank_matches,
     assert_tp1_matches,
     build,
@@ -67,8 +68,10 @@ def _ranks(rank, world_size, model_dir):
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(gemma2):
     shape = shape_of(gemma2["dir"], SEQ)
-    for rank, result in enumerate(run_distributed(_ranks, 2, gemma2["dir"], timeout_s=120)):
+    results = run_distributed(_ranks, 2, gemma2["dir"], timeout_s=120)
+    for rank, result in enumerate(results):
         assert_rank_matches(result, rank, gemma2, shape)
+    assert_pp2_gradients([r[3][2] for r in results], gemma2, shape)
 
 
 def test_the_export_loads_back_with_the_same_logits(tmp_path, gemma2):

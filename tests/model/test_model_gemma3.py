@@ -17,6 +17,7 @@ from _dist import run_distributed
 from _hf_models import GEMMA3, save, shape_of
 from _hf_parity import (
     TOL,
+    assert_pp2_gradients,
     assert_rank_matches,
     assert_tp1_matches,
     build,
@@ -95,8 +96,10 @@ def _ranks(rank, world_size, model_dir):
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(gemma3):
     shape = shape_of(gemma3["dir"], SEQ)
-    for rank, result in enumerate(run_distributed(_ranks, 2, gemma3["dir"], timeout_s=120)):
+    results = run_distributed(_ranks, 2, gemma3["dir"], timeout_s=120)
+    for rank, result in enumerate(results):
         assert_rank_matches(result, rank, gemma3, shape)
+    assert_pp2_gradients([r[3][2] for r in results], gemma3, shape)
 
 
 def test_a_gemma3_written_as_hf_loads_in_transformers_with_the_same_logits(tmp_path, gemma3):

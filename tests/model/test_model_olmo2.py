@@ -12,7 +12,15 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import OLMO2, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, shard, tokens
+from _hf_parity import (
+    assert_pp2_gradients,
+    build,
+    init_deepspeed_gloo,
+    pipeline_logits_and_loss,
+    reference,
+    shard,
+    tokens,
+)
 
 SEQ, BATCH = 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -86,8 +94,9 @@ def test_tp2_sequence_parallel_and_pp2_match_transformers(olmo2):
     from safetensors.torch import load_file
 
     stored = load_file(f"{olmo2['dir']}/model.safetensors")
-    for rank, (logits, loss, grads, norms, (pp_logits, pp_loss)) in enumerate(
-            run_distributed(_ranks, 2, olmo2["dir"], timeout_s=120)):
+    results = run_distributed(_ranks, 2, olmo2["dir"], timeout_s=120)
+    assert_pp2_gradients([r[4][2] for r in results], olmo2, shape)
+    for rank, (logits, loss, grads, norms, (pp_logits, pp_loss, _)) in enumerate(results):
         assert len(norms) == 2 * shape.num_layers
         for name, value in norms.items():
             torch.testing.assert_close(value, stored[names.hf_name(name)], **TOL, msg=lambda m: f"{name}: {m}")

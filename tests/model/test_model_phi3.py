@@ -14,6 +14,7 @@ from _dist import run_distributed
 from _hf_models import PHI3, PHI4_MINI, save, shape_of
 from _hf_parity import (
     TOL,
+    assert_pp2_gradients,
     assert_rank_matches,
     assert_tp1_matches,
     build,
@@ -67,6 +68,8 @@ def test_tp2_sequence_parallel_and_pp2_match_transformers(refs):
     for rank, by_name in enumerate(results):
         for name, result in by_name.items():
             assert_rank_matches(result, rank, refs[name], shape_of(refs[name]["dir"], SEQ), name)
+    for name, ref in refs.items():
+        assert_pp2_gradients([r[name][3][2] for r in results], ref, shape_of(ref["dir"], SEQ), name)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

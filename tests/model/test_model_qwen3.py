@@ -12,7 +12,7 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import QWEN3, first_batch_loss, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, reference, shard, tokens, tp2_and_pp2
+from _hf_parity import assert_pp2_gradients, build, init_deepspeed_gloo, reference, shard, tokens, tp2_and_pp2
 
 SEQ, BATCH = 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -64,8 +64,9 @@ def _ranks(rank, world_size, model_dir):
 def test_tp2_sequence_parallel_and_pp2_match_transformers(qwen3):
     shape = shape_of(qwen3["dir"], SEQ)
     names = shape.family.tensor_names
-    for rank, (logits, loss, grads, (pp_logits, pp_loss)) in enumerate(run_distributed(_ranks, 2, qwen3["dir"],
-                                                                                         timeout_s=120)):
+    results = run_distributed(_ranks, 2, qwen3["dir"], timeout_s=120)
+    assert_pp2_gradients([r[3][2] for r in results], qwen3, shape)
+    for rank, (logits, loss, grads, (pp_logits, pp_loss, _)) in enumerate(results):
         torch.testing.assert_close(pp_loss, qwen3["loss"], **TOL, msg=lambda m: f"pp2 rank {rank} loss: {m}")
         if rank == 1:  # the last stage holds the head
             torch.testing.assert_close(pp_logits, qwen3["logits"], **TOL, msg=lambda m: f"pp2 logits: {m}")

@@ -13,7 +13,7 @@ import torch
 
 from _dist import run_distributed
 from _hf_models import LLAMA_LONGROPE, QWEN3_YARN, save, shape_of
-from _hf_parity import build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, tokens
+from _hf_parity import assert_pp2_gradients, build, init_deepspeed_gloo, pipeline_logits_and_loss, reference, tokens
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SPECS = {"yarn": QWEN3_YARN, "longrope": LLAMA_LONGROPE}
@@ -70,8 +70,11 @@ def _ranks(rank, world_size, model_dirs):
 
 def test_tp2_sequence_parallel_and_pp2_match_transformers(dirs):
     refs = {kind: reference(d, tokens(256, 2, 16)) for kind, d in dirs.items()}
-    for rank, got in enumerate(run_distributed(_ranks, 2, dirs, timeout_s=120)):
-        for kind, (logits, (pp_logits, pp_loss)) in got.items():
+    results = run_distributed(_ranks, 2, dirs, timeout_s=120)
+    for kind, d in dirs.items():
+        assert_pp2_gradients([got[kind][1][2] for got in results], refs[kind], shape_of(d, 16), kind)
+    for rank, got in enumerate(results):
+        for kind, (logits, (pp_logits, pp_loss, _)) in got.items():
             torch.testing.assert_close(logits, refs[kind]["logits"], **TOL, msg=lambda m: f"{kind} rank {rank}: {m}")
             torch.testing.assert_close(pp_loss, refs[kind]["loss"], **TOL, msg=lambda m: f"{kind} pp2 loss: {m}")
             if rank == 1:

@@ -16,6 +16,7 @@ from _dist import run_distributed
 from _hf_models import MISTRAL_SWA, QWEN2_SWA, save, shape_of
 from _hf_parity import (
     TOL,
+    assert_pp2_gradients,
     assert_rank_matches,
     assert_tp1_matches,
     build,
@@ -92,6 +93,8 @@ def test_tp2_sequence_parallel_and_pp2_match_transformers(refs):
     for rank, by_family in enumerate(results):
         for family, result in by_family.items():
             assert_rank_matches(result, rank, refs[family], shape_of(refs[family]["dir"], SEQ), family)
+    for family, ref in refs.items():
+        assert_pp2_gradients([r[family][3][2] for r in results], ref, shape_of(ref["dir"], SEQ), family)
 
 
 LENS = (9, 8)  # two documents, each longer than either window, packed in 17 tokens: 16 inputs, 16 labels
