@@ -188,10 +188,29 @@ def _ranks(rank, world_size, model_dir, variant):
     return state if rank == 0 else None, tp2, _pp2(shape, model_dir, _adapter(variant))
 
 
+def _all_ranks(rank, world_size, base, phi3, made):
+    """Every two-rank case of this module in one gloo world (one start of two processes, not eight): each variant
+    at tp2 + sp and pp2 on the Qwen2 base and Phi-3's fused projections, tp1's dropout masks at tp2, a PEFT-made
+    adapter continued at tp2."""
+    init_deepspeed_gloo()
+    return {"qwen": {v: _ranks(rank, world_size, base, v) for v in VARIANTS},
+            "phi3": {v: _ranks(rank, world_size, phi3, v) for v in ("lora", "dora")},
+            "dropout": _dropout_ranks(rank, world_size, base),
+            "continued": _continued(rank, world_size, base, made, "patterns")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(base, phi3_base, tmp_path_factory):
+    """(the two ranks' results of _all_ranks, the PEFT-made adapter's folder and peft's logits with it)."""
+    made = str(tmp_path_factory.mktemp("made") / "peft")
+    want = _made_by_peft(base, made, _adapter("patterns"), shape_of(base, SEQ))
+    return run_distributed(_all_ranks, 2, base, phi3_base, made, timeout_s=600), made, want
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_tp2_sequence_parallel_and_pp2_match_peft(base, variant):
+def test_tp2_sequence_parallel_and_pp2_match_peft(base, two_ranks, variant):
     shape = shape_of(base, SEQ)
-    results = run_distributed(_ranks, 2, base, variant, timeout_s=180)
+    results = [r["qwen"][variant] for r in two_ranks[0]]
     ref = peft_reference(base, results[0][0], _adapter(variant), shape)
     pp_names = set()
     for rank, (_, (logits, loss, grads), (pp_logits, pp_loss, pp_grads)) in enumerate(results):
@@ -248,7 +267,7 @@ def _dropout_ranks(rank, world_size, model_dir):
     return _dropout_run(adapted(shape, model_dir, adapter, ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True), _ids())
 
 
-def test_dropout_masks_are_tp1s_at_tp2(base):
+def test_dropout_masks_are_tp1s_at_tp2(base, two_ranks):
     shape = shape_of(base, SEQ)
     adapter = _adapter("lora")
     adapter.dropout = 0.3
@@ -256,7 +275,7 @@ def test_dropout_masks_are_tp1s_at_tp2(base):
     with torch.no_grad():
         plain = adapted(shape, base, _adapter("lora"))(_ids()[:, :-1], _ids()[:, 1:])
     assert abs(loss - plain) > 1e-4  # dropout changed the loss
-    for rank, (loss2, grads2) in enumerate(run_distributed(_dropout_ranks, 2, base, timeout_s=120)):
+    for rank, (loss2, grads2) in enumerate(r["dropout"] for r in two_ranks[0]):
         torch.testing.assert_close(loss2, loss, **TOL)
         for name, (g, dim) in grads2.items():
             torch.testing.assert_close(g, shard(grads[name][0], dim, rank, 2), **TOL, msg=lambda m: f"{name}: {m}")
@@ -322,19 +341,19 @@ def _continued(rank, world_size, model_dir, folder, variant):
         return model.eval()(_ids()[:, :-1])
 
 
-def test_an_adapter_peft_made_continues_in_rayspeed_at_tp1_and_tp2(base, tmp_path):
+def test_an_adapter_peft_made_continues_in_rayspeed_at_tp1_and_tp2(base, two_ranks):
     """train.init_from a PEFT folder: its tensors go into rayspeed's adapters (each rank's shard) and give peft's
     logits."""
     from rayspeed.adapters.peft_files import load_peft_dir
 
     shape = shape_of(base, SEQ)
-    want = _made_by_peft(base, str(tmp_path / "made"), _adapter("patterns"), shape)
+    results, made, want = two_ranks
     model = adapted(shape, base, _adapter("patterns"))
-    load_peft_dir(model, str(tmp_path / "made"), shape)
+    load_peft_dir(model, made, shape)
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(_ids()[:, :-1]), want, **TOL)
-    for logits in run_distributed(_continued, 2, base, str(tmp_path / "made"), "patterns", timeout_s=120):
-        torch.testing.assert_close(logits, want, **TOL)
+    for r in results:
+        torch.testing.assert_close(r["continued"], want, **TOL)
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +389,7 @@ def _check_fused(grads, ref, shape, rank=0, world=1, where=""):
 
 
 @pytest.mark.parametrize("variant", ["lora", "dora"])
-def test_phi3s_fused_projections_carry_peft_one_adapter_each(phi3_base, variant):
+def test_phi3s_fused_projections_carry_peft_one_adapter_each(phi3_base, two_ranks, variant):
     """Phi-3 fuses q, k, v (qkv_proj) and gate, up (gate_up_proj): peft has one adapter on each; rayspeed's parts
     share its A and hold their rows of its B, the same function at tp1, tp2 + sp and pp2."""
     shape = shape_of(phi3_base, SEQ)
@@ -378,7 +397,7 @@ def test_phi3s_fused_projections_carry_peft_one_adapter_each(phi3_base, variant)
     ref = peft_reference(phi3_base, model.full_state_dict(), _adapter(variant), shape)
     _check_fused(tp1_against(model, ref), ref, shape, where="tp1")
     for rank, (_, (logits, loss, grads), (pp_logits, pp_loss, pp_grads)) in enumerate(
-            run_distributed(_ranks, 2, phi3_base, variant, timeout_s=180)):
+            r["phi3"][variant] for r in two_ranks[0]):
         torch.testing.assert_close(logits, ref["logits"], **TOL, msg=lambda m: f"tp2 rank {rank} logits: {m}")
         torch.testing.assert_close(loss, ref["loss"], **TOL, msg=lambda m: f"tp2 rank {rank} loss: {m}")
         _check_fused(grads, ref, shape, rank, 2, where=f"tp2 rank {rank}")
