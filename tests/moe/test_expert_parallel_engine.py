@@ -75,11 +75,21 @@ def _ep_engine_against_dp(rank, world, zero):
     return {"out": out, "held": (held.start, held.stop)}
 
 
+def _stages(rank, world, zeros):
+    return {zero: _ep_engine_against_dp(rank, world, zero) for zero in zeros}
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """Each world started once for its ZeRO stages: dp2 for 0 and 1, dp4 for 2 and 3."""
+    return {world: run_distributed(_stages, world, zeros, timeout_s=240) for world, zeros in ((2, (0, 1)), (4, (2, 3)))}
+
+
 @pytest.mark.parametrize("zero,world", [(0, 2), (1, 2), (2, 4), (3, 4)])
-def test_ep2_engine_trains_as_every_expert_on_every_rank(zero, world):
+def test_ep2_engine_trains_as_every_expert_on_every_rank(worlds, zero, world):
     import torch
 
-    for rank, r in enumerate(run_distributed(_ep_engine_against_dp, world, zero, timeout_s=120)):
+    for rank, r in enumerate(by_zero[zero] for by_zero in worlds[world]):
         (l1, g1, n1, w1), (l2, g2, n2, w2) = r["out"][1], r["out"][2]
         lo, hi = r["held"]
         assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5), (rank, l1, l2)
