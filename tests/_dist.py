@@ -11,6 +11,7 @@ after `deadline_s` instead of hanging the test run.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import tempfile
 import time
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank, fn, world_size, tmpdir, timeout_s, env, args):
+    os.environ.clear()  # the caller's environment at the call (the fork server's is older), as a spawned child's
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)
@@ -48,15 +50,20 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 60.0, deadlin
     run: past it the processes are killed and the call fails.
     """
     deadline_s = deadline_s or 3 * timeout_s + 60
-    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "0"}
     child_env.update(env or {})
+    # The children fork from one server process that imported torch and DeepSpeed once: a spawned child imports
+    # them again (about 8 s per two-rank world on the 2-core VM, 1 s forked). Nothing else is preloaded: what
+    # reads the environment at import (transformers' cache paths) is imported by the child, after its environment.
+    multiprocessing.set_forkserver_preload(["torch", "deepspeed", "_dist"])
     with tempfile.TemporaryDirectory() as tmpdir:
         context = mp.start_processes(
             _worker,
             args=(fn, world_size, tmpdir, timeout_s, child_env, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + deadline_s
         while not context.join(timeout=0.5):  # raises if a rank failed (and stops the others)
