@@ -32,13 +32,19 @@ def _problems(overrides):
 @pytest.mark.parametrize("overrides, says", [
     (["parallel.cp=0"], "parallel.cp: must be >= 1 or auto"),
     (["parallel.cp=3"], "2 x cp = 6 balanced chunks"),
-    (["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=1"], "does not run under the pipeline engine"),
     (["parallel.cp=4", "parallel.cp_scheme=ulysses", "model.num_heads=2", "model.num_kv_heads=2",
       "model.hidden_size=64"], "use cp_scheme ring"),
     (["parallel.cp_scheme=zigzag"], "parallel.cp_scheme"),
 ])
 def test_a_cp_that_cannot_split_the_model_is_refused_naming_the_key(overrides, says):
     assert says in _problems(overrides)
+
+
+def test_cp_with_pp_is_accepted_and_planned_as_set():
+    cfg = load(TINY, ["cluster.num_workers=4", "parallel.dp=1", "parallel.cp=2", "parallel.pp=2",
+                      "parallel.zero_stage=1", "parallel.tp=1"])
+    b = plan_job(cfg).best
+    assert (b["dp"], b["cp"], b["tp"], b["pp"], b["zero_stage"]) == (1, 2, 1, 2, 1), b
 
 
 def test_the_cli_refuses_it_with_exit_2_and_no_traceback(tmp_path):

@@ -56,7 +56,7 @@ def auto_degrees(seq_len: int, room: int) -> list[int]:
 def context_problems(m, par, num_kv_heads: int) -> list[str]:
     """The job's parallel.cp and parallel.cp_scheme against its model and the other degrees set (auto ones are the
     planner's to choose)."""
-    cp, tp, pp = par.cp, par.tp, par.pp
+    cp, tp = par.cp, par.tp
     if not isinstance(cp, int):
         return []
     if cp < 1:
@@ -68,9 +68,6 @@ def context_problems(m, par, num_kv_heads: int) -> list[str]:
                      par.cp_scheme)
     if why:
         out.append(why)
-    if isinstance(pp, int) and pp > 1:
-        out.append(f"parallel.cp ({cp}) with parallel.pp ({pp}): context parallelism does not run under the pipeline "
-                   "engine yet; use pp 1 (with tp, ZeRO-3 or recomputation for the weights) or cp 1")
     if par.sequence_parallel is True and isinstance(tp, int) and tp > 1 and (m.seq_len // cp) % tp:
         out.append(f"parallel.sequence_parallel: true splits each rank's {m.seq_len // cp} tokens (seq_len / cp) "
                    f"over tp ({tp}), which does not divide them; leave it auto or pick a seq_len that does")

@@ -72,6 +72,7 @@ def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
             sequence_parallel=bool(par.sequence_parallel),
             seed=cfg.train.seed,
             stage_layers=getattr(par, "stage_layers", None) or None,
+            cp=getattr(groups, "cp", None),
         )
     from rayspeed.model.transformer import Transformer
 

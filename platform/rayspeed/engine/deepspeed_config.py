@@ -38,6 +38,11 @@ def _ep(par: Any) -> int:
     return ep if isinstance(ep, int) else 1
 
 
+def _pipeline_cp(par: Any) -> int:
+    cp = getattr(par, "cp", 1)
+    return cp if isinstance(cp, int) and isinstance(par.pp, int) and par.pp > 1 else 1
+
+
 def rayspeed_clips(cfg: JobConfig) -> bool:
     """True when the worker clips gradients itself (rayspeed.engine.clip) and DeepSpeed's `gradient_clipping`
     is 0: ZeRO-0, fp32, no pipeline, where DeepSpeed's clip adds a data-parallel all-reduce of norms every
@@ -89,8 +94,9 @@ def deepspeed_config(cfg: JobConfig, plan: dict[str, Any] | None = None) -> dict
             zero[key] = int(ds_plan[key])
 
     ds: dict[str, Any] = {
-        # Under ep DeepSpeed's data-parallel group is the experts' (dp / ep ranks): its batch arithmetic with it.
-        "train_batch_size": train.global_batch_size // _ep(par),
+        # Under ep DeepSpeed's data-parallel group is the experts' (dp / ep ranks), and under pp with cp the pipeline
+        # grid's data axis is dp x cp ranks (model/pipeline.py): its batch arithmetic with them.
+        "train_batch_size": train.global_batch_size // _ep(par) * _pipeline_cp(par),
         "train_micro_batch_size_per_gpu": int(par.micro_batch_size),
         "gradient_accumulation_steps": int(par.grad_accum),
         # ZeRO-0 fp32: the worker clips (rayspeed.engine.clip), without DeepSpeed's extra all-reduce.

@@ -25,6 +25,13 @@ that machinery come out as a mix of different ranks' shards. So under sequence p
 the stage output is all-gathered to the full, replicated sequence before it leaves the stage
 and split back to this rank's shard where the next stage starts (`_stage_input` /
 `_stage_output`); the point-to-point traffic stays 1/tp of the activation per rank.
+
+Context parallelism (cp > 1): DeepSpeed's grid has no cp axis, so cp folds into its data axis (groups.py) and each
+stage holds this rank's part of every sequence. What the blocks need to attend across the parts (SequenceLayout: the
+global and RoPE positions, the document ids of every part) is built where each stage starts, from the tensors that
+travel (the hidden states and this part's document ids): a process group cannot travel between stages. The engine
+averages the loss and the gradients over that data axis, dp x cp ranks, where the parts of a sequence must add up:
+the loss is multiplied by cp (PipelineLoss).
 """
 
 from __future__ import annotations
@@ -40,9 +47,10 @@ from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
 from rayspeed.model.transformer import OutputHead, RMSNorm, block_class, check_mode, check_split, embed_scale
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
+from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, sum_over_cp
 from rayspeed.parallel.groups import ParallelGroups, TensorParallel
 from rayspeed.parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region
-from rayspeed.parallel.loss import linear_cross_entropy
+from rayspeed.parallel.loss import IGNORE_INDEX, linear_cross_entropy
 
 
 class EmbeddingPipe(VocabParallelEmbedding):
@@ -93,11 +101,15 @@ def tied_head_forward(embedding: EmbeddingPipe, x: torch.Tensor):
 class PipelineLoss:
     """loss_fn(outputs, labels) for the last stage: fp32 cross-entropy of hidden @ weight^T, the mean over the counted
     labels (-100 is ignored); or, when the trainer sets `scale`, the sum times `scale` (it sets it per step to
-    dp * grad_accum / counted labels of the global batch, so the step's loss is the mean over all of them)."""
+    dp * grad_accum / counted labels of the global batch, so the step's loss is the mean over all of them).
+
+    Under cp the labels are this rank's part: the mean divides by the count of every part's labels, and both are
+    times cp, because the engine averages over dp x cp ranks what must be summed over cp."""
 
     def __init__(self, tp: Optional[TensorParallel] = None, chunk_tokens: Optional[int] = None,
-                 cap: Optional[float] = None):
+                 cap: Optional[float] = None, cp: Optional[ContextParallel] = None):
         self.tp = tp or NO_TP
+        self.cp = cp or NO_CP
         self.chunk_tokens, self.cap = chunk_tokens, cap
         self.scale: Optional[float] = None
         # A preference objective's loss from each label's cross entropy: labels arrive as (labels, *what it needs).
@@ -110,10 +122,14 @@ class PipelineLoss:
             ce = linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
                                       reduction="none", cap=self.cap)
             return self.per_token(ce.view(labels.shape), labels, *extra)
-        if self.scale is None:
+        if self.scale is None and not self.cp.enabled:
             return linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens, cap=self.cap)
-        return self.scale * linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
-                                                 reduction="sum", cap=self.cap)
+        total = linear_cross_entropy(hidden, weight, labels, self.tp, chunk_tokens=self.chunk_tokens,
+                                     reduction="sum", cap=self.cap)
+        if self.scale is not None:
+            return total * (self.scale * self.cp.world_size)
+        count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
+        return total * self.cp.world_size / count
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,12 +147,18 @@ def _pipeline_module_class():
         tp and this is a plain PipelineModule.
         """
 
-        def __init__(self, *args, tp: TensorParallel = NO_TP, sequence_parallel: bool = False, **kwargs):
+        def __init__(self, *args, tp: TensorParallel = NO_TP, sequence_parallel: bool = False,
+                     cp: ContextParallel = NO_CP, **kwargs):
             super().__init__(*args, **kwargs)
             self.sp_tp = tp
             self.sequence_parallel = sequence_parallel and tp.enabled
+            self.cp = cp
 
         def _stage_input(self, x):
+            if self.cp.enabled:  # (tokens or hidden[, segment ids]) -> (them, this stage's SequenceLayout)
+                first = x[0] if isinstance(x, tuple) else x
+                seg = x[1] if isinstance(x, tuple) else None
+                x = (first, SequenceLayout(self.cp, first.shape[1], seg, first.device))
             # Stage > 0 receives the replicated full sequence; its layers expect this rank's shard.
             if self.sequence_parallel and self.stage_id > 0:
                 if isinstance(x, tuple):  # (hidden, segment_ids): the segment ids stay whole
@@ -145,6 +167,9 @@ def _pipeline_module_class():
             return x
 
         def _stage_output(self, x):
+            if self.cp.enabled and isinstance(x, tuple) and isinstance(x[1], SequenceLayout):
+                layout = x[1]
+                x = x[0] if layout.segments is None else (x[0], layout.segments[self.cp.rank])
             # Every stage but the last hands the full sequence to the engine, which (pipe_partitioned)
             # sends 1/tp of it per tp rank and reassembles it on the next stage.
             if self.sequence_parallel and self.stage_id < self.num_stages - 1:
@@ -171,6 +196,7 @@ def build_pipeline_module(
     partition_method: str = "parameters",
     loss_chunk_tokens: Optional[int] = None,
     stage_layers: Optional[Sequence[int]] = None,
+    cp: Optional[ContextParallel] = None,
 ):
     """A deepspeed.pipe.PipelineModule of the Transformer described by `cfg`.
 
@@ -183,6 +209,8 @@ def build_pipeline_module(
     stage_layers: blocks per stage, first to last (the planner's split; stages may differ): overrides
     partition_method, the embedding on the first stage and the final norm + head on the last.
     Activation checkpointing is done inside the blocks, not by DeepSpeed's interval.
+    cp: the context-parallel group (a ParallelGroups gives its own); the stages then take this rank's part of
+    every sequence (context_parallel.shard) and the labels of the same part.
     torch.distributed must be initialized (e.g. deepspeed.init_distributed()) and LOCAL_RANK set.
     """
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -191,9 +219,12 @@ def build_pipeline_module(
     if isinstance(groups_or_topology, ParallelGroups):
         topology = groups_or_topology.topology()
         tp = tp or groups_or_topology.tp
+        cp = cp or groups_or_topology.cp
     elif groups_or_topology is not None:
         topology = groups_or_topology
-    tp = tp or NO_TP
+    tp, cp = tp or NO_TP, cp or NO_CP
+    if cp.enabled and topology is None:
+        raise ValueError("cp > 1 needs a ParallelGroups or topology: cp folds into the pipeline grid's data axis")
 
     if topology is not None:
         stages = topology.get_dim("pipe")
@@ -249,11 +280,12 @@ def build_pipeline_module(
             layers=specs,
             topology=topology,
             num_stages=None if topology is not None else num_stages,
-            loss_fn=PipelineLoss(tp, loss_chunk_tokens, dims.final_logit_softcapping),
+            loss_fn=PipelineLoss(tp, loss_chunk_tokens, dims.final_logit_softcapping, cp),
             partition_method=partition_method,
             activation_checkpoint_interval=0,
             tp=tp,
             sequence_parallel=sp,
+            cp=cp,
         )
 
 

@@ -344,8 +344,6 @@ def evaluate_layout(cfg: JobConfig, layout: dict, world_size: int | None = None,
                         scheme_for(sh.num_heads, sh.num_kv_heads, max(1, tp), cp, ctx.cp_scheme))
     if cp_why:
         unbuildable.append(cp_why)
-    if cp > 1 and pp > 1:
-        unbuildable.append(f"cp {cp} with pp {pp}: context parallelism does not run under the pipeline engine yet")
     zero_why = zero_problem(ctx, z)
     if zero_why:
         unbuildable.append(zero_why)

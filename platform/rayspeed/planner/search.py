@@ -196,8 +196,6 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     out.rejected.append(f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.pp ({pp}) = "
                                         f"{tp * cp * pp} does not divide the world size ({W})")
                     continue
-                if cp > 1 and pp > 1:  # config/context_split.py says why to a job that sets both
-                    continue
                 if sh.num_experts and max(tp, cp, pp) > 1:  # not built for experts yet (config/moe_keys.py says why)
                     continue
                 dp = W // (tp * cp * pp)

@@ -54,6 +54,14 @@ def stage_inputs(micro_batch: tuple, device: torch.device) -> Any:
     return micro_batch[0].to(device)
 
 
+def stage_batches(micro_batches: list, groups: Any, device: torch.device) -> list:
+    """(first stage's inputs, last stage's labels) of each micro-batch for the pipeline engine: this rank's part of
+    each sequence under context parallelism."""
+    cp = getattr(groups, "cp", None)
+    parts = [local_part(mb, cp, device) for mb in micro_batches]
+    return [(stage_inputs(mb, device), mb[1]) for mb in parts]
+
+
 class Validator:
     def __init__(self, cfg: Any, batches: list, device: torch.device, pipelined: bool,
                  dp_mean: Callable[[torch.Tensor], float], weighted: bool = False, cp: Any = None):
@@ -80,7 +88,8 @@ class Validator:
             if self.pipelined:
                 if self.weighted:  # each chunk's summed loss times the chunk count: eval_batch's mean is their sum
                     engine.module.loss_fn.scale = float(len(chunks))
-                data = [(stage_inputs(c, self.device), c[1].to(self.device)) for c in chunks]
+                data = [(stage_inputs(c, self.device), c[1]) for c in (local_part(c, self.cp, self.device)
+                                                                        for c in chunks)]
                 out = engine.eval_batch(iter(data)).detach().double().mean()
                 total += out if self.weighted else out * len(chunks)
                 counted += sum(int((c[1] != IGNORE_INDEX).sum()) for c in chunks)

@@ -18,7 +18,7 @@ from rayspeed import compat
 from rayspeed.checkpoint import manifest
 from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.logs import log_rank
-from rayspeed.train.evaluation import local_part, over_cp, stage_inputs
+from rayspeed.train.evaluation import local_part, over_cp, stage_batches
 from rayspeed.train.events import TrainState
 
 log = logging.getLogger("rayspeed.worker")
@@ -71,8 +71,7 @@ class TrainStep:
                 eng.module.loss_fn.scale = float("nan")
             if self.guard is not None:
                 self.guard.arm(step, None)
-            batches = [(stage_inputs(mb, self.device), mb[1].to(self.device)) for mb in micro_batches]
-            loss = eng.train_batch(iter(batches)).float().mean()
+            loss = eng.train_batch(iter(stage_batches(micro_batches, self.groups, self.device))).float().mean()
             if poison:
                 eng.module.loss_fn.scale = scale
             return loss
