@@ -75,6 +75,56 @@ def test_ep2_equals_every_expert_on_every_rank(family):
             torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+def _tp_against_unsharded(rank, world, family, ep, sp):
+    import torch
+    import torch.distributed as dist
+
+    from rayspeed.model.moe import MoE
+    from rayspeed.model.transformer import Transformer
+    from rayspeed.parallel.groups import ParallelGroups
+    from rayspeed.parallel.layers import gather_full
+
+    groups = ParallelGroups(dp=world // 2, tp=2, pp=1, ep=ep)
+    shape = _shape(family)
+    seed = torch.Generator().manual_seed(11 + groups.dp_rank)  # each data-parallel replica its own tokens
+    ids = torch.randint(0, 64, (2, 17), generator=seed)
+    ref = Transformer(shape, seed=5)
+    want = ref(ids[:, :-1], ids[:, 1:])
+    want.backward()
+    want_logits = ref(ids[:, :-1]).detach()
+    model = Transformer(shape, tp=groups.tp, sequence_parallel=sp, seed=5)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.shard_experts(groups.ep)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    out = {"loss": (loss.detach(), want.detach()), "aux": (model.aux_loss, ref.aux_loss),
+           "logits": (model(ids[:, :-1]).detach(), want_logits), "grads": {}}
+    held = groups.ep.local_experts(shape.num_experts)
+    wanted = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g = wanted[name].grad.clone()
+        if getattr(p, "expert_parallel", False):
+            dist.all_reduce(g, group=groups.ep.group)  # the same tensor slice of every ep rank's tokens
+            g = g[held.start:held.stop] / ep
+        out["grads"][name] = (gather_full(p.grad, p, groups.tp), g)
+    return out
+
+
+@pytest.mark.parametrize("family,ep,sp", [("qwen3_moe", 2, False), ("mixtral", 2, True), ("qwen3_moe", 1, True)])
+def test_experts_split_over_tp_equal_every_expert_whole_on_every_rank(family, ep, sp):
+    """tp2 x ep2 (4 ranks: each expert's width over tp, the experts over ep) and tp2 alone, with and without
+    sequence parallelism: logits, loss, balance loss and every gradient (gathered over tp) as the unsplit model."""
+    import torch
+
+    for rank, out in enumerate(run_distributed(_tp_against_unsharded, 2 * ep, family, ep, sp)):
+        for key in ("loss", "aux", "logits"):
+            torch.testing.assert_close(*out[key], **TOL, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert any("w_down" in n for n in out["grads"])
+        for name, (got, want) in out["grads"].items():
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
 def test_expert_groups_are_carved_out_of_data_parallel():
     from rayspeed.parallel.groups import layout
 
@@ -102,9 +152,14 @@ def test_an_ep_change_converts_at_zero_1_and_2_and_is_refused_elsewhere_naming_t
         with pytest.raises(RuntimeError, match="resume with parallel.zero_stage: 1 or 2 on both sides, or "
                                                "parallel.ep: 4 and parallel.dp: 4"):
             refuse_expert_conversion({"layout": {**written["layout"], "zero_stage": before}}, now, "ckpt")
+    at_tp2 = {"layout": {**written["layout"], "tp": 2, "dp": 2, "ep": 2}}
+    refuse_expert_conversion(at_tp2, dict(at_tp2["layout"]), "ckpt")  # the same layout: nothing converts
+    with pytest.raises(RuntimeError, match="expert shards convert between layouts at tp 1 only; resume with "
+                                           "parallel.ep: 2, parallel.tp: 2 and parallel.dp: 2"):
+        refuse_expert_conversion(at_tp2, {**at_tp2["layout"], "dp": 4, "ep": 4}, "ckpt")
 
 
-def _pretrained_under_ep(rank, world, model_dir):
+def _pretrained_under_ep(rank, world, model_dir, tp=1):
     import logging
 
     from rayspeed.config import parse
@@ -113,15 +168,15 @@ def _pretrained_under_ep(rank, world, model_dir):
 
     cfg = parse({"name": "ep-load", "model": {"pretrained": model_dir, "seq_len": 16},
                  "train": {"global_batch_size": 4, "precision": "fp32"},
-                 "parallel": dict(dp=world, ep=world, tp=1, pp=1, cp=1, zero_stage=0, micro_batch_size=2,
-                                  grad_accum=1),
+                 "parallel": dict(dp=world // tp, ep=world // tp, tp=tp, pp=1, cp=1, zero_stage=0,
+                                  micro_batch_size=2, grad_accum=1),
                  "cluster": {"num_workers": world}})
     reports = []
     handler = logging.Handler()
     handler.emit = lambda record: reports.append(record.args)
     logging.getLogger("rayspeed.engine.build").addHandler(handler)
     logging.getLogger("rayspeed.engine.build").setLevel(logging.INFO)
-    model = build_model(cfg, ParallelGroups(dp=world, tp=1, pp=1, ep=world))
+    model = build_model(cfg, ParallelGroups(dp=world // tp, tp=tp, pp=1, ep=world // tp))
     return {"elements": reports[-1][2], "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -145,3 +200,14 @@ def test_a_pretrained_mixture_sharded_over_ep_reads_only_each_ranks_experts(tmp_
             assert gate.shape[0] == 2
             fused = hub[f"model.layers.{layer}.mlp.experts.gate_up_proj"]  # [experts, 2 x ffn, hidden]
             torch.testing.assert_close(gate, fused[2 * rank:2 * rank + 2, :48], rtol=0, atol=0)
+    # tp2 x ep2: each rank reads its experts' rows of its tp slice (gate and up by rows, down by columns)
+    for rank, out in enumerate(run_distributed(_pretrained_under_ep, 4, str(tmp_path / "mixtral"), 2)):
+        ep_rank, tp_rank = rank // 2, rank % 2
+        for layer in range(2):
+            fused = hub[f"model.layers.{layer}.mlp.experts.gate_up_proj"][2 * ep_rank:2 * ep_rank + 2]
+            down = hub[f"model.layers.{layer}.mlp.experts.down_proj"][2 * ep_rank:2 * ep_rank + 2]
+            rows = slice(24 * tp_rank, 24 * tp_rank + 24)
+            p = out["params"]
+            torch.testing.assert_close(p[f"layers.{layer}.mlp.w_gate"], fused[:, :48][:, rows], rtol=0, atol=0)
+            torch.testing.assert_close(p[f"layers.{layer}.mlp.w_up"], fused[:, 48:][:, rows], rtol=0, atol=0)
+            torch.testing.assert_close(p[f"layers.{layer}.mlp.w_down"], down[:, :, rows], rtol=0, atol=0)

@@ -81,6 +81,12 @@ def refuse_expert_conversion(manifest: dict[str, Any], layout: dict[str, Any], n
         return
     if old_ep == new_ep and not needs_universal(manifest, layout):
         return
+    tps = (int(old.get("tp", 1)), int(layout.get("tp", 1)))
+    if max(tps) > 1:  # the universal record takes every weight but the experts as whole on each piece (tp 1 only)
+        raise RuntimeError(
+            f"resume from {name}: it was written at ep {old_ep}, tp {tps[0]}, dp {old.get('dp')} and this attempt "
+            f"runs ep {new_ep}, tp {tps[1]}, dp {layout.get('dp')}: expert shards convert between layouts at tp 1 "
+            f"only; resume with parallel.ep: {old_ep}, parallel.tp: {tps[0]} and parallel.dp: {old.get('dp')}")
     stages = (int(old.get("zero_stage", 0)), int(layout.get("zero_stage", 0)))
     if all(z in (1, 2) for z in stages):
         return

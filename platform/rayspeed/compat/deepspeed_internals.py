@@ -238,3 +238,14 @@ def zero3_partition_over(model: Any, group: Any, ds_config: dict, mpu: Any) -> N
     import deepspeed
 
     deepspeed.zero.Init(module=model, data_parallel_group=group, config_dict_or_path=ds_config, mpu=mpu)
+
+
+def counted_once_in_norm(params: Any) -> None:
+    """Leave these parameters out of DeepSpeed's gradient norm on this rank. DeepSpeed 0.19.8 counts a weight marked
+    tensor-parallel on every rank of its model-parallel group and skips one marked `ds_pipe_replicated` (its flag
+    for the copies of a weight tied across pipeline stages): under ep x tp a tp shard of a weight every ep rank holds
+    alike (attention, embeddings) is such a copy on every ep rank but the first. ZeRO 1-2 and the bf16 optimizer read
+    the flag, ZeRO-3 does not (config/moe_keys.py refuses ZeRO-3 with ep x tp). Goes when DeepSpeed's norm takes
+    a per-parameter replica group."""
+    for p in params:
+        p.ds_pipe_replicated = True

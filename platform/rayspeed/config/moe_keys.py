@@ -96,8 +96,7 @@ def moe_problems(cfg: Any) -> list[str]:
     if family.moe.expert_ffn is None and ffn is not None and model.ffn_hidden_size not in (None, ffn):
         out.append(f"model.expert_ffn_hidden_size: a {family.architecture}'s experts are ffn_hidden_size wide "
                    f"({model.ffn_hidden_size}); leave it null")
-    for key, why in (("tp", "expert tensor parallelism is not built yet"),
-                     ("pp", "pipeline stages do not carry the load-balancing statistics yet"),
+    for key, why in (("pp", "pipeline stages do not carry the load-balancing statistics yet"),
                      ("cp", "the load-balancing statistics are not pooled over the context-parallel ranks yet")):
         value = getattr(par, key, 1)
         if value not in (1, "auto"):
@@ -114,6 +113,11 @@ def moe_problems(cfg: Any) -> list[str]:
         if getattr(par, "pp", 1) not in (1, "auto"):
             out.append(f"parallel.ep: {ep} with parallel.pp: {par.pp}: the pipeline engine does not take expert "
                        "parallelism yet; set parallel.pp: 1")
+        tp = getattr(par, "tp", 1)
+        if tp not in (1, "auto") and getattr(par, "zero_stage", "auto") == 3:
+            out.append(f"parallel.ep: {ep} with parallel.tp: {tp} at parallel.zero_stage: 3: DeepSpeed's ZeRO-3 "
+                       "gradient norm would count the tp shards every ep rank holds alike once per ep rank; use "
+                       "zero_stage 1 or 2 (experts and their optimizer state are split over ep already)")
     if getattr(model.adapter, "type", "none") != "none":
         out.append("model.adapter.type: adapters on a mixture of experts are not built yet; set model.adapter.type: "
                    "none")

@@ -18,13 +18,7 @@ from rayspeed.config.env_lint import lint_env
 from rayspeed.config.moe_keys import moe_problems
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
-from rayspeed.families.family import (
-    FULL_ATTENTION,
-    LAYER_TYPES,
-    SLIDING_ALL_LAYERS,
-    SLIDING_ATTENTION,
-    SLIDING_NONE,
-)
+from rayspeed.families.family import FULL_ATTENTION, LAYER_TYPES, SLIDING_ALL_LAYERS, SLIDING_ATTENTION, SLIDING_NONE
 
 CALLBACK_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
@@ -128,7 +122,8 @@ def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) ->
     if shape.num_heads % shape.num_kv_heads:
         problems.append(f"num_heads={shape.num_heads} must divide by num_kv_heads={shape.num_kv_heads}")
     for name, value in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
-                        ("ffn_hidden_size", shape.ffn_hidden_size), ("vocab_size", shape.vocab_size)):
+                        ("ffn_hidden_size", shape.ffn_hidden_size), ("vocab_size", shape.vocab_size),
+                        ("expert_ffn_hidden_size", shape.expert_ffn_hidden_size)):
         if value % tp:
             problems.append(f"{name}={value} must divide by the tensor-parallel size tp={tp}")
     sp = sequence_parallel_problem(shape.seq_len, tp) if sequence_parallel else None

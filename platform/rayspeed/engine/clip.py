@@ -23,9 +23,10 @@ class GradClipper:
     def __init__(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, tp_group: Any = None):
         params = [p for p in parameters if p.requires_grad]
         tp_sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
-        self.sharded = [p for p in params if tp_sharded and getattr(p, "tensor_model_parallel", False)]
         # Experts split over ep (rayspeed.parallel.expert_parallel): each rank's are summed over the ep group.
         self.experts = [p for p in params if getattr(p, "expert_parallel", False)]
+        self.sharded = [p for p in params if tp_sharded and getattr(p, "tensor_model_parallel", False)
+                        and not getattr(p, "expert_parallel", False)]
         ids = {id(p) for p in self.sharded + self.experts}
         self.replicated = [p for p in params if id(p) not in ids]
         self.params = params
@@ -42,16 +43,20 @@ class GradClipper:
     def __call__(self) -> torch.Tensor:
         """Clip every gradient in place; return the global L2 norm before clipping (a 0-d tensor)."""
         sq = self._sq(self.replicated)
-        if self.tp_group is not None:
-            shard = self._sq(self.sharded)
-            if shard is None:
-                shard = torch.zeros((), device=self.params[0].device)
-            dist.all_reduce(shard, group=self.tp_group)
-            sq = shard if sq is None else sq + shard
+        held = None
         if self.experts:
             held = self._sq(self.experts)
             held = torch.zeros((), device=self.params[0].device) if held is None else held
             dist.all_reduce(held, group=self.experts[0].expert_group)
+        if self.tp_group is not None:
+            shard = self._sq(self.sharded)
+            if shard is None:
+                shard = torch.zeros((), device=self.params[0].device)
+            if held is not None:  # under tp each rank's experts are also tp shards: summed over tp with the others
+                shard, held = shard + held, None
+            dist.all_reduce(shard, group=self.tp_group)
+            sq = shard if sq is None else sq + shard
+        if held is not None:
             sq = held if sq is None else sq + held
         if sq is None:
             return torch.zeros(())
@@ -75,16 +80,18 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter], tp_group: Any = N
     device = params[0].grad.device if params else torch.device("cpu")
     sq = GradClipper._sq([p for p in params if id(p) not in ids])
     sq = torch.zeros((), device=device) if sq is None else sq
-    if sharded_tp:
-        shard = GradClipper._sq(shards)
-        shard = torch.zeros((), device=device) if shard is None else shard
-        dist.all_reduce(shard, group=tp_group)
-        sq = sq + shard
+    held = torch.zeros((), device=device)
     if experts:
         held = GradClipper._sq(experts)
         held = torch.zeros((), device=device) if held is None else held
         dist.all_reduce(held, group=experts[0].expert_group)
-        sq = sq + held
+    if sharded_tp:
+        shard = GradClipper._sq(shards)
+        shard = (torch.zeros((), device=device) if shard is None else shard) + held  # experts: tp shards too
+        held = torch.zeros((), device=device)
+        dist.all_reduce(shard, group=tp_group)
+        sq = sq + shard
+    sq = sq + held
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     return sq.sqrt()

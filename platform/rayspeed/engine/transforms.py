@@ -88,6 +88,10 @@ def _expert_parallel(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool
         # norm on every ep rank (it counts marked weights on each piece of a replica), not once.
         for p in shared:
             p.tensor_model_parallel = False
+    elif ep.rank > 0:  # tp shards: counted on each tp rank, and once over the ep ranks that hold them alike
+        from rayspeed.compat.deepspeed_internals import counted_once_in_norm
+
+        counted_once_in_norm(p for p in shared if getattr(p, "tensor_model_parallel", False))
     held = ep.local_experts(layers[0].num_experts) if layers else range(0)
     return f"ep {ep.world_size}: experts {held.start}..{held.stop - 1} of {len(layers)} MoE layers on this rank"
 

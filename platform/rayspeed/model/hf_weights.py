@@ -101,6 +101,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     layout, experts = checkpoint_layout(shape), expert_layout(shape)
     names = shape.family.tensor_names
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    expert_dims: dict[str, int] = {}
     for name, p in named_parameters(model):
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
@@ -109,6 +110,8 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
         # a rank reads only the experts it holds.
         if name in experts:
             first = getattr(p, "first_expert", 0)
+            if getattr(p, "tensor_model_parallel", False):  # split over tp too: a row of the stack's dim - 1
+                expert_dims[name] = p.partition_dim - 1
             parts = [(hf, p[e - first]) for e, hf in enumerate(experts[name]) if first <= e < first + p.shape[0]]
         else:
             parts = [(layout[name][0], p)]
@@ -121,7 +124,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
             with safe_open(str(f), framework="pt") as fh:
                 for name, hname, p in entries:
                     if name in experts:
-                        value = _rank_slice(fh.get_slice(hname), None, None)
+                        value = _rank_slice(fh.get_slice(hname), expert_dims.get(name), tp)
                         p.copy_(value.to(device=p.device, dtype=p.dtype))
                         elements += value.numel()
                         nbytes += value.numel() * value.element_size()

@@ -3,6 +3,13 @@ matrix products (no Python loop over experts): a router (experts x hidden) score
 experts take it, weighted by their softmax probabilities (renormalised over the k when the shape says so), and
 the weighted sum of their SwiGLU outputs is the MLP's output.
 
+Under tensor parallelism each expert is split like the dense MLP (gate and up by rows of its width, down by
+columns), so a tp rank computes a partial sum of every expert's output; the router is replicated. The tokens enter
+the tp region once (the sequence all-gather under sequence parallelism), every tp rank routes all of them alike,
+the weighted sum of the partial outputs leaves it once (all-reduce, or reduce-scatter under sp). Two gradients
+need care: the combine weights multiply partial outputs, so theirs is summed over tp in backward (copy_to_tp), and
+the router's input gradient is whole on every tp rank, so it is divided by tp before the region's entry sums it.
+
 The load-balancing statistics (top-k assignments per expert, summed router probabilities, rows) of every MoE layer
 go to the model's `RouterStats`, which pools them as transformers' load_balancing_loss_func does, and adds a
 training forward's tokens per expert and balance loss to its `LoadWindow` (what moe/* metrics report).
@@ -17,8 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rayspeed.config.shape import ModelShape
+from rayspeed.parallel.comm import copy_to_tp
 from rayspeed.parallel.expert_parallel import NO_EP, Dispatch, ExpertParallel, ScaleGrad
-from rayspeed.parallel.layers import NO_TP, sharded_parameter
+from rayspeed.parallel.groups import TensorParallel
+from rayspeed.parallel.layers import NO_TP, enter_tp_region, leave_tp_region, sharded_parameter
 
 
 class LoadWindow:
@@ -85,21 +94,27 @@ class RouterStats:
 
 class MoE(nn.Module):
     """Router and stacked experts of one layer: w_gate, w_up [experts, f, h], w_down [experts, h, f] (the hub's
-    per-expert matrices, stacked); after shard_experts(ep), this rank's experts only (the router stays whole)."""
+    per-expert matrices, stacked; f / tp of each under tensor parallelism); after shard_experts(ep), this rank's
+    experts only (the router stays whole)."""
 
-    def __init__(self, dims: ModelShape, seed: int, name: str, stats: Optional[RouterStats] = None):
+    def __init__(self, dims: ModelShape, seed: int, name: str, stats: Optional[RouterStats] = None,
+                 tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
         super().__init__()
         e, h, f = dims.num_experts, dims.hidden_size, dims.expert_ffn_hidden_size
         self.num_experts, self.top_k, self.normalise = e, dims.experts_per_token, dims.norm_topk_prob
         self.stats = stats
         self.ep = NO_EP
+        self.tp = tp or NO_TP
+        self.sequence_parallel = sequence_parallel and self.tp.enabled
         init = dict(std=dims.init_std, seed=seed)
         self.router = nn.Linear(h, e, bias=False)
         self.router.weight = sharded_parameter((e, h), None, NO_TP, key=f"{name}.router.weight", **init)
-        self.w_gate = sharded_parameter((e, f, h), None, NO_TP, key=f"{name}.w_gate", **init)
-        self.w_up = sharded_parameter((e, f, h), None, NO_TP, key=f"{name}.w_up", **init)
-        self.w_down = sharded_parameter((e, h, f), None, NO_TP, std=dims.residual_init_std, seed=seed,
-                                        key=f"{name}.w_down")
+        tp_split = self.tp if self.tp.enabled else NO_TP
+        self.w_gate = sharded_parameter((e, f, h), 1 if self.tp.enabled else None, tp_split, key=f"{name}.w_gate",
+                                        **init)
+        self.w_up = sharded_parameter((e, f, h), 1 if self.tp.enabled else None, tp_split, key=f"{name}.w_up", **init)
+        self.w_down = sharded_parameter((e, h, f), 2 if self.tp.enabled else None, tp_split,
+                                        std=dims.residual_init_std, seed=seed, key=f"{name}.w_down")
 
     def shard_experts(self, ep: ExpertParallel) -> None:
         """Keep this rank's experts of the stacks (rank j of the ep group: experts j * E/ep onward). Their parameters
@@ -111,6 +126,9 @@ class MoE(nn.Module):
         for name in ("w_gate", "w_up", "w_down"):
             full = getattr(self, name)
             local = nn.Parameter(full.detach()[held.start:held.stop].clone(), requires_grad=full.requires_grad)
+            for key in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # the tp split, if any
+                if hasattr(full, key):
+                    setattr(local, key, getattr(full, key))
             local.expert_parallel, local.expert_group, local.model_parallel = True, ep.group, True
             local.first_expert = held.start  # the global id of row 0 (a checkpoint load reads only these)
             self.register_parameter(name, local)
@@ -152,10 +170,16 @@ class MoE(nn.Module):
         return F.grouped_mm((F.silu(gate) * up).contiguous(), w_down.transpose(1, 2), offs=offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if tp.enabled:
+            x = enter_tp_region(x, tp, self.sequence_parallel)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts = self.route(flat)
+        weights, experts = self.route(ScaleGrad.apply(flat, 1.0 / tp.world_size) if tp.enabled else flat)
         out, order = self.experts(flat, experts)
         combined = torch.zeros(flat.shape[0] * self.top_k, shape[-1], dtype=out.dtype, device=out.device)
         combined = combined.index_copy(0, order, out).view(flat.shape[0], self.top_k, shape[-1])
-        return (combined * weights.unsqueeze(-1)).sum(1).reshape(shape)
+        if tp.enabled:
+            weights = copy_to_tp(weights, tp)
+        y = (combined * weights.unsqueeze(-1)).sum(1).reshape(shape)
+        return leave_tp_region(y, tp, self.sequence_parallel) if tp.enabled else y

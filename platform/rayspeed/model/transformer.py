@@ -210,8 +210,8 @@ class Block(nn.Module):
         self.attn_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.attn = self.attention_class(dims, tp, sp, seed, name=f"{prefix}.attn", layer_idx=layer_idx)
         self.mlp_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
-        self.mlp = MoE(dims, seed, f"{prefix}.mlp") if dims.is_moe(layer_idx) else MLP(dims, tp, sp, seed,
-                                                                                       name=f"{prefix}.mlp")
+        self.mlp = (MoE(dims, seed, f"{prefix}.mlp", tp=tp, sequence_parallel=sp) if dims.is_moe(layer_idx)
+                    else MLP(dims, tp, sp, seed, name=f"{prefix}.mlp"))
 
     def _checkpointed(self, fn, *args):
         if not torch.is_grad_enabled():  # nothing to recompute without a backward

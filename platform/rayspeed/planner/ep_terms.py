@@ -24,11 +24,11 @@ from rayspeed.planner.model_math import local_tokens, stage_params
 from rayspeed.planner.terms import TimeTerm, register
 
 
-def mlp_gemm_s(ctx, T: float, dense_s: float, gemm_s) -> float:
+def mlp_gemm_s(ctx, T: float, dense_s: float, gemm_s, tp: int = 1) -> float:
     """One block's MLP GEMMs forward for T tokens, averaged over the blocks (MoE layers and dense ones); dense_s: a
-    dense layer's, gemm_s: the time model's GEMM."""
+    dense layer's, gemm_s: the time model's GEMM; tp splits each expert's width (the router is whole)."""
     sh = ctx.shape
-    e, fe, h = sh.num_experts, sh.expert_ffn_hidden_size, sh.hidden_size
+    e, fe, h = sh.num_experts, sh.expert_ffn_hidden_size / tp, sh.hidden_size
     rows = T * sh.experts_per_token / e
     experts = gemm_s(ctx, T, h, e) + e * (gemm_s(ctx, rows, h, 2 * fe) + gemm_s(ctx, rows, fe, h))
     share = len(sh.moe_layers) / sh.num_layers
@@ -86,7 +86,8 @@ def dispatch_s(ctx, lay) -> float:
 def dense_average_s(ctx, lay) -> float:
     """The shared weights' gradients averaged over ep every micro-batch (ring all-reduce)."""
     sh, ep = ctx.shape, lay.ep
-    shared = stage_params(sh, lay.tp, 1, 0, sh.num_layers) - len(sh.moe_layers) * sh.num_experts * sh.expert_params
+    shared = (stage_params(sh, lay.tp, 1, 0, sh.num_layers)
+              - len(sh.moe_layers) * sh.num_experts * sh.expert_params // lay.tp)
     lat, gbps = _link(ctx, lay)
     nbytes = max(0, shared) * ctx.comm_bytes
     return lay.grad_accum * (2 * (ep - 1) * lat + 2 * (ep - 1) / ep * nbytes / (gbps * 1e9)) * ctx.comm_factor

@@ -18,13 +18,16 @@ def stage_params(sh: ModelShape, tp: int, pp: int, stage: int, layers: int | Non
     """Parameters held by one rank of pipeline stage `stage` (0-based) with tensor degree tp, holding `layers`
     blocks (default: the even share L // pp). The vocab-parallel embedding sits on the first stage, the final
     norm and output head on the last; a tied head on pp > 1 is a second copy on the last stage (its gradient
-    is all-reduced with the first stage's). Under ep a rank holds 1 / ep of each MoE layer's experts."""
+    is all-reduced with the first stage's). Under ep a rank holds 1 / ep of each MoE layer's experts, under tp 1 / tp
+    of each expert's width; its routers are whole on every tp rank."""
     if layers is None:
         layers = sh.num_layers // pp
     n = layers * (sh.layer_matrix_params // tp + sh.layer_norm_params)
+    moe_share = len(sh.moe_layers) / sh.num_layers if sh.num_experts else 0.0  # MoE layers spread over the stages
+    if moe_share and tp > 1:
+        n += round(layers * moe_share * sh.num_experts * sh.hidden_size * (tp - 1) / tp)
     if ep > 1:
-        moe_share = len(sh.moe_layers) / sh.num_layers  # MoE layers spread over the stages alike
-        n -= round(layers * moe_share * sh.num_experts * sh.expert_params * (ep - 1) / ep)
+        n -= round(layers * moe_share * sh.num_experts * sh.expert_params * (ep - 1) / (ep * tp))
     if stage == 0:
         n += sh.embedding_params // tp
     if stage == pp - 1:

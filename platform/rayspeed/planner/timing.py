@@ -147,7 +147,7 @@ def dense_gemm_s(ctx: Ctx, lay: Layout) -> float:
     h, q, f, kv, t, T = sh.hidden_size, sh.q_dim, sh.ffn_hidden_size, sh.kv_dim, lay.tp, local_tokens(sh, lay)
     attention = gemm_s(ctx, T, h, (q + 2 * kv) / t) + gemm_s(ctx, T, q / t, h)
     dense = gemm_s(ctx, T, h, 2 * f / t) + gemm_s(ctx, T, f / t, h)
-    return attention + (ep_terms.mlp_gemm_s(ctx, T, dense, gemm_s) if sh.num_experts else dense)
+    return attention + (ep_terms.mlp_gemm_s(ctx, T, dense, gemm_s, t) if sh.num_experts else dense)
 
 
 def layer_fwd(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:

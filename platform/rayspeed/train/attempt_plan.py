@@ -41,13 +41,15 @@ def pin_model_parallel(job: JobConfig, meta: Optional[dict[str, Any]],
     """On resume, tp, pp (a model-parallel reshard is not a restart's job) and the ZeRO stage (its partitions are
     what the checkpoint holds) stay what the checkpoint was written with, where the job leaves them auto; dp and
     accumulation are re-planned for the new world. A mixture of experts' ep stays too where the checkpoint's ZeRO
-    stage (0 or 3) carries its expert shards to no other ep (rayspeed.checkpoint.resume.refuse_expert_conversion)."""
+    stage (0 or 3) or its tp (> 1) carries its expert shards to no other ep
+    (rayspeed.checkpoint.resume.refuse_expert_conversion)."""
     if not meta:
         return job
     old = meta.get("layout") or {}
     par = job.parallel
     pinned: dict[str, Any] = {k: int(old[k]) for k in keys if getattr(par, k) == AUTO and k in old}
-    if par.ep == AUTO and int(old.get("ep", 1)) > 1 and int(old.get("zero_stage", 0)) in (0, 3):
+    if par.ep == AUTO and int(old.get("ep", 1)) > 1 and (int(old.get("zero_stage", 0)) in (0, 3)
+                                                          or int(old.get("tp", 1)) > 1):
         pinned["ep"] = int(old["ep"])
     if "pp" in pinned and old.get("stage_layers") and par.stage_layers is None:  # the pipeline's split too
         pinned["stage_layers"] = [int(n) for n in old["stage_layers"]]
