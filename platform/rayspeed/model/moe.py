@@ -126,9 +126,9 @@ class MoE(nn.Module):
         for name in ("w_gate", "w_up", "w_down"):
             full = getattr(self, name)
             local = nn.Parameter(full.detach()[held.start:held.stop].clone(), requires_grad=full.requires_grad)
-            for key in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # the tp split, if any
-                if hasattr(full, key):
-                    setattr(local, key, getattr(full, key))
+            if getattr(full, "tensor_model_parallel", False):  # the tp split, if any
+                local.tensor_model_parallel, local.partition_dim = True, full.partition_dim
+                local.partition_stride = full.partition_stride
             local.expert_parallel, local.expert_group, local.model_parallel = True, ep.group, True
             local.first_expert = held.start  # the global id of row 0 (a checkpoint load reads only these)
             self.register_parameter(name, local)
