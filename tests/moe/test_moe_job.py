@@ -3,25 +3,20 @@ model.pretrained names a locally made MixtralForCausalLM; train/loss is the lang
 cross entropy on step 1's batch, without the balance term that trains beside it); moe/aux_loss and
 moe/load_imbalance at step 1 are transformers' (its aux_loss per forward, averaged; its routing's tokens per expert
 over the whole global batch), moe/expert_load/ holds every routed token; the registered version loads in
-transformers as a MixtralForCausalLM."""
+transformers as a MixtralForCausalLM. The same job at pp2 (one MoE layer per stage) logs the same step-1 language
+loss and registers a Mixtral with every tensor of the checkpoint."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 
-def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
-    import mlflow
+def _mixtral(tmp_path):
     import transformers
-    from transformers import AutoModelForCausalLM
-
-    from _cluster import ROOT, metric_history
-    from _hf_models import first_batch_loss
-    from _inprocess import run_inprocess
-    from rayspeed.compat import mlflow_process_store
 
     torch.manual_seed(5)
     config = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -29,12 +24,33 @@ def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
                                         num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05)
     model_dir = tmp_path / "tiny-mixtral"
     transformers.MixtralForCausalLM(config).save_pretrained(model_dir)
+    return model_dir
+
+
+def _job(tmp_path, model_dir, pp, zero):
+    from _cluster import ROOT
+    from _inprocess import run_inprocess
+
     sets = [f"model.pretrained={model_dir}", "name=tiny-mixtral", "train.max_steps=2", "tracking.log_every_steps=1",
-            "cluster.num_workers=2", "parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=2",
+            "cluster.num_workers=2", "parallel.tp=1", f"parallel.pp={pp}", f"parallel.zero_stage={zero}",
             "tracking.charts_every_checkpoints=0", "tracking.loss_landscape=false",
             "resilience.checkpoint_every_steps=0"]
     summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
-    assert summary["status"] == "finished" and summary["layout"]["dp"] == 2, summary
+    assert summary["status"] == "finished" and summary["layout"]["dp"] == 2 // pp, summary
+    return summary
+
+
+def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
+    import mlflow
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from _cluster import metric_history
+    from _hf_models import first_batch_loss
+    from rayspeed.compat import mlflow_process_store
+
+    model_dir = _mixtral(tmp_path)
+    summary = _job(tmp_path, model_dir, 1, 2)
 
     expected, windows = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
     run_id = summary["mlflow_run_id"]
@@ -67,3 +83,33 @@ def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
             f"models:/rayspeed-tiny-mixtral/{summary['registered_model_version']}", dst_path=str(tmp_path / "dl"))
     registered = AutoModelForCausalLM.from_pretrained(f"{local}/model", dtype=torch.float32)
     assert type(registered).__name__ == "MixtralForCausalLM" and registered.config.num_local_experts == 4
+
+
+def test_a_pp2_mixtral_job_logs_the_language_loss_and_registers_every_tensor(tmp_path):
+    import mlflow
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from _cluster import metric_history
+    from _hf_models import first_batch_loss
+    from rayspeed.compat import mlflow_process_store
+
+    model_dir = _mixtral(tmp_path)
+    summary = _job(tmp_path, model_dir, 2, 1)
+    assert summary["layout"]["pp"] == 2, summary
+    expected, _ = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
+    (step, first), *_ = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
+    assert step == 1 and first == pytest.approx(expected, rel=1e-5)
+    with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        local = mlflow.artifacts.download_artifacts(
+            f"models:/rayspeed-tiny-mixtral/{summary['registered_model_version']}", dst_path=str(tmp_path / "dl"))
+    registered = AutoModelForCausalLM.from_pretrained(f"{local}/model", dtype=torch.float32)
+    assert type(registered).__name__ == "MixtralForCausalLM"
+    original = load_file(str(model_dir / "model.safetensors"))
+    exported: dict = {}
+    for part in (Path(local) / "model").glob("*.safetensors"):  # the files as written: per-expert hub names
+        exported.update(load_file(str(part)))
+    assert set(exported) == set(original) and any(".experts.3." in k for k in original)
+    assert all(exported[k].shape == v.shape for k, v in original.items())
+    router = "model.layers.0.block_sparse_moe.gate.weight"  # trained on the first stage by the last stage's term
+    assert not torch.equal(exported[router], original[router])

@@ -96,8 +96,7 @@ def moe_problems(cfg: Any) -> list[str]:
     if family.moe.expert_ffn is None and ffn is not None and model.ffn_hidden_size not in (None, ffn):
         out.append(f"model.expert_ffn_hidden_size: a {family.architecture}'s experts are ffn_hidden_size wide "
                    f"({model.ffn_hidden_size}); leave it null")
-    for key, why in (("pp", "pipeline stages do not carry the load-balancing statistics yet"),
-                     ("cp", "the load-balancing statistics are not pooled over the context-parallel ranks yet")):
+    for key, why in (("cp", "the load-balancing statistics are not pooled over the context-parallel ranks yet"),):
         value = getattr(par, key, 1)
         if value not in (1, "auto"):
             out.append(f"parallel.{key}: {value} with a mixture of experts (model.num_experts "

@@ -87,6 +87,25 @@ class RouterStats:
             self.window.add(per_layer, aux)
         return aux
 
+    def carried(self, earlier: Optional[torch.Tensor]) -> torch.Tensor:
+        """This forward's statistics added to an earlier pipeline stage's: [counts (E), router probabilities (E),
+        rows] in fp32, the form that travels between stages (the probabilities keep their graph, so the last
+        stage's balance loss trains every stage's routers)."""
+        self.recording = False
+        e = self.num_experts
+        if self.counts:
+            here = torch.cat([torch.stack(self.counts).sum(0), torch.stack(self.probs).sum(0).float(),
+                              torch.tensor([float(self.rows)], device=self.counts[0].device)])
+        else:  # a stage of dense layers only
+            here = torch.zeros(2 * e + 1, device=earlier.device if earlier is not None else None)
+        return here if earlier is None else earlier + here
+
+    @staticmethod
+    def pooled_aux(carried: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """The balance loss of statistics carried through every stage (the same pooled form as aux_loss)."""
+        counts, probs, rows = carried[:num_experts].detach(), carried[num_experts:2 * num_experts], carried[-1].detach()
+        return num_experts * torch.sum((counts / rows) * (probs / rows))
+
     def load(self) -> Optional[torch.Tensor]:
         """Tokens per expert of each MoE layer of the last forward, [layers, experts] (no gradient)."""
         return torch.stack(self.counts).detach() if self.counts else None

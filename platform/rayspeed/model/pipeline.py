@@ -32,6 +32,13 @@ global and RoPE positions, the document ids of every part) is built where each s
 travel (the hidden states and this part's document ids): a process group cannot travel between stages. The engine
 averages the loss and the gradients over that data axis, dp x cp ranks, where the parts of a sequence must add up:
 the loss is multiplied by cp (PipelineLoss).
+
+Mixtures of experts: the balance loss pools every MoE layer's routing statistics, whichever stage holds it, so each
+stage adds its layers' (tokens per expert, router probabilities, rows) to what the earlier stages carried and hands
+the sum on beside the hidden states (RouterStats.carried); the last stage's loss adds the balance term from it. The
+probabilities keep their graph, so the term's gradient travels back to every stage's routers. The term trains but
+is not the reported loss: it enters as b - b.detach() (value 0, gradient b's), so train/loss and val/loss stay the
+language-model loss, as without a pipeline.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import torch.nn as nn
 
 from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
+from rayspeed.model.moe import MoE, RouterStats
 from rayspeed.model.transformer import OutputHead, RMSNorm, block_class, check_mode, check_split, embed_scale
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, sum_over_cp
@@ -104,18 +112,38 @@ class PipelineLoss:
     dp * grad_accum / counted labels of the global batch, so the step's loss is the mean over all of them).
 
     Under cp the labels are this rank's part: the mean divides by the count of every part's labels, and both are
-    times cp, because the engine averages over dp x cp ranks what must be summed over cp."""
+    times cp, because the engine averages over dp x cp ranks what must be summed over cp.
+
+    balance (num_experts, coefficient): a mixture of experts' outputs carry the routing statistics of every stage
+    third; its balance loss times the coefficient trains beside the returned loss, unscaled, as the training step
+    adds it without a pipeline; `aux_sum` / `aux_forwards` add up the unweighted balance losses (moe/aux_loss)."""
 
     def __init__(self, tp: Optional[TensorParallel] = None, chunk_tokens: Optional[int] = None,
-                 cap: Optional[float] = None, cp: Optional[ContextParallel] = None):
+                 cap: Optional[float] = None, cp: Optional[ContextParallel] = None,
+                 balance: Optional[tuple[int, float]] = None):
         self.tp = tp or NO_TP
         self.cp = cp or NO_CP
         self.chunk_tokens, self.cap = chunk_tokens, cap
         self.scale: Optional[float] = None
         # A preference objective's loss from each label's cross entropy: labels arrive as (labels, *what it needs).
         self.per_token: Optional[Callable[..., torch.Tensor]] = None
+        self.balance = balance
+        self.aux_sum: Any = 0.0
+        self.aux_forwards = 0
 
     def __call__(self, outputs, labels: Any) -> torch.Tensor:
+        if self.balance is None:
+            return self.language(outputs, labels)
+        loss = self.language(outputs[:2], labels)
+        num_experts, coef = self.balance
+        aux = RouterStats.pooled_aux(outputs[2], num_experts)
+        if torch.is_grad_enabled():  # a training forward (evaluation's routing is not the balance metric's)
+            self.aux_sum = aux.detach() + self.aux_sum
+            self.aux_forwards += 1
+        term = aux * coef
+        return loss + (term - term.detach())
+
+    def language(self, outputs, labels: Any) -> torch.Tensor:
         hidden, weight = outputs
         if self.per_token is not None:
             labels, *extra = labels
@@ -148,11 +176,16 @@ def _pipeline_module_class():
         """
 
         def __init__(self, *args, tp: TensorParallel = NO_TP, sequence_parallel: bool = False,
-                     cp: ContextParallel = NO_CP, **kwargs):
+                     cp: ContextParallel = NO_CP, num_experts: int = 0, **kwargs):
             super().__init__(*args, **kwargs)
             self.sp_tp = tp
             self.sequence_parallel = sequence_parallel and tp.enabled
             self.cp = cp
+            # This stage's MoE layers report to one collector; its sums travel on (module docstring).
+            self.stage_router_stats = RouterStats(num_experts) if num_experts else None
+            for m in self.modules():
+                if isinstance(m, MoE):
+                    m.stats = self.stage_router_stats
 
         def _stage_input(self, x):
             if self.cp.enabled:  # (tokens or hidden[, segment ids]) -> (them, this stage's SequenceLayout)
@@ -179,7 +212,17 @@ def _pipeline_module_class():
             return x
 
         def forward(self, forward_input):
-            return self._stage_output(super().forward(self._stage_input(forward_input)))
+            stats = self.stage_router_stats
+            if stats is None:
+                return self._stage_output(super().forward(self._stage_input(forward_input)))
+            earlier = None
+            if self.stage_id > 0:  # (hidden[, segment ids], the earlier stages' routing statistics)
+                *rest, earlier = forward_input
+                forward_input = rest[0] if len(rest) == 1 else tuple(rest)
+            stats.start()
+            out = self._stage_output(super().forward(self._stage_input(forward_input)))
+            carried = stats.carried(earlier)
+            return (*out, carried) if isinstance(out, tuple) else (out, carried)
 
     return SequenceParallelPipelineModule
 
@@ -280,12 +323,14 @@ def build_pipeline_module(
             layers=specs,
             topology=topology,
             num_stages=None if topology is not None else num_stages,
-            loss_fn=PipelineLoss(tp, loss_chunk_tokens, dims.final_logit_softcapping, cp),
+            loss_fn=PipelineLoss(tp, loss_chunk_tokens, dims.final_logit_softcapping, cp,
+                                 balance=(dims.num_experts, dims.router_aux_loss_coef) if dims.num_experts else None),
             partition_method=partition_method,
             activation_checkpoint_interval=0,
             tp=tp,
             sequence_parallel=sp,
             cp=cp,
+            num_experts=dims.num_experts,
         )
 
 

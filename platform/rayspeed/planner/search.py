@@ -196,7 +196,7 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     out.rejected.append(f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.pp ({pp}) = "
                                         f"{tp * cp * pp} does not divide the world size ({W})")
                     continue
-                if sh.num_experts and max(cp, pp) > 1:  # not built for experts yet (config/moe_keys.py says why)
+                if sh.num_experts and cp > 1:  # not built for experts yet (config/moe_keys.py says why)
                     continue
                 dp = W // (tp * cp * pp)
                 eps = ep_degrees(sh, dp, fixed)
@@ -271,7 +271,7 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                             if z == 3 and cp == 1 and hpz_applies(ctx, tp, dp):
                                 hpzs.append(max(1, min(dp, ctx.node_size // tp)))
                             for ac, hpz, ep in itertools.product(modes, hpzs, eps):
-                                if ep > 1 and tp > 1 and z == 3:  # config/moe_keys.py says why
+                                if ep > 1 and ((tp > 1 and z == 3) or pp > 1):  # config/moe_keys.py says why
                                     continue
                                 out.layouts.append(Layout(dp, tp, pp, z, mb, ga, bool(sp), ac, hpz,
                                                           stage_layers=split if (split and pp > 1) else None,
