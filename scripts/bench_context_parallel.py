@@ -56,7 +56,7 @@ class Peak:
         return max(self.peak, _rss()) - self.base
 
 
-def _world(rank, world_size, seq):
+def _world(rank, world_size, seq, names=None):
     import torch
     import torch.distributed as dist
 
@@ -68,6 +68,8 @@ def _world(rank, world_size, seq):
     cfg = type("Cfg", (), {**MODEL, "seq_len": seq, "tie_embeddings": False})()
     out = {}
     for name, cp, scheme in CASES:
+        if names and name not in names:
+            continue
         dist.barrier()
         active = cp > 1 or rank == 0
         if active:
@@ -103,12 +105,16 @@ def _predicted(seq: int, cp: int, scheme: str) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES), help="comma-separated case names")
     a = ap.parse_args(argv)
+    names = [n for n in a.cases.split(",") if n]
     sys.path.insert(0, str(ROOT / "tests"))
     from _dist import run_distributed
 
-    per_rank = run_distributed(_world, 2, a.seq, timeout_s=900)
+    per_rank = run_distributed(_world, 2, a.seq, names, timeout_s=900)
     for name, cp, scheme in CASES:
+        if name not in names:
+            continue
         measured = max(r.get(name, 0) for r in per_rank) / MIB
         predicted = _predicted(a.seq, cp, scheme)
         print(json.dumps({"bench": "context_parallel", "case": name, "seq_len": a.seq, "cp": cp, "scheme": scheme,

@@ -73,9 +73,11 @@ def test_a_256k_token_llama3_8b_job_on_8_h100s_plans_with_cp_and_fits():
     assert f"cp = {b['cp']}:" in text and "cp_exchange_s" in text
     print(f"\n256k tokens on 8 x H100: dp{b['dp']} cp{b['cp']} tp{b['tp']} zero{b['zero_stage']} "
           f"ckpt={b['activation_checkpointing']}: {b['memory_gib_per_gpu']:.1f} GiB, {b['step_time_s']:.1f} s/step")
-    # Without cp it does not fit: the sequence is the problem, not the weights.
-    with pytest.raises(ConfigError, match="does not fit|no layout"):
-        plan_job(_long_job(262144, cp=1))
+    # Held at cp 1 the sequence fits only at tp >= 4 with full recomputation (the loss is tiled at every tp, so the
+    # vocabulary's logits are not what stops it), and the step is slower than the chosen cp's.
+    one = plan_job(_long_job(262144, cp=1)).best
+    assert one["cp"] == 1 and one["tp"] >= 4 and one["activation_checkpointing"] == "full", one
+    assert one["step_time_s"] > b["step_time_s"]
 
 
 def test_short_sequences_keep_cp_1():

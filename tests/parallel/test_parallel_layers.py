@@ -164,6 +164,19 @@ def check_vocab_parallel_ce(tp):
     _close(h_grad, h_ref.grad, "linear CE hidden grad")
     _close(w.grad, split_along(w_ref.grad, tp, 0), "linear CE weight grad")
 
+    # In tiles of 3 tokens (a long sequence's logits are never whole on any rank), with and without a soft cap.
+    for cap in (None, 2.0):
+        h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logits = h_ref @ w_ref.t()
+        F.cross_entropy(cap * torch.tanh(logits / cap) if cap else logits, labels, ignore_index=-100).backward()
+        h = hidden.clone().requires_grad_()
+        w = split_along(weight, tp, 0).requires_grad_()
+        linear_cross_entropy(h, w, labels, tp, chunk_tokens=3, cap=cap).backward()
+        h_grad = h.grad.clone()
+        dist.all_reduce(h_grad, group=tp.group)
+        _close(h_grad, h_ref.grad, f"tiled linear CE hidden grad cap={cap}")
+        _close(w.grad, split_along(w_ref.grad, tp, 0), f"tiled linear CE weight grad cap={cap}")
+
 
 CFG = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
            vocab_size=64, seq_len=8)

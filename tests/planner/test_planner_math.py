@@ -117,15 +117,15 @@ def test_activations_by_checkpointing_mode_and_sequence_parallel():
     assert activation_bytes(ctx, lay, 0) > 3 * activation_bytes(ctx, lay, 3)
 
 
-def test_loss_buffers_chunked_at_tp1_vocab_parallel_beyond():
+def test_loss_buffers_are_one_chunk_of_the_rank_vocabulary_slice_at_every_tp():
     cfg = parse({"model": {"hidden_size": 1024, "num_layers": 4, "num_heads": 8, "vocab_size": 32000,
                            "seq_len": 2048}, "train": {"global_batch_size": 8},
                  "cluster": {"num_workers": 2, "use_gpu": True}})
     ctx = build_ctx(cfg)
     tp1 = logits_bytes(ctx, Layout(2, 1, 1, 0, 4, 1, False, "none"), 0)
     tp2 = logits_bytes(ctx, Layout(1, 2, 1, 0, 8, 1, True, "none"), 0)
-    assert tp1 < 1.5 * 2**30  # one 2^26-element chunk + the head's fp32 gradient
-    assert tp2 == pytest.approx(8 * 2048 * 32000 / 2 * 10)
+    assert tp1 == pytest.approx(2**26 * 10 + 4 * 32000 * 1024)  # one 2^26-element chunk + the head's fp32 gradient
+    assert tp2 == pytest.approx(2**26 * 10 + 4 * 32000 / 2 * 1024)  # the same chunk, of this rank's vocabulary half
     assert logits_bytes(ctx, Layout(1, 1, 2, 0, 8, 1, False, "none"), 0) == 0  # not on the first stage
 
 

@@ -1,4 +1,4 @@
-"""Cross-entropy without full logits: chunked over tokens (tp=1) or split over the vocabulary (tp>1).
+"""Cross-entropy without full logits: chunked over tokens, and at tp>1 also split over the vocabulary.
 
 Both return float32 and never call .item(): the mean divides by a device-side count of
 non-ignored tokens, so the training step stays free of host syncs.
@@ -42,29 +42,50 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     Forward keeps only the log-sum-exp per token; backward recomputes each chunk's logits
     to form (softmax - onehot). Peak memory is one chunk of fp32 logits instead of
     tokens x vocab, for the price of one extra h W^T matmul.
+
+    With a tp group, `weight` is this rank's contiguous vocabulary slice: each chunk's log-sum-exp combines the
+    slices by two all-reduces of per-token scalars (the max, then the target logit with the sum of exponentials),
+    and the hidden states' gradient is this slice's part (the tp region's entry sums the parts in backward).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, ignore_index, cap=None):
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index, cap=None, tp=None):
         n = hidden.shape[0]
         valid = labels != ignore_index
-        targets = labels.masked_fill(~valid, 0)
+        if tp is not None:  # the labels this rank's slice holds, as indices into it
+            start_id = tp.rank * weight.shape[0]
+            local = labels - start_id
+            owned = valid & (local >= 0) & (local < weight.shape[0])
+            targets = local.masked_fill(~owned, 0)
+        else:
+            owned = valid
+            targets = labels.masked_fill(~valid, 0)
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = softcap(F.linear(hidden[start:end], weight).float(), cap)
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, targets[start:end, None]).squeeze(1)
+            if tp is None:
+                lse[start:end] = torch.logsumexp(logits, dim=-1)
+            else:
+                # No gradient flows through the max: it cancels out of log-sum-exp minus the target.
+                top = logits.max(dim=-1).values
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+                sums = torch.stack([target_logit.masked_fill(~owned[start:end], 0.0),
+                                    torch.exp(logits - top[:, None]).sum(dim=-1)])
+                dist.all_reduce(sums, group=tp.group)  # one call for both: latency-bound per-token scalars
+                target_logit = sums[0]
+                lse[start:end] = top + torch.log(sums[1])
             losses[start:end] = lse[start:end] - target_logit
         losses = losses.masked_fill(~valid, 0.0)
-        ctx.save_for_backward(hidden, weight, targets, valid, lse)
+        ctx.save_for_backward(hidden, weight, targets, valid, owned, lse)
         ctx.chunk, ctx.cap = chunk, cap
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
-        hidden, weight, targets, valid, lse = ctx.saved_tensors
+        hidden, weight, targets, valid, owned, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         scale = grad_losses.float() * valid
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -77,7 +98,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             capped = softcap(F.linear(h, weight).float(), ctx.cap)
             probs = torch.exp(capped - lse[start:end, None])
             rows = torch.arange(end - start, device=probs.device)
-            probs[rows, targets[start:end]] -= 1.0
+            probs[rows, targets[start:end]] -= owned[start:end].float()
             dlogits = probs * scale[start:end, None]
             if ctx.cap:  # through the cap: d(cap tanh(x / cap)) / dx = 1 - tanh^2
                 dlogits = dlogits * (1.0 - (capped / ctx.cap) ** 2)
@@ -88,7 +109,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight += (dlogits.t() @ h).float()
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -100,17 +121,19 @@ def chunked_linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     cap: Optional[float] = None,
+    tp: Optional[TensorParallel] = None,
 ) -> torch.Tensor:
     """Cross-entropy of the logits hidden @ weight^T (soft-capped by `cap` when given) against labels, never
     holding all logits.
 
-    hidden: [..., H]; weight: [V, H]; labels: [...]. chunk_tokens defaults to as many tokens
-    as fit LOSS_CHUNK_ELEMENTS fp32 logits.
+    hidden: [..., H]; weight: [V, H] (with an enabled tp: this rank's slice [V/tp, H]); labels: [...] global ids.
+    chunk_tokens defaults to as many tokens as fit LOSS_CHUNK_ELEMENTS fp32 logits of the weight's rows.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     chunk = chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
-    losses = _ChunkedLinearCrossEntropy.apply(h, weight, y, chunk, ignore_index, cap)
+    group = tp if tp is not None and tp.enabled else None
+    losses = _ChunkedLinearCrossEntropy.apply(h, weight, y, chunk, ignore_index, cap, group)
     return _reduce(losses, y, ignore_index, reduction)
 
 
@@ -198,15 +221,10 @@ def linear_cross_entropy(
     """The output head and its loss in one: CE(hidden @ weight^T, labels), the logits soft-capped by `cap` when
     given (Gemma 2).
 
-    tp=1: chunked over tokens. tp>1: `weight` is this rank's vocab slice and `hidden` must
-    already be in the tp region (after f / the sequence all-gather); the vocab-parallel CE
-    combines the slices (the cap is element-wise: each rank caps its own slice).
+    Chunked over tokens at every tp (a long sequence's logits are never whole: one chunk of this rank's vocabulary
+    slice at a time). tp>1: `weight` is this rank's vocab slice and `hidden` must already be in the tp region
+    (after f / the sequence all-gather); each chunk's slices combine by per-token all-reduces (the cap is
+    element-wise: each rank caps its own slice).
     """
-    if tp is None or not tp.enabled:
-        return chunked_linear_cross_entropy(
-            hidden, weight, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index, reduction=reduction,
-            cap=cap)
-    logits = F.linear(hidden, weight)
-    if cap:
-        logits = softcap(logits.float(), cap)
-    return vocab_parallel_cross_entropy(logits, labels, tp, ignore_index=ignore_index, reduction=reduction)
+    return chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index,
+                                        reduction=reduction, cap=cap, tp=tp)

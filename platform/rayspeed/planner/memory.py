@@ -182,18 +182,15 @@ LOSS_CHUNK_ELEMENTS = 1 << 26  # rayspeed.parallel.loss: largest fp32 logits blo
 
 
 def logits_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
-    """Last stage only: the output head's loss buffers (rayspeed.parallel.loss).
-    tp = 1: chunked cross-entropy never builds full logits: one chunk of fp32 logits, its probabilities and
-    gradient (about 10 bytes per element of a 2^26-element chunk), plus the head's fp32 weight-gradient
-    accumulator (4 v h). tp > 1: vocab-parallel loss on this rank's slice: bf16 logits + fp32 copy + fp32
-    shifted/softmax at the end of forward, s*b*v/tp * 10 bytes."""
+    """Last stage only: the output head's loss buffers (rayspeed.parallel.loss). The chunked cross-entropy never
+    builds full logits, at any tp: one chunk of fp32 logits of this rank's vocabulary slice (v / tp), its
+    probabilities and gradient (about 10 bytes per element of a 2^26-element chunk), plus the head's fp32
+    weight-gradient accumulator (4 v h / tp)."""
     if stage != lay.pp - 1:
         return 0.0
     sh = ctx.shape
-    tokens = local_tokens(sh, lay)
-    if lay.tp == 1:
-        return min(tokens * sh.vocab_size, LOSS_CHUNK_ELEMENTS) * (ctx.w_bytes + 8) + 4 * sh.vocab_size * sh.hidden_size
-    return tokens * sh.vocab_size / lay.tp * (ctx.w_bytes + 8)
+    vocab = sh.vocab_size / lay.tp
+    return min(local_tokens(sh, lay) * vocab, LOSS_CHUNK_ELEMENTS) * (ctx.w_bytes + 8) + 4 * vocab * sh.hidden_size
 
 
 def buckets(ctx: Ctx, lay: Layout) -> dict:

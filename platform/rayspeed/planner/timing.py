@@ -17,7 +17,7 @@ from rayspeed.planner.adapter_terms import trained_and_frozen
 from rayspeed.planner.comm_model import Group, Link, bucketed, collective_s, nccl_s
 from rayspeed.planner.grad_pass import grad_pass_bytes_per_param
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.memory import ZERO3_TENSORS_PER_LAYER, buckets, cp_scheme, tiled_fraction
+from rayspeed.planner.memory import LOSS_CHUNK_ELEMENTS, ZERO3_TENSORS_PER_LAYER, buckets, cp_scheme, tiled_fraction
 from rayspeed.planner.model_math import local_tokens, max_stage_params, split_of
 from rayspeed.planner.terms import time_terms
 
@@ -239,11 +239,12 @@ def _head_cost(ctx: Ctx, lay: Layout) -> tuple[float, float]:
     T = local_tokens(sh, lay)
     head = gemm_s(ctx, T, sh.hidden_size, sh.vocab_size / lay.tp)
     ce = _mem_s(ctx, T * sh.vocab_size / lay.tp * (ctx.w_bytes + 16))
-    head_passes = 4 if lay.tp == 1 else 3  # tp = 1: the chunked loss recomputes the logits in backward
-    comp, back = head_passes * head + ce, (head_passes - 1) * head + ce / 2
-    if lay.tp > 1:
+    # The chunked loss (every tp) recomputes each chunk's logits in backward: forward, that, and two for the grads.
+    comp, back = 4 * head + ce, 3 * head + ce / 2
+    if lay.tp > 1:  # per chunk of this rank's slice: the max, then the target logit with the sum of exponentials
         grp = tp_group(ctx, lay)
-        comp += coll_s(ctx, "allreduce", T * 12, grp) * 3  # vocab-parallel loss: max, sum, target logit
+        chunks = max(1, math.ceil(T * sh.vocab_size / lay.tp / LOSS_CHUNK_ELEMENTS))
+        comp += chunks * (coll_s(ctx, "allreduce", T / chunks * 4, grp) + coll_s(ctx, "allreduce", T / chunks * 8, grp))
     return comp, back
 
 
