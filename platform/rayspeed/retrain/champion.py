@@ -1,13 +1,17 @@
 """The champion and the evidence a promotion rests on: the version under the alias, the val/loss recorded on a
-version, and the loss of an exported model on the job's held-out split."""
+version, the loss of an exported model on the job's held-out split, and what an adapter job warm-starts from."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from rayspeed import paths
 from rayspeed.tracking.client import mlflow_client
+
+log = logging.getLogger("rayspeed.retrain.cycle")
 
 CHAMPION = "champion"
 
@@ -106,3 +110,33 @@ def eval_gflop(model_cfg: dict[str, Any], cfg: Any) -> float:
     params = count_parameters(SimpleNamespace(**model_cfg))
     tokens = cfg.train.eval_batches * cfg.train.global_batch_size * cfg.model.seq_len
     return 2.0 * params * tokens / 1e9
+
+
+def adapter_warm_start(cfg: Any, model_dir: str, shared_cache: bool) -> Optional[str]:
+    """An adapter job's warm start: the champion's own adapter (its PEFT files beside the merged model), continued on
+    model.pretrained, so every version stays an adapter of the one base its PEFT files name (a new adapter stacked on
+    the champion's merged weights would name a base nobody serves). None, and the merged warm start, when the job
+    has no adapter, when its adapter settings changed since the champion's (a new adapter then), when the champion's
+    adapter trained modules in full (continuing those is not built), or when the download is not on the job's
+    storage (a URI storage path: the workers could not read it)."""
+    from rayspeed.config.adapter import PEFT_CONFIG, enabled, init_adapter_problems
+    from rayspeed.config.shape import ModelShape
+    from rayspeed.model.export import ADAPTER_DIR
+
+    folder = Path(model_dir) / ADAPTER_DIR
+    if not enabled(cfg.model.adapter) or not (folder / PEFT_CONFIG).is_file():
+        return None
+    why = None
+    if not shared_cache:
+        why = "the champion's download is not on the job's storage (a URI storage path)"
+    elif not cfg.model.pretrained:
+        why = "model.pretrained is not set"
+    else:
+        probe = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(folder)))
+        problems = init_adapter_problems(probe, ModelShape.from_config(cfg.model))
+        why = problems[0] if problems else None
+    if why:
+        log.info("warm start from the champion's merged model with a new adapter, not its adapter: %s", why)
+        return None
+    log.info("warm start: the champion's adapter (%s) continues on model.pretrained %s", folder, cfg.model.pretrained)
+    return str(folder)

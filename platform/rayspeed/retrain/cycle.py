@@ -299,13 +299,16 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
             hint = "" if cfg.train.init_from else "; or pass --cold to train from scratch"
             raise _Stop("bad_input", f"{e}{hint}") from None
     result.warm_start_from = init_spec
+    init_arg = init_spec
+    if init_spec and not cfg.train.init_from and model_dir:
+        init_arg = champion.adapter_warm_start(cfg, model_dir, cache is not None) or init_spec
 
     # 5. the training job
     job = result.job = _job_name(base, storage)
     # The store goes to the job in its environment, not on its command line (which `ps` shows to everyone).
     sets = list(overrides) + [f"name={job}", f"tracking.register_model={_quote(reg)}", "tracking.uri=auto"]
     if init_spec and not cfg.train.init_from:
-        sets.append(f"train.init_from={_quote(init_spec)}")
+        sets.append(f"train.init_from={_quote(init_arg)}")
     cmd = list(job_cmd or [sys.executable, "-m", "rayspeed", "train"]) + ["--config", config]
     for s in sets:
         cmd += ["--set", s]
