@@ -27,14 +27,14 @@ def _mixtral(tmp_path):
     return model_dir
 
 
-def _job(tmp_path, model_dir, pp, zero):
+def _job(tmp_path, model_dir, pp, zero, *extra):
     from _cluster import ROOT
     from _inprocess import run_inprocess
 
     sets = [f"model.pretrained={model_dir}", "name=tiny-mixtral", "train.max_steps=2", "tracking.log_every_steps=1",
             "cluster.num_workers=2", "parallel.tp=1", f"parallel.pp={pp}", f"parallel.zero_stage={zero}",
             "tracking.charts_every_checkpoints=0", "tracking.loss_landscape=false",
-            "resilience.checkpoint_every_steps=0"]
+            "resilience.checkpoint_every_steps=0", *extra]
     summary = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
     assert summary["status"] == "finished" and summary["layout"]["dp"] == 2 // pp, summary
     return summary
@@ -113,3 +113,32 @@ def test_a_pp2_mixtral_job_logs_the_language_loss_and_registers_every_tensor(tmp
     assert all(exported[k].shape == v.shape for k, v in original.items())
     router = "model.layers.0.block_sparse_moe.gate.weight"  # trained on the first stage by the last stage's term
     assert not torch.equal(exported[router], original[router])
+
+
+def test_a_lora_job_on_experts_split_over_ep2_registers_an_adapter_peft_applies_to_the_base(tmp_path):
+    """LoRA (the attention) on a Mixtral whose frozen experts are split over ep 2 (dp2, ZeRO-2): the registered
+    model is the merged one, and peft applies the run's adapter to the original checkpoint to its logits."""
+    import mlflow
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from _cluster import metric_history
+    from rayspeed.compat import mlflow_process_store
+
+    model_dir = _mixtral(tmp_path)
+    summary = _job(tmp_path, model_dir, 1, 2, "parallel.ep=2", "model.adapter.type=lora", "model.adapter.rank=4",
+                   "train.max_steps=4", "train.lr=5.0e-3", "train.warmup_steps=0")
+    assert summary["layout"]["ep"] == 2, summary["layout"]
+    losses = [v for _, v in metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")]
+    assert len(losses) == 4 and all(v == v for v in losses) and losses[-1] < losses[0], losses
+    with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        local = Path(mlflow.artifacts.download_artifacts(
+            f"models:/rayspeed-tiny-mixtral/{summary['registered_model_version']}", dst_path=str(tmp_path / "dl")))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(str(local / "model"), dtype=torch.float32).eval()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        before = base(ids).logits
+        on_base = PeftModel.from_pretrained(base, str(local / "rayspeed" / "adapter")).eval()(ids).logits
+    assert (merged - before).abs().max() > 1e-3  # the adapter trained
+    torch.testing.assert_close(on_base, merged, rtol=1e-4, atol=1e-4)

@@ -79,3 +79,17 @@ def test_moe_plans_split_the_experts_and_say_why_that_ep(capsys, model):
     explained = capsys.readouterr().out
     line = next(x for x in explained.splitlines() if x.strip().startswith("- ep ="))
     assert f"ep = {plan['ep']}:" in line and "ep = 1:" in line  # the pick, and what ep 1 would cost
+
+
+def test_a_mixtral_lora_job_fits_on_one_node_where_its_full_fine_tune_does_not(capsys):
+    """LoRA on a mixture of experts (the attention adapted, every expert frozen in the working dtype): a
+    Mixtral-8x7B LoRA job plans on 8 H100s (experts split over ep), its full fine-tune does not fit (test above)."""
+    sets = ["--set", f"model={{pretrained: {ROOT}/configs/models/mixtral-8x7b, init: random, seq_len: 4096, "
+                     "adapter: {type: lora}}", "--set", "cluster.num_workers=8", "--set", "cluster.num_nodes=1",
+            "--set", "train.global_batch_size=32"]
+    code = cli(["plan", JOB, "--json", "--top", "1", *sets])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    plan = json.loads(out.out)["plan"]
+    assert plan["fits"] and plan["dp"] * plan["tp"] * plan["pp"] == 8, plan
+    assert plan["memory_breakdown_gib"]["optimizer_states"] < 1.0  # the adapters' Adam state only

@@ -34,6 +34,8 @@ def add_adapters(model: nn.Module, adapter: Any, tp: Any = None, sequence_parall
     for block in blocks(model):
         for role in spec.target_roles(adapter):
             path = spec.ROLES[role]
+            if role in spec.MLP_ROLES and getattr(block, "in_moe_model", False):
+                continue  # no MLP of a mixture of experts is adapted (config.adapter says why)
             layer = block.get_submodule(path)
             if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 raise TypeError(f"{block.canonical_prefix}.{path} is a {type(layer).__name__}, not a parallel linear")

@@ -50,8 +50,8 @@ def leaf_name(role: str, shape: Any) -> str:
 
 def target_modules(adapter: Any, shape: Any) -> list[str]:
     """peft's target_modules: the leaf names of the checkpoint's modules the roles name (q_proj, ...; a fused
-    projection once)."""
-    return list(dict.fromkeys(leaf_name(r, shape) for r in spec.target_roles(adapter)))
+    projection once; the MLP's only where a block has a dense one)."""
+    return list(dict.fromkeys(leaf_name(r, shape) for r in spec.target_roles(adapter) if spec.role_layers(shape, r)))
 
 
 def _part(name: str, shape: Any) -> tuple[str, tuple[str, ...]]:

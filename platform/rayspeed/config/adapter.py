@@ -7,6 +7,12 @@ qkv_proj: q, k, v; gate_up_proj: gate, up) has one peft adapter per fused module
 rows. rayspeed keeps the parts as separate layers: their adapters share the one A (the first part's parameter)
 and each holds its rows of B, which is that adapter exactly; so a fused module is targeted whole or not at all,
 with one rank and alpha.
+
+A mixture of experts: the attention roles adapt every block; the MLP roles none, the experts, the routers and
+Qwen3-MoE's dense MLP blocks stay frozen. The reason is the contract with peft: peft 0.21 on transformers 5 maps
+gate_proj, up_proj and down_proj of a MoE model onto the experts' stacked weights (LoRA on parameters) and then no
+longer adapts a dense block's MLP, so an adapter of those roles would not load in peft as rayspeed trained it.
+`all` means q, k, v, o there; naming gate, up or down is exit 2 (config.moe_keys).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ ROLES: dict[str, str] = {
     "gate": "mlp.w_gate", "up": "mlp.w_up", "down": "mlp.w_down",
 }
 """role -> the linear layer of a block it names (rayspeed's module path under layers.{i})."""
+MLP_ROLES = ("gate", "up", "down")
+"""The roles of a dense MLP: a mixture of experts' MoE blocks have none (their experts are not adapted)."""
 COLUMN_ROLES = ("q", "k", "v", "gate", "up")
 """Column-parallel under tp (the output features split): the adapter's B is split by rows, A is whole."""
 ALL = "all"
@@ -105,13 +113,20 @@ def role_dims(shape: Any) -> dict[str, tuple[int, int]]:
     return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
 
 
+def role_layers(shape: Any, role: str) -> int:
+    """How many blocks `role` adapts: every block, except the MLP roles of a mixture of experts (none: see the
+    module doc)."""
+    experts = int(getattr(shape, "num_experts", 0) or 0)
+    return 0 if role in MLP_ROLES and experts > 0 else int(shape.num_layers)
+
+
 def adapter_params(shape: Any, adapter: Any) -> int:
     """Adapter parameters of the whole model: rank x (in + out) per adapted layer, DoRA's magnitude (out) too."""
     dims = role_dims(shape)
     family = shape.family
-    per_layer = sum(role_rank(adapter, r) * ((0 if shares_a(r, family) else dims[r][0]) + dims[r][1])
-                    + (dims[r][1] if adapter.dora else 0) for r in target_roles(adapter))
-    return shape.num_layers * per_layer
+    return sum(role_layers(shape, r) * (role_rank(adapter, r) * ((0 if shares_a(r, family) else dims[r][0])
+                                                                + dims[r][1]) + (dims[r][1] if adapter.dora else 0))
+               for r in target_roles(adapter))
 
 
 def flops_per_token(shape: Any, adapter: Any) -> float:
@@ -119,7 +134,8 @@ def flops_per_token(shape: Any, adapter: Any) -> float:
     the frozen projections' weight gradient (2 FLOPs per weight) left out, the adapters' 6 per parameter added."""
     if not enabled(adapter):
         return float(shape.flops_per_token)
-    return shape.flops_per_token - 2.0 * shape.non_embedding_params + 6.0 * adapter_params(shape, adapter)
+    frozen = shape.non_embedding_params - getattr(shape, "inactive_params", 0)  # what a token passes through
+    return shape.flops_per_token - 2.0 * frozen + 6.0 * adapter_params(shape, adapter)
 
 
 def problems(cfg: Any, family: Any) -> list[str]:
@@ -229,7 +245,7 @@ def init_adapter_problems(cfg: Any, shape: Any) -> list[str]:
     want = {
         "model.adapter.rank": (a.rank, peft.get("r")),
         "model.adapter.alpha": (float(a.alpha), float(peft.get("lora_alpha", 8))),
-        "model.adapter.targets": (sorted({leaf(r) for r in target_roles(a)}), targets),
+        "model.adapter.targets": (sorted({leaf(r) for r in target_roles(a) if role_layers(shape, r)}), targets),
         "model.adapter.rslora": (bool(a.rslora), bool(peft.get("use_rslora", False))),
         "model.adapter.dora": (bool(a.dora), bool(peft.get("use_dora", False))),
         "model.adapter.rank_pattern": ({leaf(r): v for r, v in a.rank_pattern.items()}, peft.get("rank_pattern") or {}),

@@ -117,7 +117,13 @@ def moe_problems(cfg: Any) -> list[str]:
             out.append(f"parallel.ep: {ep} with parallel.tp: {tp} at parallel.zero_stage: 3: DeepSpeed's ZeRO-3 "
                        "gradient norm would count the tp shards every ep rank holds alike once per ep rank; use "
                        "zero_stage 1 or 2 (experts and their optimizer state are split over ep already)")
-    if getattr(model.adapter, "type", "none") != "none":
-        out.append("model.adapter.type: adapters on a mixture of experts are not built yet; set model.adapter.type: "
-                   "none")
+    adapter = model.adapter
+    mlp = [r for r in ("gate", "up", "down") if r in (getattr(adapter, "targets", None) or ())]
+    if getattr(adapter, "type", "none") != "none" and mlp:
+        out.append(f"model.adapter.targets: {', '.join(mlp)} on a mixture of experts: peft maps those roles onto the "
+                   "experts' stacked weights, which rayspeed does not adapt (its MLPs stay frozen); target q, k, v, o "
+                   "or all (the attention)")
+    if getattr(adapter, "type", "none") != "none" and getattr(adapter, "base_precision", "auto") == "nf4":
+        out.append("model.adapter.base_precision: nf4 on a mixture of experts: the experts' stacked weights are not "
+                   "packed in 4 bits; use base_precision: auto (the experts stay frozen in the job's precision)")
     return out

@@ -207,6 +207,7 @@ class Block(nn.Module):
         prefix = f"layers.{layer_idx}"
         self.canonical_prefix = prefix  # where its parameters live in Transformer's state dict
         self.family = dims.family  # its checkpoint's names (the adapters of fused projections share one A)
+        self.in_moe_model = dims.num_experts > 0  # adapters leave every MLP of a mixture of experts (config.adapter)
         self.attn_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.attn = self.attention_class(dims, tp, sp, seed, name=f"{prefix}.attn", layer_idx=layer_idx)
         self.mlp_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)

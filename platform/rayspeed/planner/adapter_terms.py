@@ -38,9 +38,14 @@ class AdapterPlan:
     compute_bytes: Optional[int] = None  # bytes per element of the dequantized weight (None: the working dtype's)
     ranks: tuple[int, ...] = ()  # per role of `roles` (model.adapter.rank_pattern over rank); () : rank for all
     shared_a: tuple[str, ...] = ()  # roles whose adapter uses an earlier part's A (fused projections)
+    mlp_share: float = 1.0  # the blocks with a dense MLP (a mixture of experts' MoE blocks adapt attention only)
 
     def rank_of(self, role: str) -> int:
         return self.ranks[self.roles.index(role)] if self.ranks else self.rank
+
+    def share(self, role: str) -> float:
+        """The fraction of blocks that have `role`'s layer (an average over a stage's blocks for the MLP roles)."""
+        return self.mlp_share if role in spec.MLP_ROLES else 1.0
 
     @classmethod
     def of(cls, adapter: Any, shape: Any) -> Optional["AdapterPlan"]:
@@ -54,6 +59,7 @@ class AdapterPlan:
                    ranks=tuple(spec.role_rank(adapter, r) for r in spec.target_roles(adapter)),
                    shared_a=tuple(r for r in spec.target_roles(adapter) if spec.shares_a(r, shape.family)),
                    double_quant=bool(getattr(adapter, "double_quant", True)),
+                   mlp_share=spec.role_layers(shape, "gate") / shape.num_layers,
                    compute_bytes=None if compute == "auto" else (4 if compute == "fp32" else 2))
 
 
@@ -67,9 +73,10 @@ def layer_adapter_params(sh: Any, ap: AdapterPlan, tp: int) -> float:
         r = ap.rank_of(role)
         if role in ap.shared_a:  # a later part of a fused projection: its rows of B only
             i = 0
-        n += r * (i + o / tp) if column else r * (i / tp + o)
+        m = r * (i + o / tp) if column else r * (i / tp + o)
         if ap.dora:
-            n += o / tp if column else o
+            m += o / tp if column else o
+        n += ap.share(role) * m
     return n
 
 
@@ -107,7 +114,8 @@ def activation_elems_per_token(ctx: Any, lay: Any) -> float:
     n = 0.0
     for role in ap.roles:
         i, _ = dims[role]
-        n += ap.rank_of(role) + (2 * i / (1 if role in spec.COLUMN_ROLES else lay.tp) if ap.dropout else 0.0)
+        n += ap.share(role) * (ap.rank_of(role)
+                               + (2 * i / (1 if role in spec.COLUMN_ROLES else lay.tp) if ap.dropout else 0.0))
     return n
 
 
@@ -125,7 +133,7 @@ def gemm_seconds(ctx: Any, lay: Any, gemm_s: Any, dense_fwd: float) -> tuple[flo
         i, o = spec.role_dims(sh)[role]
         column = role in spec.COLUMN_ROLES
         r = ap.rank_of(role)
-        fwd += gemm_s(ctx, T, i if column else i / t, r) + gemm_s(ctx, T, r, o / t if column else o)
+        fwd += ap.share(role) * (gemm_s(ctx, T, i if column else i / t, r) + gemm_s(ctx, T, r, o / t if column else o))
     return dense_fwd + fwd, dense_fwd + 2 * fwd
 
 
