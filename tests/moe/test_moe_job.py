@@ -4,7 +4,8 @@ cross entropy on step 1's batch, without the balance term that trains beside it)
 moe/load_imbalance at step 1 are transformers' (its aux_loss per forward, averaged; its routing's tokens per expert
 over the whole global batch), moe/expert_load/ holds every routed token; the registered version loads in
 transformers as a MixtralForCausalLM. The same job at pp2 (one MoE layer per stage) logs the same step-1 language
-loss and registers a Mixtral with every tensor of the checkpoint."""
+loss and routing metrics (each stage's layers' load, the balance loss the last stage pools) and registers a Mixtral
+with every tensor of the checkpoint."""
 
 from __future__ import annotations
 
@@ -40,24 +41,17 @@ def _job(tmp_path, model_dir, pp, zero, *extra):
     return summary
 
 
-def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
+def _check_routing_metrics(tmp_path, model_dir, summary, windows):
+    """moe/aux_loss, moe/load_imbalance and moe/dropped_tokens at step 1 are transformers' on the global batch, in the
+    job's micro-batches; moe/expert_load/ holds every routed token of both steps."""
     import mlflow
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from _cluster import metric_history
-    from _hf_models import first_batch_loss
     from rayspeed.compat import mlflow_process_store
 
-    model_dir = _mixtral(tmp_path)
-    summary = _job(tmp_path, model_dir, 1, 2)
-
-    expected, windows = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
-    run_id = summary["mlflow_run_id"]
-    (step, first), *_ = metric_history(tmp_path, run_id, "train/loss")
-    assert step == 1 and first == pytest.approx(expected, rel=1e-5)
-
     # Rank r's forward j takes rows (j * dp + r) * b onward: every forward is one b-row chunk of the global batch.
+    run_id = summary["mlflow_run_id"]
     hf = transformers.MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     b = summary["layout"]["micro_batch_size"]
     with torch.no_grad():
@@ -78,6 +72,25 @@ def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
     assert load["steps"] == [1, 2] and load["layers"] == [0, 1]
     assert [sum(row) for row in load["tokens_per_expert"]] == [2 * 8 * 128 * 2] * 2  # steps x rows x tokens x k
 
+
+def test_a_mixtral_job_logs_the_language_loss_and_registers_a_mixtral(tmp_path):
+    import mlflow
+    from transformers import AutoModelForCausalLM
+
+    from _cluster import metric_history
+    from _hf_models import first_batch_loss
+    from rayspeed.compat import mlflow_process_store
+
+    model_dir = _mixtral(tmp_path)
+    summary = _job(tmp_path, model_dir, 1, 2)
+
+    expected, windows = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
+    run_id = summary["mlflow_run_id"]
+    (step, first), *_ = metric_history(tmp_path, run_id, "train/loss")
+    assert step == 1 and first == pytest.approx(expected, rel=1e-5)
+
+    _check_routing_metrics(tmp_path, model_dir, summary, windows)
+
     with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
         local = mlflow.artifacts.download_artifacts(
             f"models:/rayspeed-tiny-mixtral/{summary['registered_model_version']}", dst_path=str(tmp_path / "dl"))
@@ -97,9 +110,10 @@ def test_a_pp2_mixtral_job_logs_the_language_loss_and_registers_every_tensor(tmp
     model_dir = _mixtral(tmp_path)
     summary = _job(tmp_path, model_dir, 2, 1)
     assert summary["layout"]["pp"] == 2, summary
-    expected, _ = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
+    expected, windows = first_batch_loss(tmp_path, model_dir, 128, 8, 1234)
     (step, first), *_ = metric_history(tmp_path, summary["mlflow_run_id"], "train/loss")
     assert step == 1 and first == pytest.approx(expected, rel=1e-5)
+    _check_routing_metrics(tmp_path, model_dir, summary, windows)  # each stage's layers, pooled by the last
     with mlflow_process_store(f"sqlite:///{tmp_path / 'mlflow.db'}"):
         local = mlflow.artifacts.download_artifacts(
             f"models:/rayspeed-tiny-mixtral/{summary['registered_model_version']}", dst_path=str(tmp_path / "dl"))

@@ -93,6 +93,8 @@ class RouterStats:
         stage's balance loss trains every stage's routers)."""
         self.recording = False
         e = self.num_experts
+        if self.windowed and self.counts:  # this stage's layers' load (the pooled balance loss is the last stage's)
+            self.window.add(torch.stack(self.counts), torch.zeros((), device=self.counts[0].device))
         if self.counts:
             here = torch.cat([torch.stack(self.counts).sum(0), torch.stack(self.probs).sum(0).float(),
                               torch.tensor([float(self.rows)], device=self.counts[0].device)])
@@ -121,6 +123,7 @@ class MoE(nn.Module):
         super().__init__()
         e, h, f = dims.num_experts, dims.hidden_size, dims.expert_ffn_hidden_size
         self.num_experts, self.top_k, self.normalise = e, dims.experts_per_token, dims.norm_topk_prob
+        self.name = name  # layers.{i}.mlp: where its load goes in the moe/* metrics under a pipeline
         self.stats = stats
         self.ep = NO_EP
         self.tp = tp or NO_TP

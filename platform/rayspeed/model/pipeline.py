@@ -219,7 +219,7 @@ def _pipeline_module_class():
             if self.stage_id > 0:  # (hidden[, segment ids], the earlier stages' routing statistics)
                 *rest, earlier = forward_input
                 forward_input = rest[0] if len(rest) == 1 else tuple(rest)
-            stats.start()
+            stats.start(windowed=torch.is_grad_enabled())  # a training forward's load goes to the moe/* metrics
             out = self._stage_output(super().forward(self._stage_input(forward_input)))
             carried = stats.carried(earlier)
             return (*out, carried) if isinstance(out, tuple) else (out, carried)

@@ -38,9 +38,14 @@ def imbalance(counts: torch.Tensor) -> tuple[float, int]:
 
 
 class ExpertLoad(Callback):
+    """Under a pipeline (`rows`, `pooled`), each stage's stats hold its MoE layers only: `rows` are their places in
+    moe_layers, `pooled` the last stage's loss function, which adds up the balance loss pooled over every stage
+    (model.pipeline.PipelineLoss); the counts and that sum are then added up over the pipeline group too."""
+
     def __init__(self, stats: Any, moe_layers: list[int], groups: Any, device: torch.device, tracker: Any,
-                 every: int = 0):
+                 every: int = 0, rows: Optional[list[int]] = None, pooled: Any = None):
         self.stats, self.moe_layers, self.groups, self.device, self.tracker = stats, moe_layers, groups, device, tracker
+        self.rows, self.pooled = rows, pooled
         self.every, self.checkpoints = every, 0
         self.since: Optional[torch.Tensor] = None  # reduced counts since the last artifact
         self.since_step = 0
@@ -49,15 +54,24 @@ class ExpertLoad(Callback):
     def metrics(self, state: TrainState) -> dict[str, float]:
         """The window's routing over every data-parallel rank (a collective: every rank calls it)."""
         w = self.stats.window.take()
-        if w.counts is None:  # no training forward since the last log (cannot happen inside a run's loop)
+        aux, forwards = float(w.aux), float(w.forwards)
+        if self.pooled is not None:  # a pipeline: the last stage's loss pooled every stage's routing
+            aux, forwards = float(self.pooled.aux_sum), float(self.pooled.aux_forwards)
+            self.pooled.aux_sum, self.pooled.aux_forwards = 0.0, 0
+            counts = torch.zeros(len(self.moe_layers), self.stats.num_experts, dtype=torch.float64)
+            if w.counts is not None:
+                counts[self.rows] = w.counts.double().cpu()
+        elif w.counts is None:  # no training forward since the last log (cannot happen inside a run's loop)
             return {}
-        flat = torch.cat([w.counts.reshape(-1).double(),
-                          torch.tensor([float(w.aux), w.forwards, w.dropped], dtype=torch.float64,
-                                       device=w.counts.device)]).to(self.device)
-        group = getattr(self.groups, "dpcp_group", None)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        counts = flat[:-3].view_as(w.counts).cpu()
+        else:
+            counts = w.counts.double().cpu()
+        flat = torch.cat([counts.reshape(-1), torch.tensor([aux, forwards, float(w.dropped)], dtype=torch.float64)])
+        flat = flat.to(self.device)
+        for group in (getattr(self.groups, "dpcp_group", None),
+                      getattr(self.groups, "pp_group", None) if self.pooled is not None else None):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+        counts = flat[:-3].view_as(counts).cpu()
         aux, forwards, dropped = (float(v) for v in flat[-3:])
         self.since = counts if self.since is None else self.since + counts
         self.through_step = state.step

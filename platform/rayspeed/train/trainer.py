@@ -223,15 +223,22 @@ class Trainer:
 
     def expert_load(self, tracker: Any) -> Any:
         """The moe/* metrics and artifacts of a mixture of experts (None for a dense model)."""
-        stats = getattr(self.engine.module, "router_stats", None)
+        module = self.engine.module
+        stats = getattr(module, "router_stats", None) or getattr(module, "stage_router_stats", None)
         if stats is None:
             return None
         from rayspeed.config.shape import ModelShape
+        from rayspeed.model.moe import MoE
         from rayspeed.train.moe_callback import ExpertLoad
 
         dims = ModelShape.from_config(self.cfg.model)
-        return ExpertLoad(stats, [i for i in range(dims.num_layers) if dims.is_moe(i)], self.groups, self.device,
-                          tracker, every=self.cfg.tracking.charts_every_checkpoints)
+        moe_layers = [i for i in range(dims.num_layers) if dims.is_moe(i)]
+        rows = pooled = None
+        if not hasattr(module, "router_stats"):  # a pipeline stage: its MoE layers, in the order they route
+            rows = [moe_layers.index(int(m.name.split(".")[1])) for m in module.modules() if isinstance(m, MoE)]
+            pooled = module.loss_fn
+        return ExpertLoad(stats, moe_layers, self.groups, self.device, tracker,
+                          every=self.cfg.tracking.charts_every_checkpoints, rows=rows, pooled=pooled)
 
     def train(self) -> RunResult:
         c, start = self.cfg, self.state["step"]
