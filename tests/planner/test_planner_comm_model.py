@@ -5,7 +5,7 @@ import pytest
 
 from rayspeed.config.load import parse
 from rayspeed.planner import evaluate_layout
-from rayspeed.planner.comm_model import Group, nccl_s
+from rayspeed.planner.comm_model import Group, nccl_s, ring_scale
 
 GIB, MIB = 2**30, 2**20
 
@@ -40,6 +40,18 @@ def test_single_node_matches_published_nccl_tests():
     assert busbw("allreduce", 64 * MIB, g) == pytest.approx(369.8, rel=0.10)
     assert busbw("allreduce", 16 * MIB, g) == pytest.approx(242.5, rel=0.15)
     assert busbw("allreduce", MIB, g) == pytest.approx(72.45, rel=0.15)
+
+
+def test_rings_lose_bus_bandwidth_per_doubling_of_nodes_as_measured():
+    # NVIDIA/nccl#1229: H100 reduce-scatter busbw at 4, 8, 16, 32, 64, 128 nodes: 360, 345, 320, 300, 280, 260 GB/s
+    # (message size not stated): the ring's bandwidth share of the model, given 360 at 4 nodes.
+    measured = {4: 360.0, 8: 345.0, 16: 320.0, 32: 300.0, 64: 280.0, 128: 260.0}
+    for nodes, want in measured.items():
+        assert 360.0 * ring_scale(nodes) == pytest.approx(want, rel=0.03), nodes
+    # With the model's ring latency (1023 steps at 128 nodes) an 8 GiB call falls below: 336, 288, 227 GB/s at 8, 32
+    # and 128 nodes, against 358 inside 4 nodes.
+    got = [busbw("reduce_scatter", 8 * GIB, Group(8 * n, n, 360.0, ll128=False)) for n in (4, 8, 32, 128)]
+    assert got == pytest.approx([357.7, 336.0, 287.8, 226.8], rel=0.01)
 
 
 def test_latency_grows_with_ranks_and_nodes_and_tree_takes_over():

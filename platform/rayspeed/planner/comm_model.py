@@ -39,6 +39,12 @@ LL_MAX_GBPS = {1: 141.0, 2: 39.0, 4: 20.4}  # llMaxBws: Hopper single node; Inte
 # treeCorrectionFactor for Simple, by log2(bytes/64) = 0..21 (64 B .. 128 MiB); 1.0 beyond.
 TREE_CORRECTION_SIMPLE = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8, .9)
 CHANNELS = 16  # typical ring channels on an 8-GPU NVSwitch node (only used for the plateau threshold)
+# Rings degrade at scale (NCCL's maintainers, NVIDIA/nccl#1649): H100 reduce-scatter busbw measured at 4, 8, 16, 32,
+# 64 and 128 nodes fell linearly per doubling, 360, 345, 320, 300, 280, 260 GB/s (NVIDIA/nccl#1229): 100/360 over
+# five doublings. Every ring across more than RING_SCALE_FROM nodes loses that share of its bus bandwidth per
+# doubling; trees (log-depth) keep theirs, so NCCL's own pick (and this model's) moves to trees where they win.
+RING_SCALE_FROM = 4
+RING_LOSS_PER_DOUBLING = 100.0 / 360.0 / 5.0
 
 
 @dataclass(frozen=True)
@@ -100,11 +106,18 @@ def nccl_s(kind: str, nbytes: float, g: Group) -> float:
     return best
 
 
+def ring_scale(nodes: int) -> float:
+    """The share of its bus bandwidth a ring keeps across `nodes` nodes (1.0 up to RING_SCALE_FROM)."""
+    if nodes <= RING_SCALE_FROM:
+        return 1.0
+    return max(0.5, 1.0 - RING_LOSS_PER_DOUBLING * math.log2(nodes / RING_SCALE_FROM))
+
+
 def _algo_bw(algo: str, p: int, kind: str, n: int, nodes: int, busbw: float) -> float:
     """Algorithm bandwidth (GB/s, bytes of the buffer per second) of one algorithm/protocol."""
     ll_max = LL_MAX_GBPS[1 if nodes == 1 else 2 if nodes == 2 else 4]
     if algo == "ring":
-        bw = busbw
+        bw = busbw * ring_scale(nodes)
         if p == LL:
             bw = min(ll_max, bw * 0.5)
         elif p == LL128:
