@@ -570,9 +570,11 @@ def _script_lines(script: str, bench: str, extra_env: Optional[dict[str, str]] =
 
 
 def bench_context_parallel(args) -> list[dict[str, Any]]:
-    _note("context_parallel: peak memory per rank at cp 1 and cp 2 (scripts/bench_context_parallel.py)")
-    return _script_lines("bench_context_parallel.py", "context_parallel",
-                         {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    _note("context_parallel: peak memory per rank at cp 1 and cp 2 (scripts/bench_context_parallel.py), and the MLP "
+          "whole and in tiles (scripts/bench_mlp_tiles.py)")
+    env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    return (_script_lines("bench_context_parallel.py", "context_parallel", env)
+            + _script_lines("bench_mlp_tiles.py", "mlp_tiles", env))
 
 
 def bench_moe(args) -> list[dict[str, Any]]:

@@ -211,6 +211,22 @@ def check_transformer(tp, sequence_parallel, tie_embeddings, activation_checkpoi
 
 
 
+def check_mlp_tiles(tp):
+    """A long sequence's MLP recomputed in tiles of rows (selective checkpointing, sequence parallel: each tile
+    gathers its rows over tp) gives tp1's loss, gradients and logits: 2 tiles of 2 of the rank's 4 rows here."""
+    from rayspeed.model import transformer
+
+    old = transformer.MLP_TILE_BYTES
+    transformer.MLP_TILE_BYTES = 2 * 2 * 2 * 32 * 4 * 4  # rows x batch x tp x f / tp x 4 tensors x fp32
+    try:
+        x = torch.zeros(2, 4, 32)
+        model = Transformer(SimpleNamespace(**CFG, tie_embeddings=False), tp=tp, sequence_parallel=True, seed=SEED)
+        assert transformer.mlp_tile_rows(model.layers[0].mlp, x) == 2
+        check_transformer(tp, True, False, "selective")
+    finally:
+        transformer.MLP_TILE_BYTES = old
+
+
 def check_grad_clip(tp):
     """The platform's clip on tp-sharded gradients equals torch's clip on the unsharded model."""
     from rayspeed.engine.clip import GradClipper
@@ -238,6 +254,7 @@ CHECKS = {
     "transformer_tp": lambda tp: check_transformer(tp, False, True, "none"),
     "transformer_tp_sp": lambda tp: check_transformer(tp, True, False, "none"),
     "transformer_tp_sp_tied_selective": lambda tp: check_transformer(tp, True, True, "selective"),
+    "transformer_tp_sp_selective_mlp_tiles": lambda tp: check_mlp_tiles(tp),
     "grad_clip": check_grad_clip,
 }
 

@@ -176,6 +176,22 @@ class MLP(nn.Module):
         return self.w_down(gate * self.w_up(x))
 
 
+# planner/memory.py MLP_TILE_BYTES: a dense MLP whose intermediates (gate, its activation, up, the product) would
+# pass this for the rank's rows is recomputed a tile of rows at a time under selective checkpointing.
+MLP_TILE_BYTES = 1 << 28
+
+
+def mlp_tile_rows(mlp: nn.Module, x: torch.Tensor) -> Optional[int]:
+    """Rows (of dim 1, this rank's sequence) per MLP tile, or None: one piece (small, or a mixture of experts)."""
+    if not isinstance(mlp, MLP):
+        return None
+    gathered = mlp.tp.world_size if (mlp.sequence_parallel and mlp.tp.enabled) else 1  # rows each tile gathers
+    per_row = x.shape[0] * gathered * (mlp.w_gate.out_features // mlp.tp.world_size) * 4 * x.element_size()
+    if per_row * x.shape[1] <= MLP_TILE_BYTES:
+        return None
+    return max(1, MLP_TILE_BYTES // per_row)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block. Parameter names are `layers.{layer_idx}.*` wherever it lives.
 
@@ -228,7 +244,12 @@ class Block(nn.Module):
     def _block(self, x, segment_ids=None):
         if self.activation_checkpointing == "selective":
             x = x + self._checkpointed(self.attn_branch, x, segment_ids)
-            return x + self._checkpointed(self.mlp_branch, x)
+            rows = mlp_tile_rows(self.mlp, x) if torch.is_grad_enabled() else None
+            if rows is None:
+                return x + self._checkpointed(self.mlp_branch, x)
+            # A long sequence's MLP in tiles of its rows, each checkpointed alone: backward rebuilds one tile's
+            # intermediates at a time, not the whole sequence's 4 f per token (row-wise: the same result).
+            return x + torch.cat([self._checkpointed(self.mlp_branch, part) for part in x.split(rows, dim=1)], dim=1)
         x = x + self.attn_branch(x, segment_ids)
         return x + self.mlp_branch(x)
 

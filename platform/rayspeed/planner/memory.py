@@ -25,6 +25,9 @@ COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "act
 ZERO3_TENSORS_PER_LAYER = 7
 # model/attention.py MASK_TILE_BYTES: a layer's mask above it is built a tile of query rows at a time.
 MASK_TILE_BYTES = 1 << 26
+# model/transformer.py MLP_TILE_BYTES: under selective checkpointing a dense MLP is recomputed in tiles of rows whose
+# intermediates stay under it.
+MLP_TILE_BYTES = 1 << 28
 
 
 def bytes_per_param(precision: str, grad_accum_dtype: str) -> dict:
@@ -158,7 +161,7 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     if mode == "none":
         kept, working = full, 0.0
     elif mode == "selective":  # attention and MLP sub-blocks checkpointed: their inputs are kept
-        kept, working = 2 * sh.hidden_size / out_div, max(attn, mlp)
+        kept, working = 2 * sh.hidden_size / out_div, max(attn, mlp * mlp_tile_fraction(ctx, lay, tokens))
     else:  # full: only each block's input is kept; one block is rebuilt at a time
         kept, working = sh.hidden_size / out_div, full
     layers = split_of(sh, lay)[stage]
@@ -176,6 +179,16 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     kept += activation_elems_per_token(ctx, lay)
     elems = tokens * (in_flight * layers * kept + working + transient + pipe)
     return elems * ctx.w_bytes
+
+
+def mlp_tile_fraction(ctx: Ctx, lay: Layout, tokens: float) -> float:
+    """The share of the rank's rows whose MLP intermediates backward rebuilds at once under selective checkpointing:
+    1, or one tile's when the whole would pass MLP_TILE_BYTES (model/transformer.py mlp_tile_rows; a dense MLP)."""
+    sh = ctx.shape
+    whole = tokens * 4 * sh.ffn_hidden_size / lay.tp * ctx.w_bytes
+    if sh.num_experts or whole <= MLP_TILE_BYTES:
+        return 1.0
+    return MLP_TILE_BYTES / whole
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 26  # rayspeed.parallel.loss: largest fp32 logits block of the chunked loss
