@@ -425,3 +425,46 @@ def test_a_phi3_adapter_peft_made_continues_and_merges(phi3_base, tmp_path):
     a, b = state["layers.0.attn.wq.adapter.lora_A"], state["layers.0.attn.wk.adapter.lora_B"]
     torch.testing.assert_close(whole["layers.0.attn.wk.weight"],
                                read_whole(phi3_base, shape)["layers.0.attn.wk.weight"] + 2.0 * b @ a, **TOL)
+
+
+def test_a_peft_adapter_with_modules_trained_in_full_continues(base, tmp_path):
+    """train.init_from a PEFT adapter with modules_to_save (the embedding and every norm trained in full, as peft
+    saves them): rayspeed takes them into the job's modules trained in full and gives peft's logits; a job that
+    trains other modules in full than the adapter did is exit 2 naming model.adapter.trainable."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rayspeed.adapters.peft_files import load_peft_dir
+    from rayspeed.config.adapter import init_adapter_problems
+    from rayspeed.config.schema import AdapterConfig
+
+    shape = shape_of(base, SEQ)
+    torch.manual_seed(11)
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "v_proj"],
+                                         modules_to_save=["embed_tokens", "norm"], init_lora_weights=False))
+    with torch.no_grad():  # what training them in full changed: peft's trained copies only
+        for name, p in peft.named_parameters():
+            if "modules_to_save" in name:
+                p.mul_(1.5).add_(0.01)
+    made = str(tmp_path / "made")
+    peft.save_pretrained(made)
+    ids = _ids()[:, :-1]
+    with torch.no_grad():
+        want = peft.eval()(ids).logits
+    adapter = AdapterConfig(type="lora", rank=4, alpha=8.0, targets=["q", "v"], trainable=["embed", "norms"])
+    job = SimpleNamespace(train=SimpleNamespace(init_from=made), model=SimpleNamespace(adapter=adapter, pretrained=base))
+    assert init_adapter_problems(job, shape) == []
+    model = adapted(shape, base, adapter)
+    full = {n: p for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
+    copied = load_peft_dir(model, made, shape, full_params=full)
+    norms = 2 * shape.num_layers + 1
+    assert copied == 2 * 2 * shape.num_layers + 1 + norms  # A and B of q, v per layer; the embedding; the norms
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), want, **TOL)
+    other = SimpleNamespace(train=job.train, model=SimpleNamespace(adapter=AdapterConfig(
+        type="lora", rank=4, alpha=8.0, targets=["q", "v"], trainable=["norms"]), pretrained=base))
+    (problem,) = init_adapter_problems(other, shape)
+    assert problem.startswith("model.adapter.trainable: ['norms'] here, ['embed', 'norms'] trained in full"), problem

@@ -17,9 +17,9 @@ from typing import Any, Optional
 import torch
 
 from rayspeed.config import adapter as spec
-from rayspeed.config.adapter import is_adapter
+from rayspeed.config.adapter import PEFT_PREFIX as PREFIX
+from rayspeed.config.adapter import full_module_name, fully_trained, is_adapter
 
-PREFIX = "base_model.model."
 _PEFT_SUFFIX = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -67,16 +67,6 @@ def patterns(adapter: Any, shape: Any) -> dict[str, dict[str, Any]]:
     part of a module's name)."""
     return {key: {leaf_name(r, shape): v for r, v in (getattr(adapter, key, None) or {}).items()}
             for key in ("rank_pattern", "alpha_pattern")}
-
-
-def fully_trained(name: str, adapter: Any, shape: Any) -> bool:
-    """Whether rayspeed parameter `name` trains in full beside the adapters (model.adapter.trainable)."""
-    which = set(getattr(adapter, "trainable", ()) or ())
-    if name == "embed.weight":
-        return "embed" in which or ("head" in which and shape.tie_embeddings)
-    if name == "head.weight":
-        return "head" in which and not shape.tie_embeddings
-    return "norms" in which and name.endswith("norm.weight")
 
 
 def modules_to_save(adapter: Any, shape: Any) -> Optional[list[str]]:
@@ -137,19 +127,25 @@ def write_peft_dir(state: dict[str, torch.Tensor], adapter: Any, shape: Any, out
     return folder
 
 
-def load_peft_dir(model: torch.nn.Module, folder: str, shape: Any, tp: Any = None) -> int:
+def load_peft_dir(model: torch.nn.Module, folder: str, shape: Any, tp: Any = None,
+                  full_params: Optional[dict[str, torch.nn.Parameter]] = None) -> int:
     """Copy a PEFT adapter's tensors (adapter_model.safetensors; its settings checked against the job's before the
     launch: config.adapter.init_adapter_problems) into the adapters of `model` (a Transformer or a pipeline
-    stage, adapters attached), each cut to this rank's shard; returns how many were copied. ValueError names a
-    tensor the model lacks or misses."""
+    stage, adapters attached), each cut to this rank's shard; and its modules trained in full (peft's
+    modules_to_save) into `full_params` (this rank's parameters by rayspeed name: those it holds get theirs, cut to
+    its tp shard). Returns how many tensors were copied. ValueError names a tensor the model lacks or misses."""
     from safetensors.torch import load_file
 
     from rayspeed.adapters.attach import blocks
 
     saved = {}
+    full: dict[str, torch.Tensor] = {}
     dims = spec.role_dims(shape)
     for key, t in load_file(str(Path(folder) / WEIGHTS_FILE)).items():
         name = rayspeed_name(key.replace(".default.", "."), shape)  # peft may keep the adapter name in a key
+        if name is None and full_module_name(key, shape) is not None:
+            full[full_module_name(key, shape) or ""] = t
+            continue
         if name is None:
             raise ValueError(f"train.init_from {folder}: {key} is not a LoRA tensor of this model")
         kind = name.partition(".adapter.")[2]
@@ -175,4 +171,16 @@ def load_peft_dir(model: torch.nn.Module, folder: str, shape: Any, tp: Any = Non
                 raise ValueError(f"train.init_from {folder}: {name} is {tuple(value.shape)} for this rank, the "
                                  f"model's is {tuple(p.shape)}")
             p.copy_(value.to(device=p.device, dtype=p.dtype))
-    return len(held)
+        copied = 0
+        for name, p in (full_params or {}).items():
+            if name not in full:
+                continue
+            value, dim = full[name], getattr(p, "partition_dim", None)
+            if tp is not None and tp.enabled and getattr(p, "tensor_model_parallel", False) and dim is not None:
+                value = value.chunk(tp.world_size, dim=dim)[tp.rank]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"train.init_from {folder}: {name} (trained in full) is {tuple(value.shape)} for "
+                                 f"this rank, the model's is {tuple(p.shape)}")
+            p.copy_(value.to(device=p.device, dtype=p.dtype))
+            copied += 1
+    return len(held) + copied

@@ -195,6 +195,39 @@ def _nf4_problems(cfg: Any) -> list[str]:
 
 
 PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def fully_trained(name: str, adapter: Any, shape: Any) -> bool:
+    """Whether rayspeed parameter `name` trains in full beside the adapters (model.adapter.trainable)."""
+    which = set(getattr(adapter, "trainable", ()) or ())
+    if name == "embed.weight":
+        return "embed" in which or ("head" in which and shape.tie_embeddings)
+    if name == "head.weight":
+        return "head" in which and not shape.tie_embeddings
+    return "norms" in which and name.endswith("norm.weight")
+
+
+def full_module_name(key: str, shape: Any) -> Optional[str]:
+    """The rayspeed parameter of a PEFT file's key for a module trained in full (peft's modules_to_save, under the
+    checkpoint's names, the adapter name dropped), or None (a LoRA tensor, or nothing of this model). A tied head is
+    the embedding."""
+    if not key.startswith(PEFT_PREFIX) or ".lora_" in key:
+        return None
+    hf = key[len(PEFT_PREFIX):].replace(".modules_to_save.default.", ".").replace(".modules_to_save.", ".")
+    name = shape.family.tensor_names.rayspeed_name(hf)
+    if name == "head.weight" and shape.tie_embeddings:
+        return "embed.weight"
+    return name
+
+
+def safetensors_keys(path: str) -> list[str]:
+    """The tensor names of a safetensors file, from its JSON header (no tensor is read; no torch)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return [k for k in header if k != "__metadata__"]
 
 
 def init_adapter_dir(cfg: Any) -> Optional[str]:
@@ -255,7 +288,19 @@ def init_adapter_problems(cfg: Any, shape: Any) -> list[str]:
     for key, (job, theirs) in want.items():
         if job != theirs:
             p.append(f"{key}: {job!r} here, {theirs!r} in {where}; set it to the adapter's")
-    if peft.get("modules_to_save"):
-        p.append(f"{where}: its modules_to_save {peft['modules_to_save']} (modules trained in full) are not "
-                 "continued yet; use an adapter without them")
+    if peft.get("modules_to_save"):  # the same modules in full here as in the adapter's file
+        from rayspeed.config.hf_checkpoint import param_shapes
+
+        try:
+            keys = safetensors_keys(os.path.join(folder, PEFT_WEIGHTS))
+        except (OSError, ValueError) as e:
+            return p + [f"{where}: {PEFT_WEIGHTS} cannot be read ({e})"]
+        theirs_full = {n for n in (full_module_name(k, shape) for k in keys) if n is not None}
+        mine = {n for n in param_shapes(shape) if fully_trained(n, a, shape)}
+        if theirs_full != mine:
+            def kinds(names: set) -> list[str]:
+                return sorted({"embed" if n == "embed.weight" else "head" if n == "head.weight" else "norms"
+                               for n in names})
+            p.append(f"model.adapter.trainable: {kinds(mine)} here, {kinds(theirs_full)} trained in full in {where} "
+                     f"(modules_to_save {peft['modules_to_save']}); set model.adapter.trainable to the adapter's")
     return p

@@ -103,9 +103,11 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
     apply_transforms(model, cfg, groups, on_gpu)  # in their declared order, after the weights are in
     if adapter_dir is not None:  # continue a PEFT adapter made elsewhere on model.pretrained's weights
         from rayspeed.adapters.peft_files import load_peft_dir
+        from rayspeed.model.pipeline import canonical_named_parameters
 
+        named = canonical_named_parameters(model) if cfg.parallel.pp > 1 else model.named_parameters()
         n = load_peft_dir(model, adapter_dir, ModelShape.from_config(cfg.model),
-                          groups.tp if cfg.parallel.tp > 1 else None)
+                          groups.tp if cfg.parallel.tp > 1 else None, full_params=dict(named))
         log.info("adapter warm start from the PEFT adapter %s: %d tensors; optimizer starts fresh", adapter_dir, n)
     optimizer = build_optimizer(model, cfg, on_gpu)
     scheduler = build_scheduler(optimizer, cfg)

@@ -116,8 +116,8 @@ def adapter_warm_start(cfg: Any, model_dir: str, shared_cache: bool) -> Optional
     """An adapter job's warm start: the champion's own adapter (its PEFT files beside the merged model), continued on
     model.pretrained, so every version stays an adapter of the one base its PEFT files name (a new adapter stacked on
     the champion's merged weights would name a base nobody serves). None, and the merged warm start, when the job
-    has no adapter, when its adapter settings changed since the champion's (a new adapter then), when the champion's
-    adapter trained modules in full (continuing those is not built), or when the download is not on the job's
+    has no adapter, when its adapter settings changed since the champion's (a new adapter then; the modules it
+    trains in full too), or when the download is not on the job's
     storage (a URI storage path: the workers could not read it)."""
     from rayspeed.config.adapter import PEFT_CONFIG, enabled, init_adapter_problems
     from rayspeed.config.shape import ModelShape
