@@ -455,7 +455,8 @@ def test_a_peft_adapter_with_modules_trained_in_full_continues(base, tmp_path):
     with torch.no_grad():
         want = peft.eval()(ids).logits
     adapter = AdapterConfig(type="lora", rank=4, alpha=8.0, targets=["q", "v"], trainable=["embed", "norms"])
-    job = SimpleNamespace(train=SimpleNamespace(init_from=made), model=SimpleNamespace(adapter=adapter, pretrained=base))
+    job = SimpleNamespace(train=SimpleNamespace(init_from=made),
+                          model=SimpleNamespace(adapter=adapter, pretrained=base))
     assert init_adapter_problems(job, shape) == []
     model = adapted(shape, base, adapter)
     full = {n: p for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
