@@ -600,7 +600,8 @@ def bench_gpu(args) -> list[dict[str, Any]]:
     proc = subprocess.run([PY, str(ROOT / "scripts" / "bench_gpu.py")], cwd=str(ROOT), stdout=subprocess.PIPE,
                           text=True)
     lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
-    return lines or [{"bench": "gpu", "status": "failed", "rc": proc.returncode}]
+    lines = lines or [{"bench": "gpu", "status": "failed", "rc": proc.returncode}]
+    return lines + _script_lines("bench_attention_kernels.py", "attention_kernels")  # sdpa against flex
 
 
 ADAPTER_MODEL = ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=4",

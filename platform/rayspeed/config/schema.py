@@ -85,6 +85,12 @@ class ModelConfig:
     and tokens of each forward, one micro-batch of one rank, as transformers computes it for its batch; moe/aux_loss
     is its mean over the step's forwards, train/loss stays the language-model loss); null: config.json's
     router_aux_loss_coef (0.001 by default); 0: none."""
+    attention_kernel: str = "auto"
+    """The kernel of masked and soft-capped attention (sliding windows, packed documents, Gemma 2's cap): auto =
+    sdpa; sdpa = PyTorch's SDPA with a dense mask (every tile computed) and the math path for soft-capped scores
+    (scores materialised); flex = FlexAttention, compiled, on CUDA: the mask as a function (tiles outside it skipped)
+    and the cap as a score modifier, no score matrix (GPU jobs only: torch 2.13 has no FlexAttention backward on CPU;
+    not yet measured on a GPU here, so not the default). Plain causal attention is SDPA's fused kernel either way."""
     freeze_router: bool = False
     """Keep every MoE layer's router weights as loaded (a fine-tune that must not move the routing; the balance
     loss then trains nothing: set router_aux_loss_coef: 0 with it)."""

@@ -82,6 +82,8 @@ class ModelShape:
     """Width of one attention head (the family's rule; 0 when built directly: hidden_size / num_heads)."""
     hidden_act: str = "silu"
     """The MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)."""
+    attention_kernel: str = "auto"
+    """model.attention_kernel: auto | sdpa | flex (masked and soft-capped attention's kernel on CUDA)."""
     sliding_window: Optional[int] = None
     """Keys a query of a sliding-window layer sees: itself and the window - 1 before it. None: no window."""
     layer_types: tuple[str, ...] = ()
@@ -143,6 +145,7 @@ class ModelShape:
                    max_position_embeddings=int(max_pos) if max_pos else None,
                    head_dim=family.head_dim(int(m.hidden_size), heads, getattr(m, "head_dim", None)),
                    hidden_act=str(getattr(m, "hidden_act", None) or family.activations[0]),
+                   attention_kernel=str(getattr(m, "attention_kernel", None) or "auto"),
                    sliding_window=int(window) if window else None,
                    layer_types=tuple(str(t) for t in (getattr(m, "layer_types", None) or ())),
                    rope_local_theta=float(local_theta) if local_theta else None,

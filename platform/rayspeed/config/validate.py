@@ -206,6 +206,11 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         if c.use_gpu and par.tp > c.gpus_per_node:
             p.append(f"parallel.tp ({par.tp}) must not exceed cluster.gpus_per_node ({c.gpus_per_node}): tp never "
                      "spans nodes")
+    if (kernel := getattr(m, "attention_kernel", "auto")) not in ("auto", "sdpa", "flex"):
+        p.append(f"model.attention_kernel: must be auto, sdpa or flex, got {kernel!r}")
+    elif kernel == "flex" and not c.use_gpu:
+        p.append("model.attention_kernel: flex trains on CUDA only (torch 2.13 has no FlexAttention backward on "
+                 "CPU); use auto, or cluster.use_gpu: true")
     if isinstance(par.pp, int) and par.pp >= 1 and par.pp > m.num_layers:
         p.append(f"parallel.pp ({par.pp}) must not exceed model.num_layers ({m.num_layers})")
     if par.pp not in (AUTO, 1) and par.zero_stage not in (AUTO, 0, 1):

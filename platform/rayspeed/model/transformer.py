@@ -27,6 +27,7 @@ from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
 from rayspeed.families.family import NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET, NORM_STYLES
 from rayspeed.model.attention import MaskRows, context_attention, masked_attention
+from rayspeed.model.flex import flex_attention
 from rayspeed.model.moe import MoE, RouterStats
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
@@ -112,6 +113,7 @@ class Attention(nn.Module):
         self.local_kv_heads = dims.num_kv_heads // tp.world_size
         self.window, self.scale = dims.window_of(layer_idx), dims.attention_scale
         self.cap = dims.attn_logit_softcapping
+        self.flex = dims.attention_kernel == "flex"  # masked or soft-capped layers through FlexAttention on CUDA
         # A local layer with its own base has plain RoPE (rope_dims None); every other one the shape's scaling.
         self.rope_theta, scaled = dims.rope_of(layer_idx)
         self.rope_dims: Optional[ModelShape] = dims if scaled else None
@@ -147,7 +149,12 @@ class Attention(nn.Module):
         cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
                                positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = masked_attention(q, k, v, MaskRows.of(s, segment_ids, self.window, x.device), self.scale, self.cap)
+        rows = MaskRows.of(s, segment_ids, self.window, x.device)
+        # (On CPU FlexAttention has a forward only: used there without autograd, as the parity tests compare it.)
+        if self.flex and (q.is_cuda or not torch.is_grad_enabled()) and (rows is not None or self.cap):
+            out = flex_attention(q, k, v, rows, self.scale, self.cap)
+        else:
+            out = masked_attention(q, k, v, rows, self.scale, self.cap)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
 
