@@ -3,8 +3,8 @@ rayspeed's engine builder, stepped by rayspeed's TrainStep with two micro-batche
 unsplit rank on the same sequences: the (language-model) loss of every step, every gradient of the first step (the
 balance loss's included: it pools the routing of the MoE layers of both stages, and its gradient reaches the first
 stage's routers), the weights after the last step, the validation loss and the mean balance loss of the training
-forwards. Two cases: a Mixtral of 2 layers at ZeRO-0 (one MoE layer per stage), and a Qwen3-MoE of 3 layers whose
-middle layer is dense at ZeRO-1 under the token-weighted loss scale."""
+forwards. Three cases: a Mixtral of 2 layers at ZeRO-0 (one MoE layer per stage), a Qwen3-MoE of 3 layers whose
+middle layer is dense at ZeRO-1 under the token-weighted loss scale, and one whose first stage is dense only."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ CASES = {
     "mixtral-zero0-mean": (dict(architecture="MixtralForCausalLM", num_layers=2), 0, False),
     "qwen3_moe-zero1-weighted": (dict(architecture="Qwen3MoeForCausalLM", num_layers=3, head_dim=16,
                                       expert_ffn_hidden_size=24, norm_topk_prob=False, moe_layers=[0, 2]), 1, True),
+    # the first stage holds dense layers only: its statistics start at zero and still take their gradient
+    "qwen3_moe-dense-first-stage": (dict(architecture="Qwen3MoeForCausalLM", num_layers=3, head_dim=16,
+                                         expert_ffn_hidden_size=24, moe_layers=[2]), 0, False),
 }
 STEPS, MB, GA = 2, 2, 2
 LR = 3e-5  # small: Adam's steps stay comparable at 1e-5 after the first
@@ -154,13 +157,16 @@ def test_a_pp2_mixture_of_experts_trains_like_one_unsplit_rank(results, case):
     assert want > 0 and got == pytest.approx(want, **TOL)  # moe/aux_loss: pooled over both stages' layers
     if CASES[case][1] == 0:  # every parameter's gradient was compared on the stage that holds it
         routers = [n for r in results for n, (_, scale) in r[case]["grads"].items() if n.endswith("router.weight")]
-        assert len(routers) == 2 and all(r[case]["grads"] for r in results)
+        model = CASES[case][0]
+        moe_layers = model.get("moe_layers", range(model["num_layers"]))
+        assert len(routers) == len(moe_layers) and all(r[case]["grads"] for r in results)
         assert {n for r in results for n in r[case]["grads"]} == set(results[0][case]["weights"]) | set(
             results[1][case]["weights"])
 
 
 def test_what_the_pipeline_does_not_take_with_experts_is_refused_naming_the_key():
-    """pp with experts parses; ep with pp, and cp with experts, are one message each naming the key and the fix."""
+    """pp and cp with experts parse; ep with pp, tp with pp, cp with pp and ep with cp are one message each naming
+    the key and the fix."""
     from rayspeed.config import parse
     from rayspeed.errors import ConfigError
 
@@ -169,8 +175,14 @@ def test_what_the_pipeline_does_not_take_with_experts_is_refused_naming_the_key(
             "train": {"global_batch_size": 8}}
     cfg = parse({**base, "parallel": dict(dp=2, tp=1, pp=2, ep=1, zero_stage=1, micro_batch_size=1)})
     assert cfg.parallel.pp == 2
+    cfg = parse({**base, "model": {**base["model"], "seq_len": 32},
+                 "parallel": dict(dp=2, tp=1, pp=1, cp=2, ep=1, zero_stage=1, micro_batch_size=1)})
+    assert cfg.parallel.cp == 2
     for parallel, key in ((dict(dp=2, pp=2, ep=2, zero_stage=1), "parallel.ep: 2 with parallel.pp: 2"),
-                          (dict(dp=2, pp=1, cp=2, ep=1, zero_stage=1), "parallel.cp: 2 with a mixture of experts")):
+                          (dict(dp=1, tp=2, pp=2, ep=1, zero_stage=1), "parallel.pp: 2 with parallel.tp: 2"),
+                          (dict(dp=1, pp=2, cp=2, ep=1, zero_stage=1), "parallel.cp: 2 with parallel.pp: 2"),
+                          (dict(dp=2, pp=1, cp=2, ep=2, zero_stage=1), "parallel.ep: 2 with parallel.cp: 2")):
         with pytest.raises(ConfigError) as refused:
-            parse({**base, "parallel": dict(tp=1, micro_batch_size=1, **parallel)})
+            parse({**base, "model": {**base["model"], "seq_len": 32},
+                   "parallel": dict({"tp": 1, "micro_batch_size": 1}, **parallel)})
         assert key in str(refused.value) and "; set parallel." in str(refused.value), str(refused.value)

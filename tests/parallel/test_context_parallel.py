@@ -1,8 +1,9 @@
 """Context parallelism against the unsplit model (4 gloo ranks, fp32, rtol = atol = 1e-5): the loss summed over the
 cp group and every gradient summed over it equal the unsplit model's on the same weights and tokens, for the ulysses
 and ring schemes at cp2 and cp4, with GQA (also fewer kv heads than cp), packed documents, a sliding window and
-soft-capped scores, and at tp2 x cp2 with and without sequence parallelism (each tp rank's shards). The unsplit model
-is itself parity-tested against transformers (tests/model)."""
+soft-capped scores, a mixture of experts (its balance loss pooled over the parts), and at tp2 x cp2 with and without
+sequence parallelism (each tp rank's shards). The unsplit model is itself parity-tested against transformers
+(tests/model)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ CASES = {
     "documents+window": dict(architecture="MistralForCausalLM", sliding_window=6, documents=True),
     "softcap": dict(attn_logit_softcapping=5.0, documents=True),
     "gqa-2-kv-heads": dict(num_kv_heads=2),  # fewer kv heads than cp4: ulysses repeats them
+    # a mixture of experts: the balance loss pools every part's routing (its gradient reaching every part's router)
+    "moe": dict(architecture="MixtralForCausalLM", num_experts=4, experts_per_token=2, router_aux_loss_coef=0.5,
+                documents=True),
 }
 
 

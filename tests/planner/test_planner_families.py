@@ -59,8 +59,8 @@ def test_plan_answers_for_each_family(capsys, model, gpus):
     assert code == 0, out.err
     plan = json.loads(out.out)["plan"]
     assert plan["fits"] and plan["dp"] * plan["tp"] * plan["pp"] == gpus
-    if (model, gpus) == ("qwen3-30b-a3b", 8):  # on one node: each expert's width split over tp, and the layers
-        assert plan["tp"] > 1 and (plan["zero_stage"] == 3 or plan["pp"] > 1), plan  # sharded or split over pp
+    if (model, gpus) == ("qwen3-30b-a3b", 8):  # on one node: each expert's width split over tp,
+        assert plan["tp"] > 1 and plan["zero_stage"] == 3, plan  # and sharded (tp with pp is not built for experts)
 
 
 @pytest.mark.parametrize("model", sorted(ACTIVE_B))

@@ -72,3 +72,18 @@ def test_an_adapter_job_retrains_from_the_champion_adapter_on_the_same_base(home
         champion = AutoModelForCausalLM.from_pretrained(str(local[0] / "model"), dtype=torch.float32).eval()(ids).logits
     assert (merged - champion).abs().max() > 1e-3  # the two versions differ by more than the tolerance below
     torch.testing.assert_close(on_base, merged, rtol=1e-4, atol=1e-4)
+
+    # A champion adapter trained on another base (a version warm-started from a merged champion names that one):
+    # not continued on model.pretrained; the merged warm start instead.
+    import shutil
+
+    from rayspeed.config.load import load
+    from rayspeed.retrain import champion
+
+    job = load(cfg)
+    assert champion.adapter_warm_start(job, str(local[1] / "rayspeed"), True) == str(adapters[1])
+    other = home / "other" / "adapter"
+    shutil.copytree(adapters[1], other)
+    (other / "adapter_config.json").write_text(json.dumps({**peft_config, "base_model_name_or_path": "models:/x/1"}))
+    assert champion.adapter_warm_start(job, str(other.parent), True) is None
+    assert champion.adapter_warm_start(job, str(local[1] / "rayspeed"), False) is None  # a URI storage

@@ -96,12 +96,18 @@ def moe_problems(cfg: Any) -> list[str]:
     if family.moe.expert_ffn is None and ffn is not None and model.ffn_hidden_size not in (None, ffn):
         out.append(f"model.expert_ffn_hidden_size: a {family.architecture}'s experts are ffn_hidden_size wide "
                    f"({model.ffn_hidden_size}); leave it null")
-    for key, why in (("cp", "the load-balancing statistics are not pooled over the context-parallel ranks yet"),):
-        value = getattr(par, key, 1)
-        if value not in (1, "auto"):
-            out.append(f"parallel.{key}: {value} with a mixture of experts (model.num_experts "
-                       f"{model.num_experts}): {why}; set parallel.{key}: 1 (the experts are replicated on every "
-                       "data-parallel rank: ZeRO shards them)")
+    cp, pp, tp = getattr(par, "cp", 1), getattr(par, "pp", 1), getattr(par, "tp", 1)
+    if tp not in (1, "auto") and pp not in (1, "auto"):
+        out.append(f"parallel.pp: {pp} with parallel.tp: {tp} and a mixture of experts: DeepSpeed's pipeline "
+                   "partitions what stages send under tp, and the balance statistics travel with the hidden states "
+                   "(not built); set parallel.tp: 1 or parallel.pp: 1")
+    if cp not in (1, "auto") and pp not in (1, "auto"):
+        out.append(f"parallel.cp: {cp} with parallel.pp: {pp} and a mixture of experts: the pipeline stages do not "
+                   "pool the balance statistics over the context-parallel ranks yet; set parallel.pp: 1 or "
+                   "parallel.cp: 1")
+    if cp not in (1, "auto") and ep not in (1, "auto"):
+        out.append(f"parallel.ep: {ep} with parallel.cp: {cp}: experts split over the data-parallel ranks beside "
+                   "context parallelism are not built yet; set parallel.ep: 1 (ZeRO shards the experts)")
     if ep not in (1, "auto"):
         if experts % int(ep):
             out.append(f"parallel.ep: {ep} must divide model.num_experts ({experts}); use a divisor of it")

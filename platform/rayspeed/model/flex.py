@@ -4,7 +4,8 @@ documents and soft-capped scores (Gemma 2), in any combination, with a custom sc
 SDPA's masked kernels take a dense [s, s] mask and compute every tile of it, and soft-capped scores run the math
 path, which materialises heads x s x s scores per layer. FlexAttention takes the mask as a function (a block mask:
 the 128 x 128 tiles wholly outside the window, the document or the causal triangle are skipped) and the cap as a
-score modifier, inside one compiled kernel: no score matrix, no dense mask.
+score modifier, inside one compiled kernel: no score matrix, and on CUDA no dense mask (the block mask is built by a
+compiled kernel too).
 
 The mask is MaskRows' (model/attention.py): key at or before the query, within the window, in the query's document.
 Torch 2.13 has FlexAttention's backward on CUDA only, so a job asks for it on GPUs (config check); on CPU its eager
@@ -26,14 +27,21 @@ def _compiled() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _on_cuda(device: Any) -> bool:
+    return torch.device(device).type == "cuda"
+
+
 def block_mask(rows: Any, q_len: int, k_len: int, batch: int, device: Any) -> Any:
-    """The block mask of `rows` (a MaskRows; None: plain causal over 0..s-1)."""
+    """The block mask of `rows` (a MaskRows; None: plain causal over 0..s-1): built by a compiled kernel on CUDA,
+    tile by tile, so no dense [s, s] mask exists (eager elsewhere, where it is built dense: the CPU tests' sizes).
+    Each layer builds its own (its window); a cache per forward is a later saving."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     if rows is None:
         def mask_mod(b, h, qi, ki):
             return ki <= qi
-        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=k_len, device=device)
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=k_len, device=device,
+                                 _compile=_on_cuda(device))
     q_pos, k_pos, q_seg, k_seg, window = rows.q_pos, rows.k_pos, rows.q_seg, rows.k_seg, rows.window
 
     def masked(b, h, qi, ki):
@@ -45,7 +53,7 @@ def block_mask(rows: Any, q_len: int, k_len: int, batch: int, device: Any) -> An
         return ok
 
     return create_block_mask(masked, B=batch if q_seg is not None else None, H=None, Q_LEN=q_len, KV_LEN=k_len,
-                             device=device)
+                             device=device, _compile=_on_cuda(device))
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Any, scale: Optional[float],

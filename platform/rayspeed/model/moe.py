@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from rayspeed.config.shape import ModelShape
-from rayspeed.parallel.comm import copy_to_tp
+from rayspeed.parallel.comm import SumOverTensorParallel, copy_to_tp
 from rayspeed.parallel.expert_parallel import NO_EP, Dispatch, ExpertParallel, ScaleGrad
 from rayspeed.parallel.groups import TensorParallel
 from rayspeed.parallel.layers import NO_TP, enter_tp_region, leave_tp_region, sharded_parameter
@@ -57,8 +58,11 @@ class RouterStats:
     """The forward's router statistics over every MoE layer: aux = E * sum_e (count_e / N) (prob_e / N), N the
     rows of all layers together (transformers' pooled form, not a mean of per-layer losses)."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, cp: Any = None):
         self.num_experts = num_experts
+        # Under context parallelism a forward's tokens are spread over the cp ranks: the statistics are summed over
+        # them (the probabilities with their gradient), so every part computes the whole sequence's balance loss.
+        self.cp = cp
         self.recording = False
         self.counts: list[torch.Tensor] = []
         self.probs: list[torch.Tensor] = []
@@ -81,8 +85,13 @@ class RouterStats:
         if not self.counts:
             return None
         per_layer = torch.stack(self.counts)
-        counts, probs = per_layer.sum(0), torch.stack(self.probs).sum(0)
-        aux = self.num_experts * torch.sum((counts / self.rows) * (probs / self.rows))
+        counts, probs, rows = per_layer.sum(0), torch.stack(self.probs).sum(0), float(self.rows)
+        if self.cp is not None and self.cp.enabled:
+            flat = torch.cat([counts.float(), torch.tensor([rows], device=counts.device)])
+            dist.all_reduce(flat, group=self.cp.group)
+            counts, rows = flat[:-1], float(flat[-1])
+            probs = SumOverTensorParallel.apply(probs, self.cp)  # all-reduce forward and backward
+        aux = self.num_experts * torch.sum((counts / rows) * (probs / rows))
         if self.windowed:
             self.window.add(per_layer, aux)
         return aux
@@ -98,8 +107,9 @@ class RouterStats:
         if self.counts:
             here = torch.cat([torch.stack(self.counts).sum(0), torch.stack(self.probs).sum(0).float(),
                               torch.tensor([float(self.rows)], device=self.counts[0].device)])
-        else:  # a stage of dense layers only
-            here = torch.zeros(2 * e + 1, device=earlier.device if earlier is not None else None)
+        else:  # a stage of dense layers only (the first one's output must still take a gradient in backward)
+            here = torch.zeros(2 * e + 1, device=earlier.device if earlier is not None else None,
+                               requires_grad=earlier is None and torch.is_grad_enabled())
         return here if earlier is None else earlier + here
 
     @staticmethod

@@ -13,8 +13,8 @@ non-pipelined one, whatever the partition.
 
 DeepSpeed's contract: the engine feeds `inputs` (token ids) to the first stage and calls
 `loss_fn(outputs, labels)` on the last. The last layer returns (hidden, head_weight) rather
-than logits, so the loss runs as the chunked (tp=1) or vocab-parallel (tp>1) cross-entropy
-and full logits never exist.
+than logits, so the loss runs as the chunked cross-entropy (vocab-parallel at tp>1) and full
+logits never exist.
 
 Sequence parallelism (tp > 1): inside a stage the activations between blocks are sequence
 shards, different on every tp rank. DeepSpeed's pipeline engine assumes the tensor passed

@@ -360,7 +360,7 @@ class Transformer(nn.Module):
             for i in range(dims.num_layers)
         )
         # Every MoE layer reports its routing to one collector: the balance loss pools them all.
-        self.router_stats = RouterStats(dims.num_experts) if dims.num_experts else None
+        self.router_stats = RouterStats(dims.num_experts, self.cp) if dims.num_experts else None
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stats = self.router_stats
@@ -401,9 +401,11 @@ class Transformer(nn.Module):
             return self.head.loss(x, labels, reduction="none").view(labels.shape)
         if self.cp.enabled:
             count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
-            return self.head.loss(x, labels, reduction="sum") / count
-        loss = self.head.loss(x, labels)
-        self.balance_loss = aux * self.dims.router_aux_loss_coef if aux is not None else None
+            loss = self.head.loss(x, labels, reduction="sum") / count
+        else:
+            loss = self.head.loss(x, labels)
+        # Under cp every part holds the whole sequence's balance loss: each adds its 1/cp share, as the loss's.
+        self.balance_loss = aux * self.dims.router_aux_loss_coef / self.cp.world_size if aux is not None else None
         if self.balance_loss is not None:  # the loss transformers returns with output_router_logits
             loss = loss + self.balance_loss
         return loss

@@ -196,10 +196,12 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                     out.rejected.append(f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.pp ({pp}) = "
                                         f"{tp * cp * pp} does not divide the world size ({W})")
                     continue
-                if sh.num_experts and cp > 1:  # not built for experts yet (config/moe_keys.py says why)
+                if sh.num_experts and pp > 1 and max(cp, tp) > 1:  # not built yet (config/moe_keys.py says why)
                     continue
                 dp = W // (tp * cp * pp)
                 eps = ep_degrees(sh, dp, fixed)
+                if sh.num_experts and cp > 1:  # experts over ep beside cp: not built yet (config/moe_keys.py)
+                    eps = [e for e in eps if e == 1]
                 bad_ep = [why for why in (ep_problem(sh, dp, e) for e in eps) if why]
                 if bad_ep:
                     out.rejected.extend(bad_ep)

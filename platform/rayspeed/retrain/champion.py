@@ -4,7 +4,9 @@ version, the loss of an exported model on the job's held-out split, and what an 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -117,7 +119,8 @@ def adapter_warm_start(cfg: Any, model_dir: str, shared_cache: bool) -> Optional
     model.pretrained, so every version stays an adapter of the one base its PEFT files name (a new adapter stacked on
     the champion's merged weights would name a base nobody serves). None, and the merged warm start, when the job
     has no adapter, when its adapter settings changed since the champion's (a new adapter then; the modules it
-    trains in full too), or when the download is not on the job's
+    trains in full too), when the champion's adapter names another base than model.pretrained, or when the download
+    is not on the job's
     storage (a URI storage path: the workers could not read it)."""
     from rayspeed.config.adapter import PEFT_CONFIG, enabled, init_adapter_problems
     from rayspeed.config.shape import ModelShape
@@ -131,6 +134,10 @@ def adapter_warm_start(cfg: Any, model_dir: str, shared_cache: bool) -> Optional
         why = "the champion's download is not on the job's storage (a URI storage path)"
     elif not cfg.model.pretrained:
         why = "model.pretrained is not set"
+    elif not _same_base(json.loads((folder / PEFT_CONFIG).read_text()).get("base_model_name_or_path"),
+                        str(cfg.model.pretrained)):
+        # (a version that was itself warm-started from a merged champion names that one, not model.pretrained)
+        why = "the champion's adapter was trained on another base than model.pretrained"
     else:
         probe = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(folder)))
         problems = init_adapter_problems(probe, ModelShape.from_config(cfg.model))
@@ -140,3 +147,12 @@ def adapter_warm_start(cfg: Any, model_dir: str, shared_cache: bool) -> Optional
         return None
     log.info("warm start: the champion's adapter (%s) continues on model.pretrained %s", folder, cfg.model.pretrained)
     return str(folder)
+
+
+def _same_base(theirs: Any, mine: str) -> bool:
+    """Whether an adapter's base_model_name_or_path names model.pretrained (a folder by its resolved path)."""
+    if not theirs:
+        return False
+    if os.path.isdir(str(theirs)) and os.path.isdir(mine):
+        return os.path.realpath(str(theirs)) == os.path.realpath(mine)
+    return str(theirs) == mine
