@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from test_retrain import _corpus, home  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.slow  # two real training cycles: the adapters' share of make test-slow
 
 
 def _job(where: Path, base: Path) -> str:
