@@ -219,3 +219,26 @@ def export_layouts(rank, root):
             entry["bf16_dtype"] = str(p.dtype)
         out[name] = entry
     return out
+
+
+def train_steps(cfg, engine, pipelined, groups, steps):
+    """rayspeed's TrainStep over `steps` ((micro-batches, loss scale or None) per step) on an engine build_engine
+    made: (each step's loss, the first step's gradients as reduced by Transformer name (ZeRO-0: before the update),
+    the weights after the last step)."""
+    from rayspeed.model.pipeline import canonical_named_parameters
+    from rayspeed.train.step import TrainStep
+
+    named = list(canonical_named_parameters(engine.module) if pipelined else engine.module.named_parameters())
+    grads: dict = {}
+
+    def keep(optimizer, args, kwargs):  # at the first step: the gradients as reduced, before the update
+        if not grads:
+            grads.update({n: p.grad.detach().clone() for n, p in named})
+
+    hook = engine.optimizer.register_step_pre_hook(keep) if cfg.parallel.zero_stage == 0 else None
+    chaos = SimpleNamespace(poisons_loss=lambda step: False)
+    step = TrainStep(cfg, engine, pipelined, groups, torch.device("cpu"), None, chaos, None, None, None, None)
+    losses = [float(step.run(micro, scale, s + 1)) for s, (micro, scale) in enumerate(steps)]
+    if hook is not None:
+        hook.remove()
+    return losses, grads, {n: p.detach().clone() for n, p in named}

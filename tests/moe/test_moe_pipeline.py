@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from _deepspeed_world import SoloGroups, _init_deepspeed
+from _deepspeed_world import SoloGroups, _init_deepspeed, train_steps
 from _dist import run_distributed
 
 TOL = dict(rel=1e-5, abs=1e-5)
@@ -64,40 +64,21 @@ def _scale(case, micro):
 
 def _train(case, cfg, engine, pipelined, groups):
     """(losses, first step's gradients by name, weights after the last, validation loss, mean balance loss)."""
-    from types import SimpleNamespace
-
     import torch
 
-    from rayspeed.model.pipeline import canonical_named_parameters
     from rayspeed.train.evaluation import Validator
-    from rayspeed.train.step import TrainStep
 
-    named = list(canonical_named_parameters(engine.module) if pipelined else engine.module.named_parameters())
-    grads: dict = {}
-
-    def keep(optimizer, args, kwargs):  # at the first step: the gradients as reduced, before the update
-        if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in named})
-
-    hook = engine.optimizer.register_step_pre_hook(keep) if cfg.parallel.zero_stage == 0 else None
     auxes = []
     if not pipelined:  # the unsplit model's balance loss of each training forward
         engine.module.register_forward_hook(
             lambda m, args, out: auxes.append(float(m.aux_loss)) if m.training else None)
-    chaos = SimpleNamespace(poisons_loss=lambda step: False)
-    step = TrainStep(cfg, engine, pipelined, groups, torch.device("cpu"), None, chaos, None, None, None, None)
-    losses = []
-    for s in range(STEPS):
-        micro = _micro_batches(s)
-        losses.append(float(step.run(micro, _scale(case, micro), s + 1)))
-    if hook is not None:
-        hook.remove()
+    steps = [(micro, _scale(case, micro)) for micro in (_micro_batches(s) for s in range(STEPS))]
+    losses, grads, weights = train_steps(cfg, engine, pipelined, groups, steps)
     if pipelined:
         fn = engine.module.loss_fn
         aux = float(fn.aux_sum) / fn.aux_forwards if fn.aux_forwards else None
     else:
         aux = sum(auxes) / len(auxes)
-    weights = {n: p.detach().clone() for n, p in named}
     whole = [tuple(torch.cat(parts) for parts in zip(*_micro_batches(99)))]
     val = Validator(cfg, whole, torch.device("cpu"), pipelined, lambda t: float(t), weighted=CASES[case][2])
     return losses, grads, weights, val.run(engine), aux

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from _deepspeed_world import SoloGroups, _init_deepspeed
+from _deepspeed_world import SoloGroups, _init_deepspeed, train_steps
 from _dist import run_distributed
 
 TOL = dict(rel=1e-5, abs=1e-5)
@@ -62,45 +62,14 @@ def _scale(case, micro):
     return 1 * GA / sum(int((mb[1] != -100).sum()) for mb in micro)
 
 
-def _step(cfg, engine, pipelined, groups):
-    from types import SimpleNamespace
-
-    import torch
-
-    from rayspeed.train.step import TrainStep
-
-    chaos = SimpleNamespace(poisons_loss=lambda step: False)
-    return TrainStep(cfg, engine, pipelined, groups, torch.device("cpu"), None, chaos, None, None, None, None)
-
-
-def _named(engine, pipelined):
-    from rayspeed.model.pipeline import canonical_named_parameters
-
-    return list(canonical_named_parameters(engine.module) if pipelined else engine.module.named_parameters())
-
-
 def _train(case, cfg, engine, pipelined, groups):
     """(losses of each step, first step's reduced gradients by name, weights after the last, validation loss)."""
     import torch
 
     from rayspeed.train.evaluation import Validator
 
-    named = _named(engine, pipelined)
-    grads: dict = {}
-
-    def keep(optimizer, args, kwargs):  # at the first step: the gradients as reduced, before the update
-        if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in named})
-
-    hook = engine.optimizer.register_step_pre_hook(keep) if cfg.parallel.zero_stage == 0 else None
-    step = _step(cfg, engine, pipelined, groups)
-    losses = []
-    for s in range(STEPS):
-        micro = _micro_batches(case, s)
-        losses.append(float(step.run(micro, _scale(case, micro), s + 1)))
-    if hook is not None:
-        hook.remove()
-    weights = {n: p.detach().clone() for n, p in named}
+    steps = [(micro, _scale(case, micro)) for micro in (_micro_batches(case, s) for s in range(STEPS))]
+    losses, grads, weights = train_steps(cfg, engine, pipelined, groups, steps)
     whole = [tuple(torch.cat(parts) for parts in zip(*_micro_batches(case, 99)))]  # this rank's share: MB x GA rows
     val = Validator(cfg, whole, torch.device("cpu"), pipelined, lambda t: float(t),
                     weighted=CASES[case][2], cp=getattr(groups, "cp", None))
