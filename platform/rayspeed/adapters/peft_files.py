@@ -143,11 +143,12 @@ def load_peft_dir(model: torch.nn.Module, folder: str, shape: Any, tp: Any = Non
     dims = spec.role_dims(shape)
     for key, t in load_file(str(Path(folder) / WEIGHTS_FILE)).items():
         name = rayspeed_name(key.replace(".default.", "."), shape)  # peft may keep the adapter name in a key
-        if name is None and full_module_name(key, shape) is not None:
-            full[full_module_name(key, shape) or ""] = t
+        if name is None:  # a module trained in full (modules_to_save), or nothing of this model
+            whole = full_module_name(key, shape)
+            if whole is None:
+                raise ValueError(f"train.init_from {folder}: {key} is not a LoRA tensor of this model")
+            full[whole] = t
             continue
-        if name is None:
-            raise ValueError(f"train.init_from {folder}: {key} is not a LoRA tensor of this model")
         kind = name.partition(".adapter.")[2]
         parts = _part(name, shape)[1]
         if not parts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rayspeed.config.adapter import MLP_ROLES
 from rayspeed.families import Family
 
 # Model keys a MoE config.json decides (with the shape keys of config/hf_config.py).
@@ -124,7 +125,7 @@ def moe_problems(cfg: Any) -> list[str]:
                        "gradient norm would count the tp shards every ep rank holds alike once per ep rank; use "
                        "zero_stage 1 or 2 (experts and their optimizer state are split over ep already)")
     adapter = model.adapter
-    mlp = [r for r in ("gate", "up", "down") if r in (getattr(adapter, "targets", None) or ())]
+    mlp = [r for r in MLP_ROLES if r in (getattr(adapter, "targets", None) or ())]
     if getattr(adapter, "type", "none") != "none" and mlp:
         out.append(f"model.adapter.targets: {', '.join(mlp)} on a mixture of experts: peft maps those roles onto the "
                    "experts' stacked weights, which rayspeed does not adapt (its MLPs stay frozen); target q, k, v, o "

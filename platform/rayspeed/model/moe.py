@@ -54,6 +54,11 @@ class LoadWindow:
         return taken
 
 
+def balance(counts: torch.Tensor, probs: Any, rows: Any, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's balance loss E * sum_e (count_e / N) (prob_e / N) of pooled statistics."""
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
 class RouterStats:
     """The forward's router statistics over every MoE layer: aux = E * sum_e (count_e / N) (prob_e / N), N the
     rows of all layers together (transformers' pooled form, not a mean of per-layer losses)."""
@@ -91,7 +96,7 @@ class RouterStats:
             dist.all_reduce(flat, group=self.cp.group)
             counts, rows = flat[:-1], float(flat[-1])
             probs = SumOverTensorParallel.apply(probs, self.cp)  # all-reduce forward and backward
-        aux = self.num_experts * torch.sum((counts / rows) * (probs / rows))
+        aux = balance(counts, probs, rows, self.num_experts)
         if self.windowed:
             self.window.add(per_layer, aux)
         return aux
@@ -116,7 +121,7 @@ class RouterStats:
     def pooled_aux(carried: torch.Tensor, num_experts: int) -> torch.Tensor:
         """The balance loss of statistics carried through every stage (the same pooled form as aux_loss)."""
         counts, probs, rows = carried[:num_experts].detach(), carried[num_experts:2 * num_experts], carried[-1].detach()
-        return num_experts * torch.sum((counts / rows) * (probs / rows))
+        return balance(counts, probs, rows, num_experts)
 
     def load(self) -> Optional[torch.Tensor]:
         """Tokens per expert of each MoE layer of the last forward, [layers, experts] (no gradient)."""

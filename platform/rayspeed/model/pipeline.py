@@ -114,8 +114,8 @@ class PipelineLoss:
     Under cp the labels are this rank's part: the mean divides by the count of every part's labels, and both are
     times cp, because the engine averages over dp x cp ranks what must be summed over cp.
 
-    balance (num_experts, coefficient): a mixture of experts' outputs carry the routing statistics of every stage
-    third; its balance loss times the coefficient trains beside the returned loss, unscaled, as the training step
+    balance (num_experts, coefficient): a mixture of experts' outputs carry, third, the routing statistics of every
+    stage; their balance loss times the coefficient trains beside the returned loss, unscaled, as the training step
     adds it without a pipeline; `aux_sum` / `aux_forwards` add up the unweighted balance losses (moe/aux_loss)."""
 
     def __init__(self, tp: Optional[TensorParallel] = None, chunk_tokens: Optional[int] = None,

@@ -120,8 +120,7 @@ def adapter_warm_start(cfg: Any, model_dir: str, shared_cache: bool) -> Optional
     the champion's merged weights would name a base nobody serves). None, and the merged warm start, when the job
     has no adapter, when its adapter settings changed since the champion's (a new adapter then; the modules it
     trains in full too), when the champion's adapter names another base than model.pretrained, or when the download
-    is not on the job's
-    storage (a URI storage path: the workers could not read it)."""
+    is not on the job's storage (a URI storage path: the workers could not read it)."""
     from rayspeed.config.adapter import PEFT_CONFIG, enabled, init_adapter_problems
     from rayspeed.config.shape import ModelShape
     from rayspeed.model.export import ADAPTER_DIR
