@@ -135,8 +135,9 @@ def _adapters(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Op
     extra = f", {'+'.join(a.trainable)} in full" if a.trainable else ""
     extra = "".join(f", {r} rank {spec.role_rank(a, r)} scale {spec.scale(a, r):g}"
                     for r in spec.target_roles(a) if r in a.rank_pattern or r in a.alpha_pattern) + extra
+    roles = sorted({spec.role_of(name) for name in adapted}, key=list(spec.ROLES).index)  # what was adapted
     return (f"{kind} rank {a.rank} scale {spec.scale(a):g} on {len(adapted)} layers "
-            f"({','.join(spec.target_roles(a))}){extra}; {train} of {total} parameters of this rank train{packed}")
+            f"({','.join(roles)}){extra}; {train} of {total} parameters of this rank train{packed}")
 
 
 def compile_decision(cfg: Any, on_gpu: bool) -> tuple[bool, str]:
