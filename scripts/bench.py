@@ -3,7 +3,7 @@
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
                             [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory,
-                                   pipeline_overhead,context_parallel,moe,dpo]
+                                   pipeline_overhead,pipeline_memory,context_parallel,moe,dpo]
                             [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -40,6 +40,10 @@ Lines (in this order; "bench" names each):
                 own engine) on a model too small to compute, step time against the number of micro-batches: the
                 engine's host cost per micro-batch per stage (planner hardware.pipe_host_mb_us). Not in the default
                 --only; about 1-2 minutes.
+  pipeline_memory  scripts/bench_pipeline_memory.py: peak memory per pipeline stage (RSS above the step's start)
+                under DeepSpeed's 1F1B schedule, pp = 4 gloo ranks, 2 blocks per stage, 1, 2, 4 and 8 micro-batches,
+                beside the planner's activations + logits_loss per stage: the micro-batches each stage keeps in
+                flight. About 30 seconds.
   context_parallel  scripts/bench_context_parallel.py: peak memory per rank (RSS above a baseline taken after the
                 model is built) of one 4096-token sequence through a 4-layer model, forward and backward, at cp 1
                 and at cp 2 (ulysses, ring), 2 gloo ranks, beside the planner's activations + logits + gradients
@@ -569,6 +573,12 @@ def _script_lines(script: str, bench: str, extra_env: Optional[dict[str, str]] =
     return lines or [{"bench": bench, "status": "failed", "rc": proc.returncode}]
 
 
+def bench_pipeline_memory(args) -> list[dict[str, Any]]:
+    _note("pipeline_memory: peak memory per pipeline stage under 1F1B (scripts/bench_pipeline_memory.py)")
+    return _script_lines("bench_pipeline_memory.py", "pipeline_memory",
+                         {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+
+
 def bench_context_parallel(args) -> list[dict[str, Any]]:
     _note("context_parallel: peak memory per rank at cp 1 and cp 2 (scripts/bench_context_parallel.py), and the MLP "
           "whole and in tiles (scripts/bench_mlp_tiles.py)")
@@ -652,9 +662,11 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,context_parallel,moe,dpo",
-                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, context_parallel, moe, "
-                    "plan_accuracy, activation_memory, pipeline_overhead (the last three not in the default)")
+    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,pipeline_memory,"
+                    "context_parallel,moe,dpo",
+                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, pipeline_memory, "
+                    "context_parallel, moe, dpo, plan_accuracy, activation_memory, pipeline_overhead (the last three "
+                    "not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -684,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_activation_memory(args)
         if "pipeline_overhead" in only:
             lines += bench_pipeline_overhead(args)
+        if "pipeline_memory" in only:
+            lines += bench_pipeline_memory(args)
         if "context_parallel" in only:
             lines += bench_context_parallel(args)
         if "moe" in only:

@@ -63,3 +63,28 @@ def test_recomputation_really_saves_less():
     by_mode = {m: line(0, "bf16", m, "block")["measured"] for m in ("none", "selective", "full")}
     assert by_mode["full"] < by_mode["selective"] < by_mode["none"]
     assert by_mode["full"] == model["hidden_size"] * 2  # bf16 [b, s, h] per token
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8, 16])
+def test_in_flight_micro_batches_are_deepspeeds_1f1b(pp):
+    """The planner's micro-batches in flight per stage against DeepSpeed 0.19.8's own TrainSchedule (what the
+    pipeline engine runs): the most forwards any point of the schedule has done without their backward, and the
+    engine's pipe buffers (one per in-flight micro-batch, at least two). scripts/bench_pipeline_memory.py measures
+    the memory that follows from it."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+
+    from rayspeed.config.layout import Layout
+    from rayspeed.planner.memory import micro_batches_in_flight
+
+    for m in range(1, 2 * pp + 2):
+        lay = Layout(dp=1, tp=1, pp=pp, zero_stage=1, micro_batch_size=1, grad_accum=m)
+        for stage in range(pp):
+            schedule = TrainSchedule(micro_batches=m, stages=pp, stage_id=stage)
+            alive = most = 0
+            for step in schedule.steps():
+                for cmd in step:
+                    alive += isinstance(cmd, ForwardPass) - isinstance(cmd, BackwardPass)
+                    most = max(most, alive)
+            assert alive == 0
+            assert micro_batches_in_flight(lay, stage) == most, (pp, m, stage)
+            assert schedule.num_pipe_buffers() == max(2, most), (pp, m, stage)

@@ -158,9 +158,15 @@ def test_70b_on_64_h100_is_sensible_and_explained():
     assert b["deepspeed"]["reduce_bucket_size"] > 0
 
 
-@pytest.mark.parametrize("seq_len", [4096, 131072])  # 128k: every cp x tp x pp combination is searched too
-def test_512_gpus_well_under_a_second(seq_len):
-    cfg = load(L70B, ["cluster.num_workers=512", "cluster.num_nodes=64", f"model.seq_len={seq_len}"])
+QWEN3_MOE = os.path.join(ROOT, "configs", "models", "qwen3-30b-a3b")
+
+
+# 128k: every cp x tp x pp combination is searched too; the mixture of experts adds every ep.
+@pytest.mark.parametrize("seq_len,model", [(4096, None), (131072, None), (32768, QWEN3_MOE)])
+def test_512_gpus_well_under_a_second(seq_len, model):
+    sets = [f"model={{pretrained: {model}, init: random, seq_len: {seq_len}}}"] if model else [
+        f"model.seq_len={seq_len}"]
+    cfg = load(L70B, ["cluster.num_workers=512", "cluster.num_nodes=64", *sets])
     took = []
     for _ in range(3):  # the best of three: a neighbour's burst on a shared machine is not the planner's time
         t0 = time.perf_counter()
@@ -168,6 +174,12 @@ def test_512_gpus_well_under_a_second(seq_len):
         took.append(time.perf_counter() - t0)
     assert min(took) < 1.0, took  # every valid layout costed, above the accumulation cap too
     assert res.best["fits"] and res.best["world_size"] == 512
+    searched = {c["key"]: {res.best[c["key"]]} | {a["value"] for a in c["alternatives"]}
+                for c in res.best["claims"] if c["kind"] == "key"}
+    if seq_len > 100_000:
+        assert searched["cp"] >= {1, 2, 4, 8}, searched["cp"]
+    if model:
+        assert searched["ep"] >= {1, 2, 4, 8, 16, 32, 64, 128}, searched["ep"]
     assert res.best["env"].get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1"
 
 

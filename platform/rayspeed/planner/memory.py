@@ -151,6 +151,13 @@ def cp_scheme(ctx: Ctx, lay: Layout) -> str:
     return scheme_for(sh.num_heads, sh.num_kv_heads, lay.tp, lay.cp, ctx.cp_scheme)
 
 
+def micro_batches_in_flight(lay: Layout, stage: int) -> int:
+    """Micro-batches whose forward graph a rank of `stage` holds at once: DeepSpeed's 1F1B TrainSchedule runs
+    pp - stage forwards before its first backward (at most the step's micro-batches), then alternates. Pinned to
+    the schedule itself in tests/planner/test_activation_memory.py, measured by scripts/bench_pipeline_memory.py."""
+    return 1 if lay.pp == 1 else min(lay.pp - stage, lay.grad_accum)
+
+
 def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     """Activations held by one rank of `stage` at the peak of backward."""
     sh = ctx.shape
@@ -165,8 +172,7 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
     else:  # full: only each block's input is kept; one block is rebuilt at a time
         kept, working = sh.hidden_size / out_div, full
     layers = split_of(sh, lay)[stage]
-    # 1F1B: stage i has (pp - i) micro-batches in flight (at most the number of micro-batches).
-    in_flight = 1 if lay.pp == 1 else min(lay.pp - stage, lay.grad_accum)
+    in_flight = micro_batches_in_flight(lay, stage)
     # Backward transient: gradients of one block's widest tensors (SwiGLU gate/up, the residual).
     transient = 2 * sh.ffn_hidden_size / lay.tp + 2 * sh.hidden_size
     pipe = 0.0
