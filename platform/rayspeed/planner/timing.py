@@ -26,7 +26,7 @@ __all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cos
 
 ZERO3_PER_TENSOR_S = 0.0006  # ZeRO-3 fetch/release bookkeeping per gathered tensor per pass (H200 anchor:
 #                              774M on 1 GPU, 380.6 ms vs 207.5 ms at ZeRO-1 = 173 ms over 146 tensors x 2 passes)
-OVERLAP_TAX = 0.1  # overlapped communication still slows the compute it hides behind (shared SMs, HBM)
+OVERLAP_TAX = 0.19  # overlapped communication slows the compute it hides behind (shared SMs, HBM): docs/PLANNER.md
 KERNELS_FWD_PER_LAYER = 30  # eager ops in one block's forward (norms, projections, RoPE, attention, SwiGLU)
 KERNELS_BWD_PER_LAYER = 50
 OPTIMIZER_BYTES_PER_PARAM = 36  # fused Adam: read w,g,m,v + write w,m,v (fp32), grad norm, bf16 copy-out
