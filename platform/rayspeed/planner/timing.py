@@ -412,7 +412,7 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
             dp_exposed = m * _exposed(red, back) + gather
         else:  # ZeRO-3: per micro-batch, gather weights module by module in forward and backward, reduce grads
             modules = ZERO3_TENSORS_PER_LAYER * max(split) + 1
-            fwd_time = comp - back
+            fwd_time = comp - back if hw.is_gpu else 0.0  # CPU workers: no side stream in forward either
             per_module = weights / modules
             ag_f = modules * coll_s(ctx, "all_gather", per_module, grp)
             if lay.hpz > 1:  # backward gathers from the node-local secondary partition over NVLink
