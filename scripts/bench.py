@@ -42,8 +42,8 @@ Lines (in this order; "bench" names each):
                 --only; about 1-2 minutes.
   pipeline_memory  scripts/bench_pipeline_memory.py: peak memory per pipeline stage (RSS above the step's start)
                 under DeepSpeed's 1F1B schedule, pp = 4 gloo ranks, 2 blocks per stage, 1, 2, 4 and 8 micro-batches,
-                beside the planner's activations + logits_loss per stage: the micro-batches each stage keeps in
-                flight. About 30 seconds.
+                beside what the planner says that step allocates per stage (activations, loss, gradients): the
+                micro-batches each stage keeps in flight. About 30 seconds.
   context_parallel  scripts/bench_context_parallel.py: peak memory per rank (RSS above a baseline taken after the
                 model is built) of one 4096-token sequence through a 4-layer model, forward and backward, at cp 1
                 and at cp 2 (ulysses, ring), 2 gloo ranks, beside the planner's activations + logits + gradients

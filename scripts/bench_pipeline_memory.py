@@ -10,11 +10,13 @@ one more step while a thread samples the process's RSS every 2 ms: `measured_mib
 RSS just before that step. Large tensors are kept as their own mappings (MALLOC_MMAP_THRESHOLD_, set by the
 caller) so what is freed leaves RSS and the peak is the step's own.
 
-`predicted_mib` per stage is the planner's activations + logits_loss (planner.memory.stage_breakdown of the same
-layout, cluster.gpu cpu): what a step allocates and frees. The planner holds min(pp - stage, m) micro-batches in
-flight on a stage (1F1B's warm-up), plus the engine's input/output buffers; the measurement says whether the
-first stages of a deep pipeline really keep that many. `measured_mib - measured at m=1` against the same
-difference of the predictions takes out what does not depend on m (the per-step constants of the engine).
+`predicted_mib` per stage is what the planner says the step allocates (planner.memory.stage_breakdown of the same
+layout, cluster.gpu cpu): activations + logits_loss, plus the gradients when the engine frees them between steps
+(`gradients_kept_between_steps` says), less the pipeline buffers that outlive a step (in the baseline). The planner
+holds min(pp - stage, m) micro-batches in flight on a stage (1F1B's warm-up), plus the engine's input/output
+buffers; the measurement says whether the first stages of a deep pipeline really keep that many.
+`measured_mib - measured at m=1` against the same difference of the predictions takes out what does not depend
+on m (the per-step constants of the engine).
 """
 
 from __future__ import annotations
@@ -103,17 +105,23 @@ def _world(rank, world_size, ms, seq, layers, ckpt):
         data = iter(lambda: batch, None)  # endless: the same micro-batch
         engine.train_batch(data_iter=data)
         gc.collect()
+        # Gradients the engine keeps between steps are in the baseline; freed ones are allocated again in the step.
+        kept = sum(p.grad.numel() * p.grad.element_size() for p in engine.module.parameters() if p.grad is not None)
         dist.barrier()
         peak = Peak()
         engine.train_batch(data_iter=data)
-        out[m] = {"stage": engine.stage_id, "measured": peak.stop()}
+        out[m] = {"stage": engine.stage_id, "measured": peak.stop(), "grads_kept": kept > 0}
         del engine
         gc.collect()
         dist.barrier()
     return out
 
 
-def predicted_mib(pp: int, m: int, seq: int, layers: int, ckpt: str) -> list[float]:
+def predicted_mib(pp: int, m: int, seq: int, layers: int, ckpt: str, grads_kept: list[bool]) -> list[float]:
+    """Per stage, what the planner says one step allocates above the baseline: activations + logits_loss, the
+    gradients when the engine frees them between steps, less the pipeline buffers that outlive a step (the receive
+    buffer of stages > 0 and the last stage's two kept outputs, memory.activation_bytes' `pipe` term): those are in
+    the baseline."""
     from rayspeed.config.layout import Layout
     from rayspeed.planner.memory import stage_breakdown
     from rayspeed.planner.search import build_ctx
@@ -121,10 +129,13 @@ def predicted_mib(pp: int, m: int, seq: int, layers: int, ckpt: str) -> list[flo
     ctx = build_ctx(job_cfg(pp, m, seq, layers, ckpt), pp)
     lay = Layout(dp=1, tp=1, pp=pp, zero_stage=0, micro_batch_size=1, grad_accum=m, activation_checkpointing=ckpt,
                  stage_layers=(layers,) * pp)
+    hidden_state = seq * MODEL["hidden_size"] * 4  # fp32, one micro-batch of one sequence
     out = []
     for st in range(pp):
         b = stage_breakdown(ctx, lay, st)
-        out.append((b["activations"] + b["logits_loss"]) / MIB)
+        persistent = ((1 if st > 0 else 0) + (2 if st == pp - 1 else 0)) * hidden_state
+        grads = 0.0 if grads_kept[st] else b["gradients"]
+        out.append((b["activations"] + b["logits_loss"] + grads - persistent) / MIB)
     return out
 
 
@@ -141,18 +152,24 @@ def main(argv=None) -> int:
     from _dist import run_distributed
 
     per_rank = run_distributed(_world, a.pp, ms, a.seq, a.layers, a.ckpt, timeout_s=600)
+    from rayspeed.config.layout import Layout
+    from rayspeed.planner.memory import micro_batches_in_flight
+
     first = {}
     for m in ms:
-        pred = predicted_mib(a.pp, m, a.seq, a.layers, a.ckpt)
-        by_stage = {r[m]["stage"]: r[m]["measured"] / MIB for r in per_rank}
-        meas = [by_stage[s] for s in range(a.pp)]
+        lay = Layout(dp=1, tp=1, pp=a.pp, zero_stage=0, micro_batch_size=1, grad_accum=m)
+        by_stage = {r[m]["stage"]: r[m] for r in per_rank}
+        meas = [by_stage[s]["measured"] / MIB for s in range(a.pp)]
+        kept = [by_stage[s]["grads_kept"] for s in range(a.pp)]
+        pred = predicted_mib(a.pp, m, a.seq, a.layers, a.ckpt, kept)
         first.setdefault("meas", meas)
         first.setdefault("pred", pred)
         print(json.dumps({
             "bench": "pipeline_memory", "pp": a.pp, "m": m, "seq_len": a.seq, "micro_batch": 1,
             "layers_per_stage": a.layers, "activation_checkpointing": a.ckpt, "hidden": MODEL["hidden_size"],
             "precision": "fp32",
-            "in_flight_predicted": [min(a.pp - s, m) for s in range(a.pp)],
+            "in_flight_predicted": [micro_batches_in_flight(lay, s) for s in range(a.pp)],
+            "gradients_kept_between_steps": kept,
             "measured_mib": [round(x, 1) for x in meas], "predicted_mib": [round(x, 1) for x in pred],
             "ratio": [round(x / y, 3) if y else None for x, y in zip(meas, pred)],
             "growth_over_m1_measured_mib": [round(x - y, 1) for x, y in zip(meas, first["meas"])],

@@ -31,6 +31,10 @@ CASES = {
     "llama3-8b@64": (L1B, LLAMA3_8B + ["train.global_batch_size=512"], 64),
     "llama3-70b@64": (L70B, LLAMA3_70B + ["train.global_batch_size=256"], 64),
     "llama3-70b@512": (L70B, LLAMA3_70B + ["train.global_batch_size=1024"], 512),
+    # Nothing fits with the memory margin here: the pick is the fastest that fits at all, and says so.
+    "qwen3-30b-a3b@8": (L70B, ["model={pretrained: %s, init: random, seq_len: 4096}"
+                               % os.path.join(CONFIGS, "models", "qwen3-30b-a3b"), "cluster.num_workers=8",
+                               "cluster.num_nodes=1", "train.global_batch_size=32"], 8),
 }
 _PLANS: dict = {}
 
@@ -98,6 +102,9 @@ def test_per_key_statements_match_the_numbers(name):
         assert c["text"] in res.explain
         if c["fixed"]:
             continue
+        if not res.best["fits_with_margin"]:  # then no value "fits with the memory margin"
+            assert c["reason"] in ("the only valid value",
+                                   "the fastest value that fits (no layout fits with the memory margin)"), c["text"]
         for alt in c["alternatives"]:
             if alt["status"] == "fits":  # fits with the margin: never faster beyond the near-tie band
                 assert alt["step_time_s"] >= best_s / (1 + NEAR_TIE) - 1e-6, (c["key"], alt)

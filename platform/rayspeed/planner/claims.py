@@ -133,6 +133,8 @@ def key_claims(best: Estimate, ranked: list[Estimate], estimates: list[Estimate]
         faster = [a for a in claim["alternatives"] if a["status"] == "fits" and a["slower_pct"] < 0]
         if not claim["alternatives"]:
             reason = "the only valid value"
+        elif not best.safe:  # nothing fits with the margin: the pick is the fastest that fits at all
+            reason = "the fastest value that fits (no layout fits with the memory margin)"
         elif faster:
             reason = f"a faster value ({faster[0]['value']}) is within {100 * NEAR_TIE:.0f}%: the simpler one"
         elif any(a["status"] in ("fits_within_margin", "excluded_by_rule") and a["slower_pct"] < 0
