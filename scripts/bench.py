@@ -2,7 +2,7 @@
 
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
-                            [--only cpu,resilience,planner,gpu,checkpoint,plan_accuracy,activation_memory,
+                            [--only cpu,resilience,planner,gpu,checkpoint,adapters,plan_accuracy,activation_memory,
                                    pipeline_overhead,pipeline_memory,context_parallel,moe,dpo]
                             [--home DIR] [--keep]
 
