@@ -25,8 +25,6 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,28 +35,6 @@ except ImportError:
 
 MODEL = dict(hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=512, vocab_size=256, tie_embeddings=False)
 MIB = 1 << 20
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Peak:
-    def __init__(self):
-        self.base, self.peak, self._stop = _rss(), 0, False
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self):
-        while not self._stop:
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.002)
-
-    def stop(self) -> int:
-        self._stop = True
-        self._t.join()
-        return max(self.peak, _rss()) - self.base
 
 
 def job_cfg(pp: int, m: int, seq: int, layers: int, ckpt: str):
@@ -89,6 +65,7 @@ def _world(rank, world_size, ms, seq, layers, ckpt):
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
+    from bench_context_parallel import Peak  # the same RSS sampler as the cp and MLP-tile benches
     from rayspeed.engine.build import build_engine
     from rayspeed.engine.deepspeed_config import deepspeed_config
     from rayspeed.parallel.groups import ParallelGroups
