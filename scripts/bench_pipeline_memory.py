@@ -52,18 +52,16 @@ def job_cfg(pp: int, m: int, seq: int, layers: int, ckpt: str):
 
 def _world(rank, world_size, ms, seq, layers, ckpt):
     import gc
-    import importlib
     import logging
 
-    import torch
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_comm_torch, "build_shm_op"):  # CPU accelerator: skip the JIT-built inference op
-        ds_comm_torch.build_shm_op = lambda: None
     import deepspeed
+    import torch
     import torch.distributed as dist
 
+    from rayspeed import compat
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    compat.skip_deepspeed_shm_comm_op()  # as the platform's CPU workers do
     deepspeed.init_distributed(dist_backend="gloo")
     from bench_context_parallel import Peak  # the same RSS sampler as the cp and MLP-tile benches
     from rayspeed.engine.build import build_engine
