@@ -79,7 +79,7 @@ def test_staged_checkpoint_commits_and_restores_through_s3(s3, tmp_path):
 
     from rayspeed.checkpoint import resume
 
-    chosen = resume.choose(str(exp), f"{exp}/checkpoint_step00000015", deep=False)
+    chosen = resume.choose(str(exp), deep=False)
     assert chosen == f"s3://{bucket}/runs/job/checkpoint_step00000010"
     local = staging.fetch(exp, "checkpoint_step00000010", node)
     assert (local / "ds" / "zero_pp_rank_1_optim_states.pt").read_bytes() == bytes([1]) * 1010
@@ -94,7 +94,7 @@ def test_staged_checkpoint_commits_and_restores_through_s3(s3, tmp_path):
     # ...and marks it rejected: the next attempt resumes from the older one instead of failing on it again.
     v = manifest.verify(str(exp.child("checkpoint_step00000010")), deep=False)
     assert not v.ok and "rejected earlier" in v.reason and "rng_rank1.pt" in v.reason
-    assert resume.choose(str(exp), f"{exp}/checkpoint_step00000010", deep=False) == \
+    assert resume.choose(str(exp), deep=False) == \
         f"s3://{bucket}/runs/job/checkpoint_step00000005"
 
     # Retention in the store: prune keeps the newest verified ones and never touches newer unverified ones.

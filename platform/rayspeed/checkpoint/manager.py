@@ -45,17 +45,14 @@ log = logging.getLogger("rayspeed.checkpoint")
 
 def choose(ctx: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """The checkpoint this attempt resumes from and its manifest (None, None: a fresh start). A collective: rank 0
-    picks the newest verified checkpoint (Ray Train's latest when it verifies) and every rank gets its choice."""
+    picks the newest verified checkpoint and every rank gets its choice.
+
+    The manifests are the only index of checkpoints: none is reported to Ray Train, whose run snapshot would
+    otherwise name folders that retention deletes and refuse the next submission (rayspeed.train.launch)."""
     where = placement_for(storage.locate(ctx.experiment_dir))
     chosen = None
     if ctx.is_rank0:
-        preferred = None
-        if ctx.under_ray:
-            import ray.train
-
-            ck = ray.train.get_checkpoint()
-            preferred = where.ray_path(ck.path) if ck is not None and ck.path else None
-        found = resume.choose(ctx.experiment_dir, preferred, deep=where.deep_verify)
+        found = resume.choose(ctx.experiment_dir, deep=where.deep_verify)
         chosen = str(found) if found else None
     chosen = broadcast_object(chosen)
     return chosen, (manifest.read_manifest(chosen) if chosen else None)
@@ -91,7 +88,6 @@ class CheckpointManager:
         self._host = HostCopy()
         self._writer = async_save.BackgroundWriter()
         self._finished: list[dict[str, Any]] = []  # for the reporter (poll)
-        self._unreported: Optional[str] = None  # committed in the background, not yet told to Ray Train
         self._overlap = 0  # steps run while the save in flight was being written
 
     # ------------------------------------------------------------------ loading
@@ -173,8 +169,6 @@ class CheckpointManager:
             where.commit(d, name, step, self._meta(state), files)
         barrier()
         self._drill(step, "after_manifest")
-        if self.ctx.under_ray:
-            self._report(name)
         if self.ctx.is_rank0:
             for p in manifest.prune(str(exp), self.cfg.resilience.keep_checkpoints):
                 log.info("deleted old checkpoint %s", manifest.name_of(p))
@@ -234,14 +228,9 @@ class CheckpointManager:
         return out
 
     def drain(self) -> None:
-        """Wait for the save in flight and tell Ray Train about it. Called at the same step on every rank (the start
-        of a save, a rollback, the end), since Ray's report is a barrier of all workers."""
+        """Wait for the save in flight (the start of a save, a rollback, the end)."""
         if self._writer.pending:
             self._collect()
-        if self._unreported is not None:
-            name, self._unreported = self._unreported, None
-            if self.ctx.under_ray:
-                self._report(name)
 
     def _collect(self) -> None:
         res = self._writer.wait()  # raises the background write's error
@@ -249,7 +238,6 @@ class CheckpointManager:
             return
         self.writes.append(res.write_s)
         self.last_bytes = res.nbytes
-        self._unreported = res.name
         self._finished.append({"step": res.step, "stall_s": res.stall_s, "write_s": res.write_s, "bytes": res.nbytes,
                                "steps_during_write": self._overlap})
         log_rank(log, "%s committed: training stalled %.2f s, written in the background in %.1f s while %d steps "
@@ -258,15 +246,6 @@ class CheckpointManager:
     def _drill(self, step: int, point: str) -> None:
         if self.chaos is not None:
             self.chaos.in_checkpoint(step, point)
-
-    def _report(self, name: str) -> None:
-        """Tell Ray Train about the committed checkpoint (it restarts attempts from the latest it knows)."""
-        import ray.train
-        from ray.train import CheckpointUploadMode
-
-        ck = self.placement.ray_checkpoint(name)
-        ray.train.report({"step": int(manifest.step_of(name) or 0)}, checkpoint=ck, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     def _meta(self, state: Any) -> dict[str, Any]:
         c = self.cfg

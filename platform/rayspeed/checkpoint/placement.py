@@ -33,10 +33,6 @@ class InPlace:
     def __init__(self, exp: Location):
         self.exp = exp
 
-    def ray_path(self, preferred: str) -> str:
-        """Ray Train's latest checkpoint, in this experiment's form."""
-        return preferred
-
     def converts(self, ctx: Any) -> bool:
         """This rank converts the chosen checkpoint to a universal one (rank 0 converts the shared copy once)."""
         return bool(ctx.is_rank0)
@@ -87,12 +83,6 @@ class InPlace:
     def after_commit(self) -> None:
         manifest.clean_stale_saves(self.exp.local)
 
-    def ray_checkpoint(self, name: str) -> Any:
-        """The committed checkpoint as Ray Train's Checkpoint (Ray restarts attempts from the latest it knows)."""
-        from ray.train import Checkpoint
-
-        return Checkpoint.from_directory(str(self.exp.local / name))
-
 
 class Staged:
     deep_verify = False
@@ -101,9 +91,6 @@ class Staged:
 
     def __init__(self, exp: Location, stage: Optional[Path] = None):
         self.exp, self.stage = exp, stage
-
-    def ray_path(self, preferred: str) -> str:
-        return str(self.exp.child(preferred.rstrip("/").rsplit("/", 1)[-1]))
 
     def converts(self, ctx: Any) -> bool:
         """Every node converts its own staged copy (the same input, so the same output), in parallel."""
@@ -169,14 +156,6 @@ class Staged:
 
     def after_commit(self) -> None:
         """Nothing is left behind: there is no hidden folder in the store."""
-
-    def ray_checkpoint(self, name: str) -> Any:
-        """A pointer into the store, on the filesystem Ray Train itself uses for the run."""
-        import ray.train
-        from ray.train import Checkpoint
-
-        sc = ray.train.get_context().get_storage()
-        return Checkpoint(path=f"{sc.experiment_fs_path.rstrip('/')}/{name}", filesystem=sc.storage_filesystem)
 
 
 Placement = InPlace | Staged

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rayspeed import paths
 from rayspeed.checkpoint import manifest
 from rayspeed.config.layout import PARTITION_KEYS, RECORD_DEFAULTS, Layout
 from rayspeed.engine.deepspeed_state import UNIVERSAL_TAG, universal_command
@@ -25,22 +24,13 @@ _DONE = ".converted"
 _FAILED = ".conversion_failed"
 
 
-def choose(root: str | Path, preferred: str | Path | None = None, deep: bool = True) -> Path | str | None:
-    """The checkpoint to resume from: `preferred` (Ray's latest) if it verifies, else the newest verified
-    one under root. Unverified candidates are logged with the reason and never loaded.
+def choose(root: str | Path, deep: bool = True) -> Path | str | None:
+    """The checkpoint to resume from: the newest verified one under root. Unverified candidates are logged with
+    the reason and never loaded.
 
     `root` may be a URI (returned paths are then URIs). deep=False checks the manifest and sizes only: for an
     object store, where hashing means downloading, the sha256s are checked on the staged copy instead
     (rayspeed.checkpoint.staging.fetch)."""
-    if preferred is not None:
-        v = manifest.verify(preferred, deep=deep)
-        if v.ok:
-            newest, _ = manifest.latest_verified(root, deep=False)
-            # A resubmission may find a newer verified checkpoint than the one Ray remembers.
-            if newest is None or (manifest.step_of(newest) or 0) <= (manifest.step_of(preferred) or 0):
-                return preferred if paths.is_uri(preferred) else Path(preferred)
-        else:
-            log.warning("checkpoint %s rejected: %s", preferred, v.reason)
     found, skipped = manifest.latest_verified(root, deep=deep)
     for s in skipped:
         log.warning("checkpoint rejected: %s", s)

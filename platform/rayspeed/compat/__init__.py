@@ -29,6 +29,7 @@ from rayspeed.compat.ray_internals import (
     controller_callback_bases,
     count_live_workers_only,
     fail_after_capacity_wait,
+    forget_reported_checkpoints,
     lean_trainer_class,
     set_worker_group_start_timeout,
 )
@@ -40,10 +41,10 @@ DEEPSPEED_VERSION = "0.19.8"
 __all__ = ["DEEPSPEED_VERSION", "ExplicitPipelineParts", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSION",
            "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer", "cp_loss_scale",
            "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
-           "deepspeed_comm_backend", "fail_after_capacity_wait", "fused_optimizer_devices", "group_decays",
-           "lean_trainer_class", "methods_replaced", "mlflow_process_state", "mlflow_process_store",
-           "pipeline_explicit_parts", "repair_universal_optimizer_load", "set_worker_group_start_timeout",
-           "skip_deepspeed_shm_comm_op", "step_grad_norm", "zero3_partition_over"]
+           "deepspeed_comm_backend", "fail_after_capacity_wait", "forget_reported_checkpoints",
+           "fused_optimizer_devices", "group_decays", "lean_trainer_class", "methods_replaced", "mlflow_process_state",
+           "mlflow_process_store", "pipeline_explicit_parts", "repair_universal_optimizer_load",
+           "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm", "zero3_partition_over"]
 
 
 
@@ -60,6 +61,16 @@ def check() -> list[str]:
         problems.append(f"deepspeed {deepspeed.__version__} is installed, rayspeed.compat was written for "
                         f"{DEEPSPEED_VERSION}: re-check every DeepSpeed internal in "
                         "rayspeed/compat/deepspeed_internals.py")
+    try:
+        from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+        from rayspeed.compat.ray_internals import RUN_SNAPSHOT
+
+        if CHECKPOINT_MANAGER_SNAPSHOT_FILENAME != RUN_SNAPSHOT:
+            problems.append(f"Ray Train's run snapshot is now {CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}: "
+                            "forget_reported_checkpoints looks for another name")
+    except ImportError as e:
+        problems.append(f"ray.train.v2._internal.constants moved ({e})")
     try:
         controller_callback_bases()
     except ImportError as e:
@@ -110,7 +121,10 @@ def check() -> list[str]:
     from ray.train.torch import TorchTrainer
 
     if not hasattr(TorchTrainer, "_create_default_callbacks"):
-        problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class falls back to TorchTrainer")
+        problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class keeps Ray's callbacks")
+    if not hasattr(TorchTrainer, "_register_sigint_handler"):
+        problems.append("TorchTrainer._register_sigint_handler is gone: Ray Train's own Ctrl-C handling is back "
+                        "(rayspeed.train.interrupt never gets the controller's abort)")
     import importlib
 
     if not hasattr(importlib.import_module("deepspeed.comm.comm"), "cdb"):

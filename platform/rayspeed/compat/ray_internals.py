@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional
 
 log = logging.getLogger("rayspeed.compat")
 
@@ -82,22 +82,30 @@ def fail_after_capacity_wait(wait_s: float, message: str) -> None:
     policy.make_decision_for_non_running_worker_group = _decide
 
 
-def lean_trainer_class(embedded: bool) -> Any:
+def lean_trainer_class(embedded: bool, on_controller: Optional[Callable[[Callable[[], None]], None]] = None) -> Any:
     """TorchTrainer without DatasetsCallback (no Ray Dataset: a DatasetManager actor per attempt) and, on the
     cluster the launcher starts for itself, PlacementGroupCleanerCallback. Why: that cleaner's actor finds any other
     Ray instance on the machine, dies, and the controller waits ~20 s for it at every attempt (docs/BENCHMARKS.md;
     the seeded kill drill of make test-slow: 191 s with this class, 272 s without). Built in
-    `TorchTrainer._create_default_callbacks` (2.60.0; gone: the plain trainer). Remove when Ray Train skips both."""
+    `TorchTrainer._create_default_callbacks` (2.60.0). Remove when Ray Train skips both.
+
+    on_controller(abort): called instead of Ray Train's own SIGINT handler, which aborts the run and then exits the
+    process past the caller (exit 1, no word said); `abort()` stops the run as that handler would
+    (`TrainController.abort`, 2.60.0). The launcher's own handler calls it (rayspeed.train.interrupt)."""
+    import ray
     from ray.train.torch import TorchTrainer
 
-    if not hasattr(TorchTrainer, "_create_default_callbacks"):
-        return TorchTrainer
     skip = {"DatasetsCallback", *(("PlacementGroupCleanerCallback",) if embedded else ())}
 
     class RayspeedTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             return callbacks if self.datasets else [cb for cb in callbacks if type(cb).__name__ not in skip]
+
+        def _register_sigint_handler(self, controller):
+            if on_controller is None:
+                return super()._register_sigint_handler(controller)
+            on_controller(lambda: ray.get(controller.abort.remote()))
 
     return RayspeedTrainer
 
@@ -112,3 +120,20 @@ def set_worker_group_start_timeout(seconds: float) -> None:
     import os
 
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(seconds))
+
+
+RUN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def forget_reported_checkpoints(exp: Any) -> bool:
+    """Delete Ray Train's checkpoint-manager snapshot in the experiment folder (a storage Location); True when there
+    was one. rayspeed reports no checkpoint to Ray Train (its manifests are the one index and retention their
+    owner), but jobs run by rayspeed before that did: their snapshot names folders retention has since deleted, and
+    Ray Train 2.60 refuses to start a run whose snapshot names a missing checkpoint
+    (CheckpointManagerInitializationError). Nothing else in the snapshot is used. The file name is Ray's
+    `CHECKPOINT_MANAGER_SNAPSHOT_FILENAME` (ray.train.v2._internal.constants, 2.60.0): remove this with the last
+    such job."""
+    if not exp.exists(RUN_SNAPSHOT):
+        return False
+    exp.delete(RUN_SNAPSHOT)
+    return True

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from rayspeed import compat, paths
 from rayspeed.cluster import connect_ray
@@ -22,6 +22,7 @@ from rayspeed.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ConfigError
 from rayspeed.paths import auto_home_problem, is_uri, storage_path, tracking_uri
 from rayspeed.redact import redact_text, redact_uri
 from rayspeed.storage import forwarded_env, locate
+from rayspeed.train.interrupt import EXIT_INTERRUPTED, Interruption
 from rayspeed.train.payload import LaunchPayload, RunResult
 
 log = logging.getLogger("rayspeed")
@@ -97,7 +98,7 @@ def worker_env(cfg: JobConfig, storage: str, embedded: bool) -> dict[str, str]:
     return {**tracking_env(), **env}
 
 
-def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
+def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any) -> None:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -117,7 +118,7 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool) -> None:
                     "capacity, lower resilience.stability_threshold, or raise resilience.capacity_wait_s")
     env = worker_env(cfg, payload.storage_path, embedded)
     compat.set_worker_group_start_timeout(cfg.resilience.worker_start_timeout_s)
-    trainer = compat.lean_trainer_class(embedded)(
+    trainer = compat.lean_trainer_class(embedded, stop.abort_with)(
         train_loop_per_worker=train_loop,
         train_loop_config=payload,
         scaling_config=ScalingConfig(
@@ -163,6 +164,9 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     for stale in (paths.DEFERRED_RUN, paths.WORKER_RESULT):  # an earlier submission's: this one's rank 0 writes its own
         if exp.exists(stale):
             exp.delete(stale)
+    if compat.forget_reported_checkpoints(exp):
+        log.info("set aside Ray Train's list of checkpoints from an earlier rayspeed: the checkpoints' manifests "
+                 "choose where this submission resumes")
     # A new submission: an earlier incident (say, a job that ran out of restarts) is not recovered by this start.
     resilience.close_incidents(str(exp), "a new submission")
     run_id = None
@@ -181,17 +185,26 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
                             experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id, resume=resume,
                             tracking_deferred=bool(down), run_identity=resume_guard.run_identity(job))
     error: Exception | None = None
+    stop = Interruption(lambda sig: _record_interruption(cfg, exp, launcher, run_id, down, sig))
     try:
         # One result path under both launchers: rank 0 writes its RunResult beside the checkpoints, read here.
-        if launcher == "local":
-            _run_local(cfg, payload)
-        else:
-            _ray_train(cfg, payload, embedded=bool(ray_info and ray_info.get("started")))
+        with stop:
+            if launcher == "local":
+                _run_local(cfg, payload)
+            else:
+                _ray_train(cfg, payload, embedded=bool(ray_info and ray_info.get("started")), stop=stop)
         result = RunResult.from_json(exp.read_json(paths.WORKER_RESULT))
+    except KeyboardInterrupt:
+        if stop.signal is None:  # raised before the handlers were in place
+            stop.signal = "SIGINT"
+            _record_interruption(cfg, exp, launcher, run_id, down, stop.signal)
+        result = RunResult(status="interrupted")
     except Exception as e:
         error, result = e, RunResult(status="failed")
     if run_id is None and down:  # a deferred run, created by rank 0 once the server answered (also on failure)
         run_id = result.mlflow_run_id or exp.read_json(paths.DEFERRED_RUN).get("run_id")
+    if stop.signal and result.status != "finished":
+        return EXIT_INTERRUPTED
     if result.status != "finished" and error is None:
         error = RuntimeError(f"{result.status}: {result.error or ''}")
     status = "finished" if error is None else (result.status if result.status not in ("unknown",) else "failed")
@@ -206,6 +219,32 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         log.error("training failed: %s", summary["error"].splitlines()[0])
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _record_interruption(cfg: JobConfig, exp: Any, launcher: str, run_id: Optional[str], deferred: bool,
+                         signal_name: str) -> None:
+    """The run is being stopped by a signal: summary.json, the MLflow run KILLED, one line saying where it stands and
+    how to go on. Called from the signal handler, before the workers stop (rayspeed.train.interrupt)."""
+    from rayspeed.checkpoint import manifest
+    from rayspeed.tracking.runs import finish_run
+    from rayspeed.train import resilience
+
+    newest, _ = manifest.latest_verified(str(exp), deep=False)
+    saved = manifest.step_of(newest) if newest else None
+    # Rank 0 publishes its step about once a second: never less than the checkpoint it has committed.
+    step = max(int(resilience.read_progress(str(exp)).get("step") or 0), int(saved or 0))
+    if run_id is None and deferred:
+        run_id = exp.read_json(paths.DEFERRED_RUN).get("run_id")
+    summary = RunResult(status="interrupted", steps=step).summary(
+        cfg.name, launcher, mlflow_run_id=run_id, signal=signal_name,
+        resume_from=manifest.name_of(newest) if newest else None)
+    exp.write_json(paths.SUMMARY, summary)
+    if run_id:
+        finish_run(cfg, run_id, "KILLED", "interrupted")
+    print(json.dumps(summary), flush=True)
+    where = f"newest verified checkpoint {manifest.name_of(newest)}" if newest else "no verified checkpoint yet"
+    log.warning("interrupted (%s) after step %d; %s; run the same command to resume%s", signal_name, step, where,
+                "" if newest else " (it starts again from step 0)")
 
 
 def _run_local(cfg: JobConfig, payload: LaunchPayload) -> None:
