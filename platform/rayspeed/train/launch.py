@@ -74,6 +74,9 @@ def train_command(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        log.warning("interrupted before training started: no MLflow run and no checkpoint were written")
+        return EXIT_INTERRUPTED
     return _run(job, cfg, args.launcher, ray_info, args.resume)
 
 
