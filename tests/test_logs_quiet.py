@@ -45,6 +45,11 @@ def test_benign_lines_go_and_others_stay(fresh_loggers, monkeypatch):
     assert _passes("DeepSpeed", "[Rank 0] Out of memory while allocating")  # DeepSpeed's other lines stay
     assert not _passes("mlflow.transformers", "Unable to find license information for this model. Please verify")
     assert _passes("mlflow.transformers", "Failed to save the model: disk full")
+    assert not _passes("DeepSpeed", "**** You are using ZeRO with an untested optimizer, proceed with caution *****")
+    assert not _passes("matplotlib.font_manager", "generated new fontManager")
+    assert not _passes("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community: "
+                       "No module named 'kernels'. Please make sure you already `pip install kernels`")
+    assert _passes("bitsandbytes.backends.cpu.ops", "CUDA error: out of memory")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
         logs.quiet_benign(use_gpu=False)
@@ -62,6 +67,14 @@ def test_a_gpu_job_keeps_the_accelerator_warning_and_verbose_keeps_everything(fr
     monkeypatch.setenv(logs.VERBOSE_ENV, "1")
     assert logs.quiet_benign(use_gpu=False) == 0
     assert _passes("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator")
+
+
+def test_no_colour_codes_unless_stderr_is_a_terminal(monkeypatch):
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    logs.plain_unless_terminal()  # pytest's stderr is a file
+    import os
+
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"
 
 
 def test_nothing_silenced_is_evidence_the_doctor_uses():

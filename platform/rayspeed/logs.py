@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,13 @@ BENIGN = (
     Benign(r"^Registered model '.*' already exists\. Creating a new version",
            "rayspeed creates the registered model (with its description) before MLflow registers the version",
            logger="mlflow.tracking._model_registry.fluent"),
+    Benign(r"You are using ZeRO with an untested optimizer", "DeepSpeed names its own optimizers 'tested'; rayspeed "
+           "hands ZeRO torch's AdamW, whose steps the parity tests compare with torch's", logger="DeepSpeed"),
+    Benign(r"^generated new fontManager", "matplotlib builds its font cache once per home folder (the run's charts)",
+           logger="matplotlib.font_manager"),
+    Benign(r"Failed to load CPU gemm_4bit_forward from kernels-community",
+           "bitsandbytes, imported by peft and transformers in any job, looks for an optional CPU kernel package; "
+           "NF4 on the CPU computes without it", logger="bitsandbytes.backends.cpu.ops"),
     Benign(r"torch\.distributed\.all_gather_into_tensor. is deprecated|torch\.distributed\.reduce_scatter_tensor. is "
            r"deprecated", "DeepSpeed calls collectives torch renamed; the calls work", warning=FutureWarning),
 )
@@ -99,6 +107,13 @@ def _add_once(target: Any, f: _Drop) -> None:
     if not any(isinstance(g, _Drop) and (g.rx.pattern, g.name_suffix) == (f.rx.pattern, f.name_suffix)
                for g in target.filters):
         target.addFilter(f)
+
+
+def plain_unless_terminal() -> None:
+    """Ray prefixes the workers' lines it echoes with colour codes, which a log file or `ray job logs` shows as
+    `[36m`: none unless stderr is a terminal (an operator's RAY_COLOR_PREFIX wins). Before Ray starts or joins."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def quiet_benign(use_gpu: bool, verbose: bool | None = None) -> int:

@@ -207,3 +207,15 @@ def test_a_bare_off_is_off(tmp_path):
     with pytest.raises(ConfigError) as e:
         parse({"resilience": {"checkpoint_mode": False}})
     assert "resilience.checkpoint_mode: expected auto | sync | async, got False" in str(e.value)
+
+
+def test_a_cp_that_does_not_divide_the_world_says_so_and_nothing_about_seq_len():
+    (msg,) = problems({"cluster": {"num_workers": 2}, "parallel": {"cp": 3}})
+    assert msg.startswith("parallel.cp (3) does not divide the world size (2 workers, cluster.num_workers)")
+    assert "seq_len" not in msg
+
+
+def test_seq_len_past_the_context_names_both_routes():
+    (msg,) = problems({"model": {"seq_len": 256, "max_position_embeddings": 64}})
+    assert "lower model.seq_len" in msg and "model.max_position_embeddings to at least 256" in msg
+    assert "model.rope_scaling (e.g. {rope_type: yarn, factor: 4})" in msg

@@ -31,9 +31,10 @@ def _problems(overrides):
 
 @pytest.mark.parametrize("overrides, says", [
     (["parallel.cp=0"], "parallel.cp: must be >= 1 or auto"),
-    (["parallel.cp=3"], "2 x cp = 6 balanced chunks"),
-    (["parallel.cp=4", "parallel.cp_scheme=ulysses", "model.num_heads=2", "model.num_kv_heads=2",
-      "model.hidden_size=64"], "use cp_scheme ring"),
+    (["parallel.cp=3", "cluster.num_workers=3"], "2 x cp = 6 balanced chunks"),
+    (["parallel.cp=3"], "parallel.cp (3) does not divide the world size (2 workers"),
+    (["parallel.cp=4", "cluster.num_workers=4", "parallel.cp_scheme=ulysses", "model.num_heads=2",
+      "model.num_kv_heads=2", "model.hidden_size=64"], "use cp_scheme ring"),
     (["parallel.cp_scheme=zigzag"], "parallel.cp_scheme"),
 ])
 def test_a_cp_that_cannot_split_the_model_is_refused_naming_the_key(overrides, says):

@@ -42,6 +42,18 @@ def test_one_run_per_job_name(home):
     assert exp.artifact_location.startswith((home / "mlartifacts").as_uri())
 
 
+def test_an_experiment_made_elsewhere_opens_as_model_training_in_the_ui(home):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    plain = client.create_experiment("made-by-mlflow")  # no kind: MLflow 3's UI would open its GenAI view
+    chosen = client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    for name in ("made-by-mlflow", "chosen"):
+        find_or_create_run(parse({"name": "j", "tracking": {"experiment": name}}))
+    assert client.get_experiment(plain).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"  # a kind chosen stays
+
+
 def test_logger_delivers_metrics_params_and_artifacts(home):
     from mlflow.tracking import MlflowClient
 

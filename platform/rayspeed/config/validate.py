@@ -154,7 +154,10 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         p.append(f"model.num_kv_heads ({kv}) must be >= 1 and divide model.num_heads ({m.num_heads})")
     if m.max_position_embeddings and m.seq_len > m.max_position_embeddings:
         p.append(f"model.seq_len ({m.seq_len}) exceeds the model's max_position_embeddings "
-                 f"({m.max_position_embeddings}); lower model.seq_len")
+                 f"({m.max_position_embeddings}); lower model.seq_len, or extend the context: set "
+                 f"model.max_position_embeddings to at least {m.seq_len}, with model.rope_scaling (e.g. "
+                 f"{{rope_type: yarn, factor: {-(-m.seq_len // m.max_position_embeddings)}}}) if RoPE should stretch "
+                 "(docs/MODELS.md)")
     family = families.find(m.architecture)
     if family is None:
         p.append(f"model.architecture: {m.architecture!r} is not supported; supported: "
@@ -226,7 +229,14 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         elif par.pp != AUTO and len(split) != par.pp:
             p.append(f"parallel.stage_layers gives {len(split)} stages but parallel.pp is {par.pp}; set pp to "
                      f"{len(split)} or auto")
-    p += context_problems(m, par, kv) + moe_problems(cfg)
+    world = c.max_workers
+    if isinstance(par.cp, int) and par.cp > 1 and not c.elastic and world % par.cp:
+        # Said first, and alone: no seq_len makes a cp that does not divide the world fit it.
+        p.append(f"parallel.cp ({par.cp}) does not divide the world size ({world} workers, cluster.num_workers); "
+                 f"use a cp that divides {world} (or auto)")
+    else:
+        p += context_problems(m, par, kv)
+    p += moe_problems(cfg)
     if par.sequence_parallel is True and par.tp == 1:
         p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
     if par.sequence_parallel is True and isinstance(par.tp, int) and sequence_parallel_problem(m.seq_len, par.tp):

@@ -19,7 +19,9 @@ from rayspeed.health.log_detectors import FLOAT
 
 _CONFIG_IN_LOG = re.compile(r"--config[= ]+(\S+\.ya?ml)\b")
 _SET_IN_LOG = re.compile(r"--set[= ]+(\S+=\S+)")
-_PLAN_IN_LOG = re.compile(r"plan: dp=(\d+) tp=(\d+) pp=(\d+) zero=(\d+) micro=(\d+) accum=(\d+) ac=(\w+)")
+# cp and ep: logs of rayspeed since they were printed (an older log's plan line has neither: 1).
+_PLAN_IN_LOG = re.compile(r"plan: dp=(?P<dp>\d+)(?: cp=(?P<cp>\d+))? tp=(?P<tp>\d+) pp=(?P<pp>\d+)(?: ep=(?P<ep>\d+))? "
+                          r"zero=(?P<zero>\d+) micro=(?P<micro>\d+) accum=(?P<accum>\d+) ac=(?P<ac>\w+)")
 _STEP = re.compile(r"\bstep[ =:]+(\d+)\b", re.IGNORECASE)
 _GIB = re.compile(rf"({FLOAT})\s*(GiB|MiB|KiB|GB|MB)")
 
@@ -66,7 +68,9 @@ def planner_view(cfg, lines: list[str]) -> dict[str, Any]:
     world = None
     if m:
         try:
-            ran_layout = Layout(*map(int, m.groups()[:6]), activation_checkpointing=m.group(7))
+            g = m.groupdict()
+            ran_layout = Layout(*(int(g[k]) for k in ("dp", "tp", "pp", "zero", "micro", "accum")),
+                                activation_checkpointing=g["ac"], cp=int(g["cp"] or 1), ep=int(g["ep"] or 1))
         except LayoutError:  # the log's plan line is not a layout rayspeed could have run
             ran_layout = None
         if ran_layout is not None:

@@ -16,9 +16,13 @@ Tracking never fails the job: every call is bounded in time, retried, and return
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import re
 import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -37,6 +41,8 @@ EXPERIMENT_KIND = "custom_model_development"
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
 GIT_COMMIT_ENV = "RAYSPEED_GIT_COMMIT"
 NOTE_TAG = "mlflow.note.content"
+_REGISTRATION_ECHO = re.compile(r"^(Registered model '.*' already exists\. Creating a new version|Successfully "
+                                r"registered model '.*'\.$|Created version '\d+' of model )")
 
 
 def git_commit(repo: Optional[str] = None) -> Optional[str]:
@@ -175,9 +181,14 @@ def register_logged_model(tracking_uri: str, info: Any, registered_name: str, ru
             return str(mv.version)
     import mlflow
 
-    # register_model also records the version on the logged model (mlflow.modelVersions), which the UI follows.
-    with mlflow_process_store(tracking_uri):
+    # register_model also records the version on the logged model (mlflow.modelVersions), which the UI follows. It
+    # prints "Registered model ... already exists" and "Created version ..." to stderr itself (no logger to filter):
+    # rayspeed's own line says it once; anything else it writes is passed on.
+    with mlflow_process_store(tracking_uri), contextlib.redirect_stderr(io.StringIO()) as said:
         mv = mlflow.register_model(info.model_uri, registered_name, tags=tags)
+    for line in said.getvalue().splitlines():
+        if line.strip() and not _REGISTRATION_ECHO.match(line):
+            print(line, file=sys.stderr)
     c.update_model_version(registered_name, mv.version, description=f"run {run_id}")
     c.set_tag(run_id, "rayspeed.registered_version", f"{registered_name}/{mv.version}")
     c.set_tag(run_id, "rayspeed.logged_model_id", info.model_id)

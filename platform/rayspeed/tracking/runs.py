@@ -25,6 +25,10 @@ def experiment_id(client: Any, name: str, uri: str) -> str:
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
+        if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+            # Made by someone else (mlflow's fluent API, an older rayspeed): without the kind, MLflow 3's UI opens
+            # it as a GenAI experiment (traces, prompts) instead of its runs. A kind someone chose stays.
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
     location = artifact_root(uri) if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri else None
     try:

@@ -51,8 +51,6 @@ class DpoData:
         schedule = GlobalBatchSchedule(self.train.num_pairs, c.train.global_batch_size, c.train.seed)
         self.batches = PairBatches(self.train, c.model.seq_len, schedule, groups.dp_rank, groups.dp,
                                    c.parallel.micro_batch_size, c.parallel.grad_accum)
-        log_rank(log, "data: %s; %d training preference pairs of up to %d tokens a row", self.corpus,
-                 self.train.num_pairs, c.model.seq_len)
 
     def rebatched(self, schedule: Any, start_step: int) -> Any:
         """The batches of another global batch size (the playbook batch policy), with the same reference."""

@@ -30,9 +30,10 @@ log = logging.getLogger("rayspeed")
 
 def train_command(args: argparse.Namespace) -> int:
     """`python jobs/train.py` / `rayspeed train`: check, plan, then run under Ray Train or in this process."""
-    from rayspeed.logs import VERBOSE_ENV, quiet_benign, setup
+    from rayspeed.logs import VERBOSE_ENV, plain_unless_terminal, quiet_benign, setup
 
     setup()
+    plain_unless_terminal()
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # the workers inherit it (worker_env)
     try:

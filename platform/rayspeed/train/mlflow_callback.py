@@ -177,9 +177,9 @@ class MlflowCallback(Callback):
         t.log_metrics({"resilience/world_size": world,
                        "resilience/restarts": resilience.count_restarts(self.ctx.experiment_dir)}, step=state.step)
         p = c.parallel
-        log.info("plan: dp=%s tp=%s pp=%s zero=%s micro=%s accum=%s ac=%s precision=%s global_batch=%s (world %d)",
-                 p.dp, p.tp, p.pp, p.zero_stage, p.micro_batch_size, p.grad_accum, p.activation_checkpointing,
-                 c.train.precision, c.train.global_batch_size, world)
+        log.info("plan: dp=%s cp=%s tp=%s pp=%s ep=%s zero=%s micro=%s accum=%s ac=%s precision=%s global_batch=%s "
+                 "(world %d)", p.dp, p.cp, p.tp, p.pp, p.ep, p.zero_stage, p.micro_batch_size, p.grad_accum,
+                 p.activation_checkpointing, c.train.precision, c.train.global_batch_size, world)
 
     def _log_data_inputs(self) -> None:
         """The training and validation data as the run's MLflow dataset inputs (rank 0, in the background: tracking

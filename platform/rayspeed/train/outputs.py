@@ -98,8 +98,6 @@ def register_outputs(c: Any, ctx: Any, payload: Any, mlflow: Any, out_dir: Optio
         version = log_and_register_hf(payload.tracking_uri, payload.mlflow_run_id, out_dir, registered_model_name(c),
                                       metrics, tokenizer=job_tokenizer(c.data.tokenizer, c.model.pretrained,
                                                                        for_serving=True))
-        if version:
-            log.info("model registered as %s version %s", registered_model_name(c), version)
     if mlflow.charts is not None:
         mlflow.charts.publish(landscape=landscape, wait_s=180)
     return version

@@ -142,7 +142,6 @@ class Trainer:
         share = c.parallel.micro_batch_size * c.parallel.grad_accum
         self.validator_batches = val_batches(val, c.model.seq_len, share, c.train.eval_batches, g.dp_rank, g.dp, dm)
         self.data_inputs = data_setup.dataset_inputs(corpus, c) if self.ctx.is_rank0 else []
-        log_rank(log, "data: %s; %d training sequences of %d tokens", corpus, schedule.num_sequences, c.model.seq_len)
 
     def _restore_data_position(self, data_state: dict[str, Any]) -> None:
         from rayspeed.data import GlobalBatchSchedule, RankBatches
