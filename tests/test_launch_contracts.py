@@ -81,6 +81,14 @@ def test_a_dry_run_of_a_good_job_passes_and_warmup_past_max_steps_is_a_warning(h
     _nothing_written(home, tmp_path)
 
 
+def test_a_dry_run_says_the_tracking_server_does_not_answer(home, tmp_path, capsys):
+    rc, out, err = _train(capsys, "--dry-run", "--set", "tracking.uri=http://127.0.0.1:9")  # discard port
+    assert rc == 0, err  # not a problem: a launch trains and tracking waits for the server
+    (line,) = [x for x in err.splitlines() if "does not answer" in x]
+    assert "tracking: the MLflow server at http://127.0.0.1:9 does not answer" in line
+    _nothing_written(home, tmp_path)
+
+
 def test_config_errors_on_the_command_line_are_masked(home, tmp_path, capsys):
     for sets, secret in ((["storage.path=ftp://u:Sup3rSecretPW@host/x"], "Sup3rSecretPW"),
                          (["storage.path=s3://AKIAKEYID0:Sup3rSecretPW@minio:9/b"], "Sup3rSecretPW"),

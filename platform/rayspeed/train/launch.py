@@ -57,6 +57,12 @@ def train_command(args: argparse.Namespace) -> int:
         if problems:
             raise ConfigError(problems)
         if args.dry_run:
+            from rayspeed.tracking.client import unreachable
+
+            down = unreachable(tracking_uri(cfg))
+            if down:  # not a problem (tracking waits for the server), but the dry run checked it: say what it found
+                log.warning("tracking: the MLflow server at %s does not answer (%s); a launch would train anyway and "
+                            "create the job's run once it answers", redact_uri(tracking_uri(cfg)), down)
             print(to_yaml(cfg))
             print(plan.explain)
             return EXIT_OK
