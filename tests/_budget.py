@@ -4,6 +4,11 @@ tests together), compared at the end of a session when RAYSPEED_TIME_BUDGET is s
 A module over `tolerance` x its budget, or a module with no budget that takes more than `unbudgeted_s`, fails the
 session with a table saying which and by how much: a feature's tests come with their budget (its issue states it),
 and a slower suite is a decision made in the budget file, not found at the 90-minute limit.
+
+The whole is held too: with RAYSPEED_TIME_SPENT naming a file (.ci/run makes one per run), each session adds its
+modules' seconds to it, and a session fails when the file's sum (this session and the earlier ones of the same run:
+make test, make test-slow, make test-multinode) passes `total_s`. Module by module, a suite can grow a little
+everywhere and double without one module passing its tolerance.
 """
 
 from __future__ import annotations
@@ -35,11 +40,23 @@ class Budget:
         old.update({k: round(v, 1) for k, v in self.spent.items()})
         Path(path).write_text(json.dumps(old, indent=1, sort_keys=True))
 
+    def total(self) -> float:
+        """Seconds of every module of this run so far: the spent file's (earlier sessions and this one), else this
+        session's."""
+        import json
+
+        path = os.environ.get(SPENT_ENV)
+        spent = dict(self.spent)
+        if path and Path(path).exists():
+            spent = {**json.loads(Path(path).read_text()), **{k: round(v, 1) for k, v in self.spent.items()}}
+        return float(sum(spent.values()))
+
     def problems(self) -> list[str]:
         import yaml
 
         spec = yaml.safe_load(BUDGET_FILE.read_text())
         tolerance, free = float(spec["tolerance"]), float(spec["unbudgeted_s"])
+        total, limit = self.total(), float(spec["total_s"])
         budgets = spec["modules"]
         out = []
         for module, s in sorted(self.spent.items(), key=lambda kv: -kv[1]):
@@ -48,6 +65,9 @@ class Budget:
                 out.append(f"{module}: {s:.0f} s and no budget (over {free:.0f} s: give it one in {BUDGET_FILE.name})")
             elif b is not None and s > tolerance * b:
                 out.append(f"{module}: {s:.0f} s, over {tolerance:g} x its budget of {b:.0f} s")
+        if total > limit:
+            out.append(f"the whole suite so far: {total:.0f} s, over its total_s of {limit:.0f} s "
+                       f"({limit / 60:.0f} minutes; {SPENT_ENV} adds up every session of the run)")
         return out
 
 

@@ -161,7 +161,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _BUDGET.over is None:
         return
-    terminalreporter.write_line(f"time budget: {sum(_BUDGET.spent.values()):.0f} s in {len(_BUDGET.spent)} modules; "
+    terminalreporter.write_line(f"time budget: {sum(_BUDGET.spent.values()):.0f} s in {len(_BUDGET.spent)} modules "
+                                f"({_BUDGET.total():.0f} s in the run so far); "
                                 + ("over budget:" if _BUDGET.over else "every module within its budget"))
     for p in _BUDGET.over:
         terminalreporter.write_line(f"  {p}")
