@@ -11,7 +11,6 @@ import sys
 import textwrap
 import threading
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -58,50 +57,28 @@ def test_hf_tokenizer_missing_package_says_pip_install(tmp_path, monkeypatch):
     assert isinstance(err.value, ConfigError)
 
 
-def _fake_tokenizers_module():
-    """A stand-in for `tokenizers` (word-level over a fixed vocab) to test the wiring without it."""
+def _word_level(vocab: dict[str, int]):
+    """A word-level tokenizer over a fixed vocabulary, made with the `tokenizers` library."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    class _Enc:
-        def __init__(self, ids):
-            self.ids = ids
-
-    class Tokenizer:
-        def __init__(self, vocab):
-            self.vocab = vocab
-            self.inv = {v: k for k, v in vocab.items()}
-
-        @classmethod
-        def from_file(cls, path):
-            return cls(json.load(open(path))["vocab"])
-
-        def get_vocab_size(self, with_added_tokens=True):
-            return len(self.vocab)
-
-        def token_to_id(self, tok):
-            return self.vocab.get(tok)
-
-        def encode(self, text, add_special_tokens=True):
-            return _Enc([self.vocab.get(w, self.vocab["<unk>"]) for w in text.split()])
-
-        def decode(self, ids, skip_special_tokens=False):
-            return " ".join(self.inv[i] for i in ids)
-
-    return types.SimpleNamespace(Tokenizer=Tokenizer)
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return t
 
 
-def test_hf_tokenizer_wiring(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tokenizers", _fake_tokenizers_module())
+def test_hf_tokenizer_wiring(tmp_path):
     vocab = {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3}
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "tokenizer.json").write_text(json.dumps({"vocab": vocab}))
+    _word_level(vocab).save(str(tmp_path / "a" / "tokenizer.json"))
     tok = load_tokenizer(str(tmp_path / "a"))  # a folder holding tokenizer.json works too
     assert isinstance(tok, HFTokenizer)
     assert tok.vocab_size == 4 and tok.eos_id == 1
     assert tok.encode("hello world hello") == [2, 3, 2] and tok.decode([2, 3]) == "hello world"
+    assert tok.encode("hello moon") == [2, 0]
     # The fingerprint follows the content, not the location.
-    (tmp_path / "b.json").write_text(json.dumps({"vocab": vocab}))
+    _word_level(vocab).save(str(tmp_path / "b.json"))
     assert HFTokenizer(tmp_path / "b.json").fingerprint == tok.fingerprint
-    (tmp_path / "c.json").write_text(json.dumps({"vocab": {**vocab, "x": 4}}))
+    _word_level({**vocab, "x": 4}).save(str(tmp_path / "c.json"))
     assert HFTokenizer(tmp_path / "c.json").fingerprint != tok.fingerprint
     # A corpus built with it uses its eos between documents.
     (tmp_path / "d1.txt").write_text("hello world")
@@ -110,11 +87,10 @@ def test_hf_tokenizer_wiring(tmp_path, monkeypatch):
     assert tf.tokens.tolist() == [2, 3, 1, 3, 1]
 
 
-def test_hf_tokenizer_real_package(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, trainers
+def test_hf_tokenizer_trained_here(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    t = tokenizers.Tokenizer(models.WordLevel(unk_token="<unk>"))
+    t = Tokenizer(models.WordLevel(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
     t.train_from_iterator(["hello world", "hello there"], trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
     t.save(str(tmp_path / "tokenizer.json"))
@@ -125,20 +101,33 @@ def test_hf_tokenizer_real_package(tmp_path):
 # ---------------------------------------------------------------- corpus
 
 
+class _CountingTokenizer(ByteTokenizer):
+    """The byte tokenizer (same fingerprint, so the same cache entry), counting the texts it encodes."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode_array(self, text):
+        self.calls += 1
+        return super().encode_array(text)
+
+
 def test_stdlib_corpus_is_built_once_and_cached(tmp_path):
-    t0 = time.time()
-    tf = build_token_file("python-stdlib", None, "bytes", str(tmp_path))
-    assert tf.built and time.time() - t0 < 15
+    tok = _CountingTokenizer()
+    tf = build_token_file("python-stdlib", None, tok, str(tmp_path))
+    assert tf.built and tok.calls > 100  # every file of the standard library, once
     assert 1_000_000 < tf.num_tokens < 40_000_000 and tf.dtype == np.dtype("<u2")
     assert not tf.tokens.flags.writeable
     raw = Path(tf.path).read_bytes()
     assert hashlib.sha256(raw).hexdigest() == tf.content_hash
     assert b"import " in raw[:2_000_000:2]  # uint16 bytes: every other byte is the text
     mtime = os.stat(tf.path).st_mtime_ns
-    again = build_token_file("python-stdlib", None, "bytes", str(tmp_path))
+    tok.calls = 0
+    again = build_token_file("python-stdlib", None, tok, str(tmp_path))
     assert not again.built and again.path == tf.path and again.content_hash == tf.content_hash
-    assert os.stat(tf.path).st_mtime_ns == mtime
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".bin", ".json", ".lock"]
+    assert tok.calls == 0 and os.stat(tf.path).st_mtime_ns == mtime  # read from the cache, nothing tokenized
+    assert build_token_file("python-stdlib", None, "bytes", str(tmp_path)).path == tf.path  # the byte tokenizer's own
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".bin", ".json"]  # no lock file outlives the build
 
 
 _BUILD_SNIPPET = textwrap.dedent("""

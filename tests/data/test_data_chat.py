@@ -175,3 +175,98 @@ def test_a_template_that_refuses_a_role_is_exit_2_naming_the_record(tok_dirs, tm
                                           r"not supported"):
         build_token_file(spec=spec, cache_dir=str(tmp_path / "cache"))
     assert not (tmp_path / "cache").exists()
+
+
+# gpt-oss's message logic as published (its text is not shipped; the header, tool namespaces and reasoning channel
+# left out): a first system or developer message becomes the developer instructions, a tool result needs the
+# assistant's tool call before it (else raise_exception), and a turn of a role it does not know is left out silently.
+GPT_OSS_TEMPLATE = (
+    "{%- if messages[0]['role'] in ['developer', 'system'] %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + messages[0]['content'] + '<|end|>' }}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- set last_tool_call = namespace(name=none) %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- if 'tool_calls' in message %}{%- set call = message['tool_calls'][0]['function'] %}"
+    "{{- '<|start|>assistant to=functions.' + call['name'] + '<|channel|>commentary json<|message|>' + "
+    "call['arguments'] | tojson + '<|call|>' }}{%- set last_tool_call.name = call['name'] %}"
+    "{%- else %}{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- set last_tool_call.name = none %}{%- endif %}"
+    "{%- elif message['role'] == 'tool' %}{%- if last_tool_call.name is none %}"
+    "{{- raise_exception('Message has tool role, but there was no previous assistant message with a tool call!') }}"
+    "{%- endif %}{{- '<|start|>functions.' + last_tool_call.name + ' to=assistant<|channel|>commentary<|message|>' + "
+    "message['content'] | tojson + '<|end|>' }}"
+    "{%- elif message['role'] == 'user' %}{{- '<|start|>user<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
+# Mistral's first one: user and assistant turns, alternating from a user turn (so an assistant turn renders only
+# after one), every other role refused with raise_exception.
+USER_ASSISTANT_ONLY_TEMPLATE = (
+    "{%- for m in messages %}{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- if m['role'] == 'user' %}{{- '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{%- elif m['role'] == 'assistant' %}{{- m['content'] + '</s>' }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported!') }}{%- endif %}{%- endfor %}")
+# Llama 2's: a system prompt is folded into the first user turn (alone, it renders nothing; after a user turn, it is
+# left out), other roles are left out.
+LLAMA2_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- set loop_messages = messages %}"
+    "{%- endif %}{%- for m in loop_messages %}{%- if m['role'] == 'user' %}"
+    "{%- set sys = '<<SYS>>\n' + system + '\n<</SYS>>\n\n' if loop.first and system else '' %}"
+    "{{- '[INST] ' + sys + m['content'] + ' [/INST]' }}"
+    "{%- elif m['role'] == 'assistant' %}{{- ' ' + m['content'] + ' </s>' }}{%- endif %}{%- endfor %}")
+TOOL_CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+TOOL_CONVO = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+              {"role": "tool", "content": "Sunny, 21 C"}, {"role": "assistant", "content": "Sunny in Paris."}]
+
+
+def _template_dir(tok_dirs, tmp_path, template):
+    tok = load_tokenizer(tok_dirs["plain"])
+    tok.hf.chat_template = template
+    tok.hf.save_pretrained(str(tmp_path / "tok"))
+    return str(tmp_path / "tok")
+
+
+def _build(tmp_path, tok_dir, conversations):
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    spec = DataSpec(source="files", path=(str(tmp_path / "c.jsonl"),), tokenizer=tok_dir, format="chat")
+    return build_token_file(spec=spec, cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("template, renders", [
+    (GPT_OSS_TEMPLATE, "system, user, assistant, tool, developer"),  # leaves an unknown role out
+    (USER_ASSISTANT_ONLY_TEMPLATE, "user, assistant"),  # refuses it
+])
+def test_a_role_the_template_does_not_render_is_named_with_the_roles_it_does(template, renders, tok_dirs, tmp_path):
+    tok_dir = _template_dir(tok_dirs, tmp_path, template)
+    robot = [{"role": "user", "content": "Hi"}, {"role": "robot", "content": "Beep."}, *CONVO[3:]]
+    with pytest.raises(ConfigError) as e:
+        _build(tmp_path, tok_dir, [CONVO[1:3], robot])
+    assert str(e.value) == (f"config error: data.format: chat: {tmp_path / 'c.jsonl'}:2: role 'robot' is not rendered "
+                            f"by the chat template of TransformersTokenizer('{tok_dir}') (it refuses that turn or "
+                            f"leaves it out); the template renders {renders}: give the turn one of those roles, or use "
+                            "a tokenizer whose template renders it")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_roles_a_template_renders_only_in_context_keep_working(tok_dirs, tmp_path):
+    """The probe of a role is one turn of it, alone and where templates want it: gpt-oss renders a developer or system
+    message only as the first one and a tool result only after the assistant's tool call; Llama 2 renders a system
+    prompt only folded into the user turn after it."""
+    tok_dir = _template_dir(tok_dirs, tmp_path, GPT_OSS_TEMPLATE)
+    developer = [{"role": "developer", "content": "Answer in French."}, *CONVO[1:3]]
+    tf = _build(tmp_path, tok_dir, [developer, CONVO, TOOL_CONVO])
+    assert tf.num_documents == 3
+    tok = load_tokenizer(tok_dir)
+    text = tok.decode(np.asarray(tf.tokens))
+    assert "# Instructions\n\nAnswer in French." in text and "# Instructions\n\nBe brief." in text
+    assert 'commentary<|message|>"Sunny, 21 C"' in text
+    assert "Sunny in Paris." in tok.decode(np.asarray(tf.tokens)[np.asarray(tf.mask) == 1])
+
+    llama2_dir = _template_dir(tok_dirs, tmp_path / "llama2", LLAMA2_TEMPLATE)
+    hf = load_tokenizer(llama2_dir).hf
+    for alone_or_after_user in (CONVO[:1], [CONVO[1], CONVO[0]]):
+        assert "Be brief." not in hf.apply_chat_template(alone_or_after_user, tokenize=False)
+    tf = _build(tmp_path / "llama2", llama2_dir, [CONVO])
+    assert "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nWhat color is snow? [/INST]" in hf.decode(tf.tokens.tolist())

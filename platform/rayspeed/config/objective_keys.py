@@ -60,9 +60,6 @@ def problems(cfg: Any) -> list[str]:
     if d.document_masking:
         p.append("data.document_masking: a preference pair is one padded row per completion, not packed documents; "
                  "set it false for train.objective: dpo")
-    if d.format != "text":
-        p.append(f"data.format: {d.format} is for SFT; with train.objective: dpo the records' own form (strings or "
-                 "message lists) decides how they are rendered: leave data.format: text")
     if isinstance(par.cp, int) and par.cp > 1:
         p.append(f"parallel.cp: {par.cp} with train.objective: dpo: per-token log-probabilities under context "
                  "parallelism are not built; use parallel.cp: 1 (dp, ZeRO, tp with sequence parallelism and pp train "

@@ -147,8 +147,8 @@ class DataConfig:
     """Where the datasets library downloads and prepares hf datasets (null: its default, ~/.cache/huggingface).
     On several nodes, a folder every node sees."""
     format: Literal["text", "chat"] = "text"
-    """text: documents of text; chat: records with `messages` ([{role, content}, ...]) rendered with the
-    tokenizer's chat template, the loss computed on the assistant turns only."""
+    """text: documents of text; chat: records with `messages` ([{role, content}, ...]) rendered with the tokenizer's
+    chat template, loss on the assistant turns only (dpo: text takes any preference form, chat message lists only)."""
     tokenizer: str = "bytes"
     """bytes (vocab 256), model (the tokenizer saved with model.pretrained), or the path of a Hugging Face
     tokenizer.json or of a tokenizer directory saved by transformers (with its chat template). BOS/EOS as the

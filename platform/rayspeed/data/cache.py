@@ -2,9 +2,13 @@
 "build once, reuse everywhere" protocol every cached corpus uses.
 
 An entry is complete once its meta file exists: it is written last, atomically (temp file + os.replace), after
-the data it describes. Builders hold an fcntl lock, so several processes on one machine build an entry once
-(flock is per machine: on a shared filesystem each node builds under its own lock, which is still safe because
-of the atomic rename, just redundant).
+the data it describes. Builders hold an fcntl lock on the entry's lock file, so several processes on one machine
+build an entry once (flock is per machine: on a shared filesystem each node builds under its own lock, which is
+still safe because of the atomic rename, just redundant). The lock file is removed when the build ends, and a
+build that fails removes the folders it made: bad input leaves the cache as it found it.
+
+    with discard_on_bad_input():        # the launcher's data step
+        ...build entries, check them...  # a ConfigError removes what was committed inside, then propagates
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+
+from rayspeed.errors import ConfigError
 
 FORMAT_VERSION = "rayspeed-tokens-v1"
 
@@ -61,27 +69,118 @@ def read_meta(meta_path: str) -> Optional[dict]:
     return meta
 
 
-@contextmanager
-def locked(lock_path: str) -> Iterator[None]:
-    # The lock file is never deleted: unlinking it would let a waiter lock an orphaned inode.
-    with open(lock_path, "a") as lf:
-        fcntl.flock(lf.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
+# What the launcher's data step has written, while discard_on_bad_input is active: ("entry", path) for a committed
+# cache entry, ("dir", path) for a folder made to hold one.
+_WRITTEN: ContextVar[Optional[list[tuple[str, str]]]] = ContextVar("rayspeed_data_written", default=None)
 
 
-@contextmanager
-def locked_dir(path: str) -> Iterator[None]:
-    """An exclusive lock on a folder itself (no lock file is left behind)."""
-    fd = os.open(path, os.O_RDONLY)
+def note_written(kind: str, *paths: str) -> None:
+    notes = _WRITTEN.get()
+    if notes is not None:
+        notes += [(kind, p) for p in paths]
+
+
+def _mkdir_p(path: str, made: list[str]) -> None:
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent != path:
+        _mkdir_p(parent, made)
     try:
+        os.mkdir(path)
+    except FileExistsError:  # made by another process meanwhile: not ours to remove
+        return
+    made.append(path)
+
+
+def make_dirs(path: str) -> list[str]:
+    """os.makedirs(path), returning the folders this call made, outermost first (so that they can be removed again:
+    a folder another process made at the same time is not in the list)."""
+    made: list[str] = []
+    try:
+        for _ in range(8):  # a failed build elsewhere may remove a parent just made: make it again
+            try:
+                _mkdir_p(os.path.abspath(path), made)
+                break
+            except FileNotFoundError:
+                continue
+        os.makedirs(path, exist_ok=True)  # raises what makedirs says when path cannot be a folder
+    except OSError:
+        remove_empty_dirs(made)
+        raise
+    note_written("dir", *made)
+    return made
+
+
+def remove_empty_dirs(made: list[str]) -> None:
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except FileNotFoundError:  # removed by another failed build
+            continue
+        except OSError:  # not empty: another builder's entry is in it
+            return
+
+
+@contextmanager
+def building(cache_dir: str, name: str) -> Iterator[None]:
+    """The build lock of one cache entry: <cache_dir>/<name>.lock, made (with the folder) when missing and held with
+    flock. The holder removes the file before it lets go, so no lock file outlives a build; a waiter that then gets
+    the removed file's lock takes the lock again (the entry is there by then, or the build failed). A failed build
+    also removes the folders made for it while they are empty: bad input leaves nothing behind."""
+    path = os.path.join(cache_dir, name + ".lock")
+    while True:
+        made = make_dirs(cache_dir)
+        try:
+            # Opened for writing: NFS refuses an exclusive flock on a file opened read-only.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # a failed build removed the folder in between
+            continue
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        try:
+            os.unlink(path)  # while still held: whoever waits on this file sees it gone and starts over
+        except FileNotFoundError:
+            pass
+        if failed:  # while still held too: a waiter then finds the folders gone and makes (and removes) its own
+            remove_empty_dirs(made)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        if failed:  # again: on NFS the removed lock file stays (as .nfsXXXX) until closed, keeping its folder
+            remove_empty_dirs(made)
+
+
+@contextmanager
+def discard_on_bad_input() -> Iterator[None]:
+    """Cache entries committed inside (and the folders made for them) are removed again when a ConfigError leaves
+    it: a check that needs the tokens (too few for one validation batch, an id past the model's vocabulary) fails
+    after the build, and bad input must leave nothing written."""
+    notes: list[tuple[str, str]] = []
+    token = _WRITTEN.set(notes)
+    try:
+        yield
+    except ConfigError:
+        for kind, path in reversed(notes):
+            if kind == "dir":
+                remove_empty_dirs([path])
+            elif os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.lexists(path):
+                os.unlink(path)
+        raise
+    finally:
+        _WRITTEN.reset(token)
 
 
 def cached(cache_dir: str, key: str, build: Callable[[str], dict]) -> tuple[dict, bool]:
@@ -91,8 +190,7 @@ def cached(cache_dir: str, key: str, build: Callable[[str], dict]) -> tuple[dict
     meta = read_meta(meta_path)  # fast path, no lock: the meta file appears only once complete
     if meta is not None:
         return meta, False
-    os.makedirs(cache_dir, exist_ok=True)
-    with locked(stem + ".lock"):
+    with building(cache_dir, f"tokens-{key}"):
         meta = read_meta(meta_path)  # another process built it while we waited
         if meta is not None:
             return meta, False
@@ -102,6 +200,8 @@ def cached(cache_dir: str, key: str, build: Callable[[str], dict]) -> tuple[dict
         meta = build(stem + ".bin")
         meta["format"] = FORMAT_VERSION
         atomic_write_json(meta_path, meta)
+        # The .bin only when the build wrote it: a .bin used in place is the user's file, recorded by its path.
+        note_written("entry", meta_path, *([stem + ".bin"] if os.path.exists(stem + ".bin") else []))
         written = read_meta(meta_path)
         if written is None:
             raise RuntimeError(f"token cache entry {meta_path} is inconsistent right after writing it")

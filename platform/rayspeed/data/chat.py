@@ -17,6 +17,14 @@ Two ways to find the assistant tokens:
   are then exactly what the template produces for it, and no turn is trained in a form the model never sees.
   A template whose generation prompt is not a prefix of the turn it announces is refused with a message saying to
   add generation markers.
+
+Roles: a template renders the roles it was written for and may raise on another one or silently leave its turn out
+(Qwen's and gpt-oss's skip a role they do not know), which would train on a conversation the records do not hold.
+Each distinct role is probed once (TemplateRoles): a turn of that role with a marker text, alone and in the few
+contexts templates require (before a user turn, as Llama 2 folds a system prompt into it; after one, as Mistral's
+alternation wants a user turn first; after an assistant tool call, as gpt-oss wants before a tool result). The role
+renders when one of them renders without error and the marker is in the text; a record with any other role is
+refused, naming it and the roles that render.
 """
 
 from __future__ import annotations
@@ -30,6 +38,12 @@ from rayspeed.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+# Letters, digits and dashes only: unchanged by the filters templates apply to content (trim, tojson, escaping).
+_PROBE = "rayspeed-role-probe-5b1d"
+_USER: dict[str, Any] = {"role": "user", "content": "rayspeed-probe-question"}
+_TOOL_CALL: dict[str, Any] = {
+    "role": "assistant", "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "rayspeed_probe", "arguments": {}}}]}
 
 
 def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
@@ -47,6 +61,39 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
+class TemplateRoles:
+    """Which roles a tokenizer's chat template renders (the module's docstring), probed once per role."""
+
+    def __init__(self, hf: Any, name: str, key: str = "data.format: chat"):
+        self.hf, self.name, self.key = hf, name, key
+        self._renders: dict[str, bool] = {}
+
+    def renders(self, role: str) -> bool:
+        if role not in self._renders:
+            turn: dict[str, Any] = {"role": role, "content": _PROBE}
+            self._renders[role] = any(self._shows(c) for c in ([turn], [turn, _USER], [_USER, turn],
+                                                                  [_USER, _TOOL_CALL, turn]))
+        return self._renders[role]
+
+    def _shows(self, messages: list[dict[str, Any]]) -> bool:
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template refuses a context in its own way (raise_exception, a KeyError)
+            return False
+        return isinstance(text, str) and _PROBE in text
+
+    def check(self, messages: list[Any], where: str) -> None:
+        """ConfigError naming the record, the first role the template does not render and the roles it does."""
+        for m in messages:
+            role = m.get("role") if isinstance(m, dict) else None
+            if isinstance(role, str) and not self.renders(role):
+                known = [r for r in ROLES if self.renders(r)]
+                raise ConfigError(f"{self.key}: {where}: role {role!r} is not rendered by the chat template of "
+                                  f"{self.name} (it refuses that turn or leaves it out); the template renders "
+                                  f"{', '.join(known) or 'none of ' + ', '.join(ROLES)}: give the turn one of those "
+                                  "roles, or use a tokenizer whose template renders it")
+
+
 class ChatRenderer:
     def __init__(self, tokenizer: Any):
         hf = getattr(tokenizer, "hf", None)
@@ -59,6 +106,7 @@ class ChatRenderer:
             raise ConfigError(f"data.format: chat needs a fast (tokenizer.json) tokenizer; {tokenizer!r} is not")
         self.tokenizer, self.hf = tokenizer, hf
         self.markers = bool(_GENERATION_TAG.search(template))
+        self.roles = TemplateRoles(hf, repr(tokenizer))
 
     def _text(self, messages: list[dict[str, Any]], prompt: bool = False, where: str = "") -> str:
         return self._apply(where, messages, tokenize=False, add_generation_prompt=prompt)
@@ -88,6 +136,7 @@ class ChatRenderer:
         """The conversation's documents: (ids int64, mask uint8) each; one, or one per assistant turn for a
         template that rewrites earlier turns (the module's docstring)."""
         messages = check_messages(messages, where)
+        self.roles.check(messages, where)
         if self.markers:
             out = self._apply(where, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             documents = [(np.asarray(out["input_ids"], dtype=np.int64),

@@ -27,7 +27,15 @@ from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
-from rayspeed.data.cache import FORMAT_VERSION, atomic_write_json, cache_key, cached, tmp_name
+from rayspeed.data.cache import (
+    FORMAT_VERSION,
+    atomic_write_json,
+    cache_key,
+    cached,
+    make_dirs,
+    note_written,
+    tmp_name,
+)
 from rayspeed.data.raw_bins import bin_dtype, check_fits, concatenated_bins, single_bin
 from rayspeed.data.records import TOKEN_SUFFIXES, DataSpec, expand
 from rayspeed.data.shards import ShardSet, read_header
@@ -197,9 +205,9 @@ def open_shards(paths: list[str], desc: str, meta: dict[str, Any], built: bool, 
                      shards=shards)
 
 
-def _token_shards(spec: DataSpec, cache_dir: str) -> TokenFile:
+def _token_shards(spec: DataSpec, cache_dir: str, tok: Any) -> TokenFile:
     """data.source: tokens: shard files used in place; their hashes and largest id are computed once (cached by
-    the files' sizes and modification times)."""
+    the files' sizes and modification times), and checked against the tokenizer (if any) before that is written."""
     files = expand(spec.path)
     for f in files:
         read_header(f)  # a file that is not a shard (a raw .bin, a text file) is refused here, named
@@ -228,8 +236,11 @@ def _token_shards(spec: DataSpec, cache_dir: str) -> TokenFile:
             raise ConfigError(f"data.path: the token shards of {', '.join(spec.path)} hold no documents")
         meta = {"content_hash": hashlib.sha256("".join(digests).encode()).hexdigest(), "max_token_id": max_id,
                 "vocab_size": shards.vocab_size}
-        os.makedirs(cache_dir, exist_ok=True)
+    check_fits(meta, tok, ", ".join(spec.path))
+    if built:
+        make_dirs(cache_dir)
         atomic_write_json(meta_path, meta)
+        note_written("entry", meta_path)
     return open_shards(files, f"tokens:{','.join(spec.path)}", meta, built, key)
 
 
@@ -260,16 +271,12 @@ def build_token_file(source: str = "python-stdlib", path: Optional[Union[str, os
     if source == "tokens":
         if not paths:
             raise ConfigError("data.path: token shard files are required with data.source: tokens")
-        tf = _token_shards(spec, cache_dir)
-        if tok is not None and tf.max_token_id is not None:
-            check_fits({"max_token_id": tf.max_token_id}, tok, ", ".join(paths))
-        return tf
+        return _token_shards(spec, cache_dir, tok)
     one = paths[0] if len(paths) == 1 else ""
     if source == "bin" or (source == "files" and one.endswith(".bin") and not _glob.has_magic(one)):
         if not one:
             raise ConfigError("data.path: a .bin token file is required with source: bin")
-        real, meta, built, key = single_bin(one, cache_dir)
-        check_fits(meta, tok, real)
+        real, meta, built, key = single_bin(one, cache_dir, tok)
         return TokenFile(real, meta["dtype"], meta["num_tokens"], meta["content_hash"], f"bin:{real}",
                          tok.vocab_size if tok is not None else None, meta["max_token_id"], None, built, key)
     if source == "files" and paths:
@@ -279,8 +286,7 @@ def build_token_file(source: str = "python-stdlib", path: Optional[Union[str, os
             raise ConfigError(f"data.path: {', '.join(paths)!r} matches both token files (.bin) and text files; point "
                               "it at one kind (a glob of .bin files is read as tokens, never as text)")
         if bins and all(f.endswith(".bin") for f in bins):  # several pre-tokenized files: one token stream
-            meta, built, key = concatenated_bins(bins, ", ".join(paths), cache_dir)
-            check_fits(meta, tok, ", ".join(paths))
+            meta, built, key = concatenated_bins(bins, ", ".join(paths), cache_dir, tok)
             return TokenFile(meta["data_path"], meta["dtype"], meta["num_tokens"], meta["content_hash"],
                              f"bins:{', '.join(paths)}", tok.vocab_size if tok is not None else None,
                              meta["max_token_id"], None, built, key)

@@ -22,7 +22,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from rayspeed.data.cache import atomic_write_json, cache_key, locked, tmp_name
+from rayspeed.data.cache import atomic_write_json, building, cache_key, note_written, tmp_name
+from rayspeed.data.chat import TemplateRoles
 from rayspeed.data.preference import PairIds, tokenize_pair
 from rayspeed.data.records import DataSpec, describe, iter_records, plan_units
 from rayspeed.data.token_split import IGNORE_INDEX
@@ -120,9 +121,11 @@ def _tokenize_all(spec: DataSpec, units: list[Any], tokenizer: Any) -> tuple[np.
     chunks: list[np.ndarray] = []
     spans: list[tuple[int, int, int, int]] = []
     off = 0
+    hf = getattr(tokenizer, "hf", None)
+    roles = TemplateRoles(hf, repr(tokenizer), key="train.objective dpo") if hf is not None else None
     for unit in units:
         for record, loc in iter_records(unit, spec):
-            p = tokenize_pair(record, tokenizer, where=describe(loc))
+            p = tokenize_pair(record, tokenizer, where=describe(loc), data_format=spec.format, roles=roles)
             if not p.chosen or not p.rejected:
                 raise ConfigError(f"train.objective dpo: {describe(loc)}: an empty chosen or rejected completion")
             chunks.append(np.asarray(p.prompt + p.chosen + p.rejected, dtype=np.int32))
@@ -136,13 +139,14 @@ def _tokenize_all(spec: DataSpec, units: list[Any], tokenizer: Any) -> tuple[np.
 def build_pairs(spec: DataSpec, cache_dir: str, tokenizer: Any) -> PairFile:
     """The source's pairs from the cache, tokenized now (inline, under the cache's lock) when it lacks them."""
     units, ident = plan_units(spec)
-    key = cache_key([PAIRS_FORMAT, spec.source, ident, spec.split, tokenizer.fingerprint])
+    # data.format: chat in the key only: it refuses string records that text accepts, and text's keys stay as they were.
+    key = cache_key([PAIRS_FORMAT, spec.source, ident, spec.split, tokenizer.fingerprint]
+                    + (["chat"] if spec.format == "chat" else []))
     stem = os.path.join(cache_dir, f"pairs-{key}")
     found = _read(stem)
     if found is not None:
         return found
-    os.makedirs(cache_dir, exist_ok=True)
-    with locked(stem + ".lock"):
+    with building(cache_dir, f"pairs-{key}"):  # a bad record leaves nothing behind: no lock file, no folder
         found = _read(stem)
         if found is not None:
             return found
@@ -161,6 +165,7 @@ def build_pairs(spec: DataSpec, cache_dir: str, tokenizer: Any) -> PairFile:
                                            "identity": ident, "tokenizer": tokenizer.fingerprint,
                                            "pairs": int(spans.shape[0]), "tokens": int(tokens.size),
                                            "content_hash": digest, "pad_id": _pad_id(tokenizer)})
+        note_written("entry", stem + ".json", stem + ".npz")
         log.info("tokenized %s: %d preference pairs, %d tokens (%.1f s)", spec.describe(), spans.shape[0],
                  tokens.size, time.monotonic() - t0)
     found = _read(stem)

@@ -1,7 +1,7 @@
 """Preference records -> token ids of each pair's prompt, chosen and rejected completions, as TRL 1.16 tokenizes
 them (its DPOTrainer's dataset preparation), and a batch of pairs -> the rows a DPO step trains on.
 
-Three record forms (TRL's):
+Three record forms (TRL's); data.format: text takes any of them, data.format: chat only the conversational ones:
     standard        {"prompt": str, "chosen": str, "rejected": str}
     conversational  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}, rendered with the
                     tokenizer's chat template (the prompt with its generation prompt)
@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rayspeed.data.chat import TemplateRoles
 from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.errors import ConfigError
 
@@ -68,17 +69,25 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def tokenize_pair(record: Any, tokenizer: Any, where: str) -> PairIds:
-    """The record's ids under a transformers tokenizer (rayspeed.data.tokenizer.TransformersTokenizer)."""
+def tokenize_pair(record: Any, tokenizer: Any, where: str, data_format: str = "text",
+                  roles: TemplateRoles | None = None) -> PairIds:
+    """The record's ids under a transformers tokenizer (rayspeed.data.tokenizer.TransformersTokenizer). roles: the
+    template's rendered roles, shared by the records of one source (probed here when not given)."""
     prompt, chosen, rejected = split_record(record, where)
     hf = getattr(tokenizer, "hf", None)
     if hf is None:
         raise ConfigError("data.tokenizer: preference data needs a transformers tokenizer (a folder with "
                           "tokenizer_config.json, or the model's own with model.pretrained)")
+    if data_format == "chat" and not _is_messages(chosen):
+        raise ConfigError(f"data.format: chat: {where}: 'chosen' and 'rejected' are strings, but chat preference "
+                          "records hold lists of {role, content} messages (TRL's conversational form); write them "
+                          "so, or set data.format: text for string records")
     if _is_messages(chosen):
         if not getattr(hf, "chat_template", None):
             raise ConfigError(f"train.objective dpo: {where}: conversational records need a tokenizer with a chat "
                               "template; give data.tokenizer one, or use standard (string) records")
+        roles = roles if roles is not None else TemplateRoles(hf, repr(tokenizer), key="train.objective dpo")
+        roles.check([*prompt, *chosen, *rejected], where)
 
         def render(messages, **kw):
             return list(hf.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"])

@@ -52,8 +52,13 @@ def check_fits(meta: dict, tok: Any, what: str) -> None:
                           f"vocabulary has {tok.vocab_size} ids")
 
 
-def single_bin(path: str, cache_dir: str) -> tuple[str, dict, bool, str]:
-    """(real path, meta, built, key) of one .bin used in place."""
+def _fitting(meta: dict, tok: Any, what: str) -> dict:
+    check_fits(meta, tok, what)  # before the cache records it: bad input leaves nothing written
+    return meta
+
+
+def single_bin(path: str, cache_dir: str, tok: Any = None) -> tuple[str, dict, bool, str]:
+    """(real path, meta, built, key) of one .bin used in place, its ids checked against the tokenizer (if any)."""
     real = os.path.realpath(os.path.expanduser(path))
     if not os.path.isfile(real):
         raise ConfigError(f"data.path: no token file at {real!r}")
@@ -61,12 +66,14 @@ def single_bin(path: str, cache_dir: str) -> tuple[str, dict, bool, str]:
     st = os.stat(real)
     # The .bin itself is the token file; the cache only remembers its hash (keyed by size+mtime).
     key = cache_key([FORMAT_VERSION, "bin", real, st.st_size, st.st_mtime_ns, dtype.str])
-    meta, built = cached(cache_dir, key, lambda _bin_path: hash_bin(real, dtype))
+    meta, built = cached(cache_dir, key, lambda _bin_path: _fitting(hash_bin(real, dtype), tok, real))
+    check_fits(meta, tok, real)
     return real, meta, built, key
 
 
-def concatenated_bins(files: list[str], pattern: str, cache_dir: str) -> tuple[dict, bool, str]:
-    """A glob of .bin token files as one token file in the cache (every file's dtype must agree)."""
+def concatenated_bins(files: list[str], pattern: str, cache_dir: str, tok: Any = None) -> tuple[dict, bool, str]:
+    """A glob of .bin token files as one token file in the cache (every file's dtype must agree), its ids checked
+    against the tokenizer (if any)."""
     dtypes = {bin_dtype(f).str for f in files}
     if len(dtypes) != 1:
         raise ConfigError(f"data.path: the token files of {pattern!r} have different dtypes ({sorted(dtypes)}); "
@@ -76,24 +83,30 @@ def concatenated_bins(files: list[str], pattern: str, cache_dir: str) -> tuple[d
     def build(bin_path: str) -> dict:
         h, n, max_id = hashlib.sha256(), 0, -1
         tmp = tmp_name(bin_path)
-        with open(tmp, "wb") as out:
-            for f in files:
-                meta = hash_bin(f, dtype)  # checks the file holds whole tokens
-                mm = np.memmap(f, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
-                for a in range(0, meta["num_tokens"], _HASH_CHUNK):
-                    chunk = np.asarray(mm[a:a + _HASH_CHUNK])
-                    out.write(chunk.tobytes())
-                    h.update(chunk.tobytes())
-                del mm
-                n += meta["num_tokens"]
-                max_id = max(max_id, meta["max_token_id"])
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, bin_path)
+        try:
+            with open(tmp, "wb") as out:
+                for f in files:
+                    meta = hash_bin(f, dtype)  # checks the file holds whole tokens
+                    mm = np.memmap(f, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
+                    for a in range(0, meta["num_tokens"], _HASH_CHUNK):
+                        chunk = np.asarray(mm[a:a + _HASH_CHUNK])
+                        out.write(chunk.tobytes())
+                        h.update(chunk.tobytes())
+                    del mm
+                    n += meta["num_tokens"]
+                    max_id = max(max_id, meta["max_token_id"])
+                out.flush()
+                os.fsync(out.fileno())
+            check_fits({"max_token_id": max_id}, tok, pattern)
+            os.replace(tmp, bin_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         return {"data_path": os.path.basename(bin_path), "dtype": dtype.str, "num_tokens": n,
                 "content_hash": h.hexdigest(), "vocab_size": None, "max_token_id": max_id, "num_documents": None}
 
     stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
     key = cache_key([FORMAT_VERSION, "bins", stats, dtype.str])
     meta, built = cached(cache_dir, key, build)
+    check_fits(meta, tok, pattern)
     return meta, built, key

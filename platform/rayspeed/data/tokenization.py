@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from rayspeed.data.cache import atomic_write_json, cache_key, locked_dir, tmp_name
+from rayspeed.data.cache import atomic_write_json, building, cache_key, note_written, tmp_name
 from rayspeed.data.records import DataSpec, Unit, describe, iter_records, plan_units
 from rayspeed.data.shards import SUFFIX, ShardWriter
 from rayspeed.data.tokenizer import encode_document, load_tokenizer
@@ -92,7 +92,8 @@ def tokenize_unit(unit: Unit, spec: DataSpec, out_dir: str, tokenizer: Any = Non
             writer.add(ids, mask)
         entry = writer.write(os.path.join(out_dir, shard_name(unit)))
     except ConfigError as e:
-        return {"index": unit.index, "error": str(e)}
+        # The problems, not str(e): the driver raises them again as a ConfigError, which adds its own prefix.
+        return {"index": unit.index, "error": e.problems}
     return {"index": unit.index, "name": shard_name(unit), "nbytes_in": unit.nbytes, **entry}
 
 
@@ -224,18 +225,11 @@ def build_shards(spec: DataSpec, cache_dir: str, executor: str = "inline", token
     index = read_index(final)
     if index is not None:
         return index, False
-    created = not os.path.isdir(cache_dir)
-    os.makedirs(cache_dir, exist_ok=True)
-    try:
-        with locked_dir(cache_dir):
-            index = read_index(final)  # another builder committed it while we waited
-            if index is not None:
-                return index, False
-            return _build_locked(spec, units, ident, key, final, tok, executor, workers), True
-    except BaseException:
-        if created and os.path.isdir(cache_dir) and not os.listdir(cache_dir):
-            os.rmdir(cache_dir)  # a failed first build leaves nothing behind
-        raise
+    with building(cache_dir, f"shards-{key}"):  # a failed first build leaves nothing behind
+        index = read_index(final)  # another builder committed it while we waited
+        if index is not None:
+            return index, False
+        return _build_locked(spec, units, ident, key, final, tok, executor, workers), True
 
 
 def _build_locked(spec: DataSpec, units: list[Unit], ident: Any, key: str, final: str, tok: Any, executor: str,
@@ -285,6 +279,7 @@ def _build_locked(spec: DataSpec, units: list[Unit], ident: Any, key: str, final
                  "shards": [{k: e[k] for k in ("name", "tokens", "documents", "sha256", "bytes")} for e in entries]}
         atomic_write_json(os.path.join(tmp, INDEX), index)
         os.rename(tmp, final)  # the commit
+        note_written("entry", final)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

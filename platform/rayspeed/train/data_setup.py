@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from rayspeed import paths
 from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.data.cache import discard_on_bad_input
 from rayspeed.data.records import DataSpec
 from rayspeed.errors import ConfigError
 
@@ -130,7 +131,14 @@ def prepare_pairs(cfg: JobConfig, storage: str) -> Corpus:
 
 
 def prepare(cfg: JobConfig, storage: str, launcher: str) -> Corpus:
-    """The launcher's step: tokenize on the cluster (Ray Data) or in a local process pool, check, log."""
+    """The launcher's step: tokenize on the cluster (Ray Data) or in a local process pool, check, log. Bad input is
+    a ConfigError with nothing left in the data cache: what this step built is removed again (some checks need the
+    tokens, so they come after the build)."""
+    with discard_on_bad_input():
+        return _prepare(cfg, storage, launcher)
+
+
+def _prepare(cfg: JobConfig, storage: str, launcher: str) -> Corpus:
     if cfg.train.objective == "dpo":
         return prepare_pairs(cfg, storage)
     executor = "pool" if launcher == "local" or paths.is_uri(storage) else "ray"
