@@ -88,12 +88,32 @@ LIBRARY_SETTINGS = ("torch.backends.",)
 OWN_SETATTR = {("config/hf_config.py", "model")}
 
 
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines itself (functions, classes, variables, attributes it assigns, names it
+    imports): `other._x` on one of these is the module's own business, not a library's internals."""
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.alias):
+            own.add((node.asname or node.name).split(".")[-1])
+    return {n for n in own if _is_private(n)}
+
+
 def library_private_uses(path: Path) -> list[str]:
     """A library's private names (`_x` in an import, an attribute chain or a method overridden in a subclass),
-    importlib of a library module by name, and patches of library objects (attribute assignment, setattr, delattr)."""
+    importlib of a library module by name, and patches of library objects (attribute assignment, setattr, delattr).
+    The type of a local variable cannot be read from the source, so on anything but a library's name (a parameter,
+    a local, `self.engine`) a private attribute counts unless the module defines that name itself; `getattr(x,
+    "_name")` is the same reach spelled as a string."""
     tree = ast.parse(path.read_text())
     rel = str(path.relative_to(PACKAGE))
     lib: dict[str, str] = {}  # local name -> the library object it is bound to
+    own = _own_private_names(tree)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -112,6 +132,9 @@ def library_private_uses(path: Path) -> list[str]:
             root, attrs = _chain(node)
             if root in lib and _is_private(node.attr):
                 found.append(f"{rel}:{node.lineno}: {root}.{'.'.join(attrs)}")
+            elif (_is_private(node.attr) and node.attr not in own
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 root, attrs = _chain(t) if isinstance(t, ast.Attribute) else (None, [])
@@ -127,6 +150,10 @@ def library_private_uses(path: Path) -> list[str]:
             if (name == "import_module" and isinstance(first, ast.Constant)
                     and not str(first.value).startswith("rayspeed")):
                 found.append(f"{rel}:{node.lineno}: import_module({first.value!r})")
+            attr = node.args[1] if name == "getattr" and len(node.args) > 1 else None
+            if (isinstance(attr, ast.Constant) and isinstance(attr.value, str) and _is_private(attr.value)
+                    and attr.value not in own):
+                found.append(f"{rel}:{node.lineno}: getattr({ast.unparse(first)}, {attr.value!r})")
         elif isinstance(node, ast.ClassDef):
             bases = [_library_object(lib, b) for b in node.bases if _chain(b)[0] in lib]
             for item in node.body:
@@ -171,7 +198,10 @@ def test_the_private_use_check_finds_each_kind(tmp_path):
         "m = importlib.import_module('deepspeed.comm.comm')\nn = deepspeed.comm._private_thing\n"
         "deepspeed.comm.cdb = None\nsetattr(m, 'all_reduce', None)\ntorch.backends.cudnn.allow_tf32 = True\n"
         "class P(PipelineModule):\n    def _partition_layers(self):\n        pass\n    def _mine(self):\n"
-        "        pass\n")
+        "        pass\n"
+        "def f(t, ds, other):\n    s = t.untyped_storage()\n    a = s._cdata + t.grad._base\n"
+        "    b = getattr(ds, '_fingerprint', None)\n    c = getattr(other, '_mine', None), other._mine\n"
+        "    return a, b, c, getattr(ds, '__dict__', None)\n")
     try:
         found = library_private_uses(probe)
     finally:
@@ -180,7 +210,8 @@ def test_the_private_use_check_finds_each_kind(tmp_path):
     assert kinds == sorted([
         "import torch._dynamo", "from ray.train.v2._internal import x", "deepspeed.comm._private_thing",
         "deepspeed.comm.cdb = ... (patches deepspeed)", "import_module('deepspeed.comm.comm')", "setattr(m, ...)",
-        "P._partition_layers overrides a library class's own"]), kinds
+        "P._partition_layers overrides a library class's own", "s._cdata", "t.grad._base",
+        "getattr(ds, '_fingerprint')"]), kinds
 
 
 def family_name_uses(path: Path, architectures: tuple[str, ...], model_types: tuple[str, ...]) -> list[str]:

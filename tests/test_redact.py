@@ -1,8 +1,14 @@
 """rayspeed.redact: which names are secrets, URIs without their credentials, free text and nested configs masked."""
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from rayspeed.redact import MASK, is_secret_key, redact_mapping, redact_text, redact_uri
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
 
 
 @pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD", "WANDB_API_KEY",
@@ -130,3 +136,83 @@ def test_config_errors_are_masked():
         with pytest.raises(ConfigError) as e:
             parse({}, overrides)
         assert secret not in e.value.render() and secret not in str(e.value), e.value.render()
+
+
+def test_generic_names_are_masked_by_value_only():
+    # The planner's claims name each layout key in a field called `key`: a name, not a secret.
+    claims = '[{"kind": "key", "key": "activation_checkpointing", "chosen": "none"}, {"key": "tp"}]'
+    assert redact_text(claims, environ={}) == claims
+    assert redact_mapping({"key": "micro_batch_size", "token": "<|eot_id|>"}) == {
+        "key": "micro_batch_size", "token": "<|eot_id|>"}
+    for credential in ("AKIAIOSFODNN7EXAMPLE", "hf_AbCdEf0123456789GhIjKlMnOpQrStUv", "wJalrXUtnFEMIK7MDENG2bPxRfiCY"):
+        assert redact_mapping({"key": credential}) == {"key": MASK}
+        assert redact_text(f'{{"token": "{credential}"}}', environ={}) == f'{{"token": "{MASK}"}}'
+    assert redact_text("TOKEN=activation_checkpointing", environ={"TOKEN": "activation_checkpointing"}) == (
+        "TOKEN=activation_checkpointing")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "Qwen3-30B-A3B-Instruct-2507", "checkpoint_step00000002"):
+        assert redact_text(f"missing key: {name}", environ={}) == f"missing key: {name}"
+        assert redact_mapping({"key": name}) == {"key": name}
+
+
+def test_known_token_formats_are_masked_wherever_they_occur():
+    hf, ghp = "hf_AbCdEf0123456789GhIjKlMnOpQrStUv", "ghp_Zx9Yw8Vu7Ts6Rq5Po4Nm3Lk2Ji1Hg0FeDcBa"
+    out = redact_text(f"login with {hf}; clone with {ghp} now", environ={})
+    assert out == f"login with {MASK}; clone with {MASK} now"
+    for plain in ("sk-learn-classifier-model-v2", "hf_parity_check_of_the_tiny_model_2", "tests/_hf_parity.py"):
+        assert redact_text(plain, environ={}) == plain
+
+
+# What a tiny job is given: a token in its cluster.env, a password in a URI in its cluster.env and a secret-named
+# variable in the launching shell. None may be written anywhere in clear.
+HF_TOKEN = "hf_RdKtq8Vw2XyZ4bN6mP0sLcJ5hG7fA9eTu3"
+PROXY_PASSWORD = "Pr0xyPassw0rdQ7"
+SHELL_SECRET = "sHe11SecretValue9Kx2"
+
+
+def _text_files(root: Path):
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            yield p, p.read_bytes()
+
+
+def test_a_jobs_run_and_storage_hold_no_secret_and_claims_keep_their_keys(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from _cluster import run_job
+    from rayspeed.config.layout import LAYOUT_KEYS
+
+    home = tmp_path / "home"
+    env = {"HF_TOKEN": HF_TOKEN, "HTTPS_PROXY_FOR_MIRROR": f"http://ci:{PROXY_PASSWORD}@127.0.0.1:9/"}
+    args = ["--config", TINY, "--launcher", "local"]
+    for s in ("name=redacted", "train.max_steps=2", "cluster.num_workers=1", "train.eval_every_steps=2",
+              "resilience.checkpoint_every_steps=2", f"cluster.env={json.dumps(env)}"):
+        args += ["--set", s]
+    r, summary = run_job(home, args, None, timeout=300, env_extra={"RAYSPEED_TEST_API_KEY": SHELL_SECRET})
+    assert r.returncode == 0 and summary and summary["status"] == "finished", r.stdout[-2000:] + r.stderr[-3000:]
+    secrets = (HF_TOKEN, PROXY_PASSWORD, SHELL_SECRET)
+    masked_key = re.compile(r"""["']?\bkey["']?\s*[:=]\s*["']?\*\*\*""")
+
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow_run_id"])
+    seen = {f"param {k}": v for k, v in run.data.params.items()}
+    seen.update({f"tag {k}": v for k, v in run.data.tags.items()})
+    artifacts = tmp_path / "artifacts"
+    client.download_artifacts(run.info.run_id, "", str(artifacts))
+    storage = Path(run.data.params["storage.path.resolved"])
+    files = [*_text_files(artifacts), *_text_files(storage), *_text_files(home)]
+    assert {"plan/plan.json", "config/resolved.yaml", "health/preflight.json"} <= {
+        str(p.relative_to(artifacts)) for p, _ in _text_files(artifacts)}
+    assert any(p.parent.name.startswith("checkpoint_") for p, _ in _text_files(storage))
+    seen.update({f"file {p}": data.decode("utf-8", "replace") for p, data in files})
+    seen.update({"stdout": r.stdout, "stderr": r.stderr})
+    leaks = [f"{where}: {s[:8]}..." for where, text in seen.items() for s in secrets if s in text]
+    assert not leaks, "secrets in clear:\n" + "\n".join(leaks)
+    masked = [where for where, text in seen.items() if masked_key.search(text)]
+    assert not masked, "a field named key masked:\n" + "\n".join(masked)
+
+    # The secrets reached the run and were masked there (not dropped), and the claims name their real keys.
+    assert run.data.params["cluster.env.HF_TOKEN"] == MASK
+    assert f"ci:{MASK}@127.0.0.1" in run.data.params["cluster.env.HTTPS_PROXY_FOR_MIRROR"]
+    plan = json.loads((artifacts / "plan" / "plan.json").read_text())
+    assert {c["key"] for c in plan["plan"]["claims"] if c["kind"] == "key"} == set(LAYOUT_KEYS)
+    assert '"key": "tp"' in run.data.params["plan.claims"]

@@ -1,28 +1,27 @@
 """The checkpoint manifest protocol on pyarrow filesystems (what Ray Train's storage accepts: s3://, gs://, ...),
-without a network: pyarrow's in-memory filesystem behind mock:// URIs, a local directory behind file:// URIs,
-and explicit `filesystem=` arguments (LocalFileSystem, and SubTreeFileSystem, which has no atomic-rename
-guarantee of its own). The same checks as tests/test_checkpoint_store.py, plus: URIs come back as URIs, the
-object-store commit (one PUT, no temporary object) and interoperability with checkpoints written locally."""
+without a network: a real S3 API (moto's server on 127.0.0.1, tests/_moto.py) behind s3:// URIs, a local
+directory behind file:// URIs, and explicit `filesystem=` arguments (LocalFileSystem, and SubTreeFileSystem,
+which has no atomic-rename guarantee of its own). The same checks as tests/test_checkpoint_store.py, plus: URIs
+come back as URIs, the object-store commit (one PUT, no temporary object) and interoperability with checkpoints
+written locally."""
 
 import json
-import uuid
 
 import pytest
 from pyarrow import fs as pafs
 
 from rayspeed import paths, storage
 from rayspeed.checkpoint import manifest
-from rayspeed.storage import object_store
 
 
 class Backend:
     """A checkpoint root on one kind of storage; `put`/`get` write and read files through its filesystem."""
 
-    def __init__(self, kind, tmp_path):
+    def __init__(self, kind, tmp_path, s3=None):
         self.kind = kind
         self.kw = {}
-        if kind == "mock":
-            self.root = f"mock:///bucket-{uuid.uuid4().hex[:8]}/runs/job"
+        if kind == "s3":
+            self.root = f"s3://{s3.bucket()}/runs/job"
         elif kind == "file-uri":
             (tmp_path / "runs").mkdir()
             self.root = (tmp_path / "runs").as_uri()
@@ -65,9 +64,9 @@ class Backend:
         return sorted(i.path.rstrip("/").rsplit("/", 1)[-1] for i in self.fs.get_file_info(sel))
 
 
-@pytest.fixture(params=["mock", "file-uri", "local-fs", "subtree-fs"])
+@pytest.fixture(params=["s3", "file-uri", "local-fs", "subtree-fs"])
 def backend(request, tmp_path):
-    return Backend(request.param, tmp_path)
+    return Backend(request.param, tmp_path, request.getfixturevalue("s3") if request.param == "s3" else None)
 
 
 def make(b, step, files=None, commit=True):
@@ -136,28 +135,26 @@ def test_candidates_newest_first_in_the_callers_form(backend):
     backend.put("not_a_checkpoint/x", b"x")
     found = manifest.candidates(backend.root, **backend.kw)
     assert [manifest.step_of(p) for p in found] == [11, 7, 3]
-    if backend.kind == "mock":  # URIs stay URIs, and resolve to the same in-memory filesystem
+    if backend.kind == "s3":  # URIs stay URIs, and resolve to the same bucket
         assert all(str(p).startswith(backend.root + "/") for p in found)
         assert manifest.verify(found[0]).ok
     assert manifest.candidates(backend.join("nowhere"), **backend.kw) == []
 
 
-def test_object_store_commit_is_one_put(monkeypatch, tmp_path):
-    """On S3/GCS/Azure (no rename) the manifest is written in one PUT; no temporary object is ever created."""
-    b = Backend("mock", tmp_path)
-    monkeypatch.setattr(object_store, "OBJECT_STORES", object_store.OBJECT_STORES + (b.fs.type_name,))
-    writes = []
+def test_object_store_commit_is_one_put(tmp_path, s3):
+    """On S3/GCS/Azure (no rename) the manifest is written in one PUT; no temporary object is ever created. With
+    the bucket versioned, S3 itself keeps every PUT and every delete: a write-then-move would leave a version of
+    manifest.json.tmp and its delete marker."""
+    b = Backend("s3", tmp_path, s3)
+    bucket, prefix = b.root[len("s3://"):].split("/", 1)
+    client = s3.client()
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
     d = make(b, 10, commit=False)
-    real = object_store.ObjectStoreLocation.put
-
-    def spy(loc, data):
-        writes.append(loc.fs_path)
-        return real(loc, data)
-
-    monkeypatch.setattr(object_store.ObjectStoreLocation, "put", spy)
     manifest.write_manifest(d, 10, {"world_size": 1})
-    assert writes == [f"{b.base}/{manifest.dir_name(10)}/manifest.json"]
-    assert not b.exists(f"{manifest.dir_name(10)}/manifest.json.tmp")
+    key = f"{prefix}/{manifest.dir_name(10)}/manifest.json"
+    history = client.list_object_versions(Bucket=bucket, Prefix=key)
+    assert [v["Key"] for v in history.get("Versions", [])] == [key], history.get("Versions")
+    assert history.get("DeleteMarkers", []) == []
     assert manifest.verify(d).ok
 
 

@@ -4,6 +4,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,24 +96,30 @@ def test_throughput_and_grad_norm_detectors():
     assert [i for i, _, _ in doctor.grad_norm_spikes(lines)] == [4]
 
 
-def test_job_id_reads_the_ray_jobs_api(monkeypatch):
-    seen = {}
+@pytest.mark.ray
+def test_job_id_reads_the_ray_jobs_api(ray_head, monkeypatch):
+    """A real job on the session's Ray head prints a sample log; the doctor reads it back by id through Ray's own
+    JobSubmissionClient at the dashboard address a user passes with --address."""
+    from ray.dashboard.utils import get_address_for_submission_client
+    from ray.job_submission import JobStatus, JobSubmissionClient
 
-    class FakeClient:
-        def __init__(self, address):
-            seen["address"] = address
-
-        def get_job_logs(self, job_id):
-            seen["job"] = job_id
-            return (LOGS / "nan_loss.log").read_text()
-
-    import ray.job_submission
-
-    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", FakeClient)
-    text, source = doctor.read_source("raysubmit_AbC123", address="http://10.0.0.2:8265")
-    assert (seen == {"address": "http://10.0.0.2:8265", "job": "raysubmit_AbC123"}
-            and source == "ray job raysubmit_AbC123")
+    # Both would override the address the doctor is given (Ray reads them first).
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    dashboard = get_address_for_submission_client(ray_head.address)
+    client = JobSubmissionClient(dashboard)
+    job_id = client.submit_job(entrypoint=f"cat {LOGS / 'nan_loss.log'}")
+    deadline = time.time() + 60
+    while (status := client.get_job_status(job_id)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.time() < deadline, f"job {job_id} still {status} after 60 s"
+        time.sleep(0.5)
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs(job_id)[-2000:]
+    text, source = doctor.read_source(job_id, address=dashboard)
+    # The driver log is the job's output after Ray's own line(s) about setting the job up.
+    assert source == f"ray job {job_id}" and text.endswith((LOGS / "nan_loss.log").read_text())
     assert doctor.diagnose(text)[0].category == "nan_loss"
+    with pytest.raises(ConfigError, match=f"the Ray Jobs API at {dashboard} has no such job"):
+        doctor.read_source("raysubmit_NoSuchJob0", address=dashboard)
     with pytest.raises(ConfigError, match="no such file"):
         doctor.read_source("missing/file.log")
 

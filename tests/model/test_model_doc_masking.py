@@ -4,7 +4,6 @@ plain causal one it always was."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 from types import SimpleNamespace
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from rayspeed.compat import skip_deepspeed_shm_comm_op
 from rayspeed.config.shape import ModelShape
 
 VOCAB, SEQ = 64, 32
@@ -99,9 +99,7 @@ def _ranks(rank, world_size, case):
     from rayspeed.parallel.groups import ParallelGroups
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_comm_torch, "build_shm_op"):
-        ds_comm_torch.build_shm_op = lambda: None
+    skip_deepspeed_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     docs, x, y, seg = _packed()
     shape = _shape(tied=case != "pp2")

@@ -6,7 +6,6 @@ tied-embedding Llama model with llama3 RoPE scaling."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import pytest
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 
 from _dist import run_distributed
 from _hf_models import LLAMA_TIED, QWEN, save, shape_of
+from rayspeed.compat import skip_deepspeed_shm_comm_op
 
 SEQ, BATCH = 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -150,9 +150,7 @@ def _ranks(rank, world_size, cases):
     from rayspeed.parallel.layers import deferred_init
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_comm_torch, "build_shm_op"):
-        ds_comm_torch.build_shm_op = lambda: None
+    skip_deepspeed_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
     for case, model_dir, tp, pp, sp in cases:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 from types import SimpleNamespace
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from rayspeed.compat import skip_deepspeed_shm_comm_op
 
 CFG = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
            vocab_size=64, seq_len=8)
@@ -68,10 +68,7 @@ def _train_pipeline(rank, world_size, cases):
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # On the CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce op (only used
     # for inference) when its comm backend starts; skip it so the test needs no compiler.
-    # (import_module: the package attribute `deepspeed.comm.torch` is the torch module itself)
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_comm_torch, "build_shm_op"):
-        ds_comm_torch.build_shm_op = lambda: None
+    skip_deepspeed_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
 
     results = {}

@@ -5,7 +5,6 @@ resize) that loads into another split and continues the same trajectory."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from rayspeed.compat import skip_deepspeed_shm_comm_op
 
 CFG = dict(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=64, seq_len=8)
 SEED = 5
@@ -61,9 +61,7 @@ def _init_deepspeed():
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_comm_torch, "build_shm_op"):  # no C++ build of DeepSpeed's inference all-reduce on CPU
-        ds_comm_torch.build_shm_op = lambda: None
+    skip_deepspeed_shm_comm_op()  # no C++ build of DeepSpeed's inference all-reduce on CPU
     deepspeed.init_distributed(dist_backend="gloo")
     return deepspeed
 

@@ -5,9 +5,11 @@ faster fitting layout is listed with its reason, the per-key statements (recompu
 ZeRO++ and seed-rule statements match the numbers; the seed rules are hypotheses, never filters."""
 
 import os
+import re
 
 import pytest
 
+from rayspeed.config.layout import LAYOUT_KEYS
 from rayspeed.config.load import load
 from rayspeed.planner import plan_job
 from rayspeed.planner.search import NEAR_TIE, build_ctx, enumerate_layouts, evaluate, fixed_keys
@@ -53,12 +55,39 @@ def _claims(res, kind):
     return [c for c in res.best["claims"] if c["kind"] == kind]
 
 
+# Layout.short(): "dp256 tp2+sp pp1 zero3 hpz4 mb4 ga1 ckpt=selective" (cp, ep, stages and hpz only when used).
+_SHORT = re.compile(r"dp(?P<dp>\d+)(?: cp(?P<cp>\d+))?(?: ep(?P<ep>\d+))? tp(?P<tp>\d+)(?P<sp>\+sp)? pp(?P<pp>\d+)"
+                    r"(?: stages=(?P<stages>[\d/]+))? zero(?P<zero>\d)(?: hpz(?P<hpz>\d+))? mb(?P<mb>\d+) ga(?P<ga>\d+)"
+                    r" ckpt=(?P<ckpt>\w+)")
+
+
+def _layout_fields(short: str) -> dict:
+    m = _SHORT.fullmatch(short)
+    assert m, f"not a layout: {short!r}"
+    g = m.groupdict()
+    return {"dp": int(g["dp"]), "tp": int(g["tp"]), "pp": int(g["pp"]), "zero_stage": int(g["zero"]),
+            "micro_batch_size": int(g["mb"]), "grad_accum": int(g["ga"]), "sequence_parallel": bool(g["sp"]),
+            "activation_checkpointing": g["ckpt"], "cp": int(g["cp"] or 1), "ep": int(g["ep"] or 1),
+            "hpz": int(g["hpz"] or 1),
+            "stage_layers": [int(n) for n in g["stages"].split("/")] if g["stages"] else None}
+
+
+def _plan_layout(best: dict) -> dict:
+    """The layout a plan carries: its layout keys, ZeRO++'s partition size in its DeepSpeed settings, the split."""
+    return {**{k: best[k] for k in LAYOUT_KEYS},
+            "hpz": (best.get("deepspeed") or {}).get("zero_hpz_partition_size", 1),
+            "stage_layers": best.get("stage_layers")}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_chosen_layout_is_the_fastest_fitting_one_unless_a_stated_policy_says_otherwise(name):
     res, estimates, ctx = _plan(name)
     (chosen,) = _claims(res, "chosen")
     best_s = res.best["step_time_s"]
-    assert chosen["layout"] == res.best["layout"] if "layout" in res.best else True
+    # The claim names its layout in short form; the plan carries the same layout as fields.
+    assert _layout_fields(chosen["layout"]) == _plan_layout(res.best), chosen["layout"]
+    assert chosen["step_time_s"] == res.best["step_time_s"]
+    assert chosen["fits_with_margin"] == res.best["fits_with_margin"]
     fitting = [e for e in estimates if e.fits]
     safe = [e for e in fitting if e.safe]
     if safe:  # the pick fits with the memory margin whenever any layout does

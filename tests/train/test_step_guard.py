@@ -42,11 +42,11 @@ def _batch(seed):
 
 
 def _world(rank, world_size):
-    import importlib
     import logging
 
     import deepspeed
 
+    from rayspeed.compat import skip_deepspeed_shm_comm_op
     from rayspeed.engine.build import build_engine
     from rayspeed.engine.clip import GradClipper, global_grad_norm
     from rayspeed.engine.deepspeed_config import deepspeed_config, rayspeed_clips
@@ -55,9 +55,7 @@ def _world(rank, world_size):
     from rayspeed.train.step_guard import StepGuard
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    comm = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(comm, "build_shm_op"):
-        comm.build_shm_op = lambda: None
+    skip_deepspeed_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
     for name, spec in LAYOUTS.items():

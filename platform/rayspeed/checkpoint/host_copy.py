@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rayspeed.compat import storage_identity
+
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
 
 
@@ -82,7 +84,7 @@ class HostCopy:
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         src = t.untyped_storage()
-        sid = src._cdata  # what torch.save keys storages by: one copy per storage, shared like the original
+        sid = storage_identity(src)  # one copy per storage, shared like the original
         host = self._storages.get(sid)
         if host is None:
             host = self._buffer(src.nbytes(), src.device.type == "cuda")

@@ -8,6 +8,7 @@ Nothing here is imported by the planner: Ray and DeepSpeed are imported inside t
 
 from __future__ import annotations
 
+from rayspeed.compat.datasets_internals import dataset_fingerprint
 from rayspeed.compat.deepspeed_internals import (
     PARTS_PREFIX,
     ExplicitPipelineParts,
@@ -33,7 +34,11 @@ from rayspeed.compat.ray_internals import (
     lean_trainer_class,
     set_worker_group_start_timeout,
 )
-from rayspeed.compat.torch_internals import compile_errors_fall_back_to_eager, fused_optimizer_devices
+from rayspeed.compat.torch_internals import (
+    compile_errors_fall_back_to_eager,
+    fused_optimizer_devices,
+    storage_identity,
+)
 
 RAY_VERSION = "2.60.0"
 DEEPSPEED_VERSION = "0.19.8"
@@ -41,10 +46,11 @@ DEEPSPEED_VERSION = "0.19.8"
 __all__ = ["DEEPSPEED_VERSION", "ExplicitPipelineParts", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSION",
            "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer", "cp_loss_scale",
            "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
-           "deepspeed_comm_backend", "fail_after_capacity_wait", "forget_reported_checkpoints",
+           "dataset_fingerprint", "deepspeed_comm_backend", "fail_after_capacity_wait", "forget_reported_checkpoints",
            "fused_optimizer_devices", "group_decays", "lean_trainer_class", "methods_replaced", "mlflow_process_state",
            "mlflow_process_store", "pipeline_explicit_parts", "repair_universal_optimizer_load",
-           "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm", "zero3_partition_over"]
+           "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm", "storage_identity",
+           "zero3_partition_over"]
 
 
 
@@ -148,4 +154,14 @@ def check() -> list[str]:
     if not hasattr(fluent, "_active_experiment_id"):
         problems.append("mlflow.tracking.fluent._active_experiment_id moved: mlflow_process_store cannot restore "
                         "the active experiment")
+    import torch
+
+    if not isinstance(getattr(torch.empty(1).untyped_storage(), "_cdata", None), int):
+        problems.append("torch storages have no _cdata: storage_identity (the async checkpoint's host copy) and "
+                        "torch.save's storage keys must be re-checked")
+    import datasets
+
+    if dataset_fingerprint(datasets.Dataset.from_dict({"x": [1]})) is None:
+        problems.append("datasets.Dataset has no _fingerprint: the data cache of an hf source no longer sees a "
+                        "changed dataset (dataset_fingerprint)")
     return problems

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
+from rayspeed.compat import dataset_fingerprint
 from rayspeed.config.examples import prepare_hint
 from rayspeed.errors import ConfigError
 
@@ -192,7 +193,7 @@ def plan_units(spec: DataSpec) -> tuple[list[Unit], list[Any]]:
                                 repr(getattr(info, "download_checksums", None))]
             raw = [("stream", str(spec.dataset), i, i + 1, (), 0) for i in range(n)]
         else:
-            ident = ["hf", spec.dataset, spec.split, getattr(ds, "_fingerprint", None), len(ds)]
+            ident = ["hf", spec.dataset, spec.split, dataset_fingerprint(ds), len(ds)]
             per_row = max(1, int(ds.data.nbytes) // max(1, len(ds)))
             raw = [("hf", str(spec.dataset), a, b, (), (b - a) * per_row) for a, b in _row_units(len(ds))]
         return [Unit(i, *r) for i, r in enumerate(raw)], ident
