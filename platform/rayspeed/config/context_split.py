@@ -53,9 +53,9 @@ def auto_degrees(seq_len: int, room: int) -> list[int]:
     return out
 
 
-def context_problems(m, par, num_kv_heads: int) -> list[str]:
-    """The job's parallel.cp and parallel.cp_scheme against its model and the other degrees set (auto ones are the
-    planner's to choose)."""
+def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> list[str]:
+    """The job's parallel.cp and parallel.cp_scheme against its model, the other degrees set (auto ones are the
+    planner's to choose) and the world size (None: elastic, checked per attempt)."""
     cp, tp = par.cp, par.tp
     if not isinstance(cp, int):
         return []
@@ -63,6 +63,9 @@ def context_problems(m, par, num_kv_heads: int) -> list[str]:
         return [f"parallel.cp: must be >= 1 or auto, got {cp}"]
     if cp == 1:
         return []
+    if world and world % cp:  # said alone: no seq_len makes it divide
+        return [f"parallel.cp ({cp}) does not divide the world size ({world} workers, cluster.num_workers); use a "
+                f"cp that divides {world} (or auto)"]
     out = []
     why = cp_problem(m.seq_len, m.num_heads, num_kv_heads, tp if isinstance(tp, int) and tp >= 1 else 1, cp,
                      par.cp_scheme)

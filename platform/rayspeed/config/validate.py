@@ -16,17 +16,13 @@ from rayspeed.config import adapter, eval_keys, objective_keys
 from rayspeed.config.context_split import context_problems
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.moe_keys import moe_problems
+from rayspeed.config.names import name_problems, registered_name_problems
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
 from rayspeed.families.family import FULL_ATTENTION, LAYER_TYPES, SLIDING_ALL_LAYERS, SLIDING_ATTENTION, SLIDING_NONE
 
 CALLBACK_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
-# File names are at most 255 bytes on every common filesystem; the job's folders add suffixes (.superseded-...).
-MAX_NAME_BYTES = 200
-_RESERVED_NAME_RE = re.compile(r"\.superseded-")
-# MLflow's rule for registered model names (they appear in models:/<name>/<version> URIs).
-_REGISTERED_RE = re.compile(r"[^/:]+")
 
 
 def head_dim_problems(m: Any, family: families.Family) -> list[str]:
@@ -138,11 +134,8 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     p: list[str] = []
     m, t, par, c, r = cfg.model, cfg.train, cfg.parallel, cfg.cluster, cfg.resilience
     kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    p += name_problems(cfg.name)
+    p += name_problems(cfg.name) + registered_name_problems(cfg.tracking.register_model)
     p += number_problems(cfg)
-    if cfg.tracking.register_model != AUTO and not _REGISTERED_RE.fullmatch(cfg.tracking.register_model):
-        p.append(f"tracking.register_model: {cfg.tracking.register_model!r} may not contain '/' or ':' or be empty "
-                 "(MLflow's rule for registered model names: they appear in models:/<name>/<version>)")
     for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "seq_len"):
         if getattr(m, key) < 1:
             p.append(f"model.{key}: must be >= 1, got {getattr(m, key)}")
@@ -229,14 +222,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         elif par.pp != AUTO and len(split) != par.pp:
             p.append(f"parallel.stage_layers gives {len(split)} stages but parallel.pp is {par.pp}; set pp to "
                      f"{len(split)} or auto")
-    world = c.max_workers
-    if isinstance(par.cp, int) and par.cp > 1 and not c.elastic and world % par.cp:
-        # Said first, and alone: no seq_len makes a cp that does not divide the world fit it.
-        p.append(f"parallel.cp ({par.cp}) does not divide the world size ({world} workers, cluster.num_workers); "
-                 f"use a cp that divides {world} (or auto)")
-    else:
-        p += context_problems(m, par, kv)
-    p += moe_problems(cfg)
+    p += context_problems(m, par, kv, None if c.elastic else c.max_workers) + moe_problems(cfg)
     if par.sequence_parallel is True and par.tp == 1:
         p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
     if par.sequence_parallel is True and isinstance(par.tp, int) and sequence_parallel_problem(m.seq_len, par.tp):
@@ -297,25 +283,6 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     p += [f"train.callbacks: {name!r} is not `package.module:Class` (e.g. mypkg.hooks:PrintLoss)"
           for name in cfg.train.callbacks if not CALLBACK_NAME.fullmatch(str(name))]
     return p + health_problems(cfg, lint_cluster_env)
-
-
-def name_problems(name: str) -> list[str]:
-    """The job name names folders, MLflow runs and registered models: checked here, not when the folder is made."""
-    why = "it names the job's folders, its MLflow run and its registered model"
-    if not name:
-        return [f"name: must not be empty ({why})"]
-    if not (name[0].isascii() and name[0].isalnum()):
-        return [f"name: {name!r} must start with an ASCII letter or digit (not {name[0]!r}: {why})"]
-    bad = sorted({ch for ch in name if not (ch.isascii() and (ch.isalnum() or ch in "._-"))})
-    if bad:
-        return [f"name: {name!r} may hold only ASCII letters, digits, '.', '_' and '-' (found "
-                f"{', '.join(repr(b) for b in bad)}; {why})"]
-    if len(name.encode()) > MAX_NAME_BYTES:
-        return [f"name: {len(name.encode())} bytes; at most {MAX_NAME_BYTES} ({why}, and with its suffixes it must "
-                "stay a valid file name)"]
-    if _RESERVED_NAME_RE.search(name):
-        return [f"name: {name!r} looks like a job set aside by --fresh (<name>.superseded-<time>); choose another"]
-    return []
 
 
 # Keys whose value must be a finite number in a range; (key, lowest, inclusive, highest, inclusive, why).
