@@ -82,6 +82,19 @@ def test_oom_gets_the_planners_view_from_the_config_in_the_log():
     assert f.extra["planner"]["best"]["fits"] is True
 
 
+def test_the_plan_line_with_every_degree_is_read_as_the_older_one():
+    old = (LOGS / "oom.log").read_text()
+    new = old.replace("plan: dp=16 tp=1 pp=1 zero=0", "plan: dp=8 cp=2 tp=1 pp=1 ep=1 zero=0")
+    assert new != old
+    ran_old, ran_new = (_only(doctor.diagnose(text)).extra["planner"]["ran"] for text in (old, new))
+    assert (ran_old["dp"], ran_old["cp"]) == (16, 1) and (ran_new["dp"], ran_new["cp"], ran_new["ep"]) == (8, 2, 1)
+
+
+def _only(findings):
+    (f,) = findings
+    return f
+
+
 def test_fragmentation_is_told_apart():
     (f,) = _diagnose("oom_fragmentation.log")
     assert f.cause.startswith("fragmentation") and f.extra["oom"]["reserved_unallocated_gib"] == pytest.approx(11.1)
