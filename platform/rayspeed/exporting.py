@@ -1,4 +1,5 @@
-"""`rayspeed export <run id | checkpoint dir> --format hf|peft OUT`: a directory transformers (or peft) loads.
+"""`rayspeed export <run id | models:/name/version | checkpoint dir> --format hf|peft OUT`: a directory transformers
+(or peft) loads.
 
   * --format peft (an adapter job): adapter_config.json + adapter_model.safetensors, which
     peft.PeftModel.from_pretrained(base, OUT) loads on the job's base; --format hf of an adapter job merges the
@@ -8,7 +9,9 @@
     checkpoint) is verified against its manifest, consolidated with DeepSpeed's tools
     (rayspeed.checkpoint.consolidate) and written as config.json + safetensors + the job's tokenizer files;
   * an MLflow run id: the run's logged model (already Hugging Face format) is downloaded and its model and
-    tokenizer files copied; a run from before logged models existed is converted from its `model/` artifact.
+    tokenizer files copied; a run from before logged models existed is converted from its `model/` artifact;
+  * a registered version (`models:/name/3`, `models:/name@champion`): that version's own logged model, as for a run
+    (a run that registered twice, say resubmitted for more steps, has two).
 
 The byte tokenizer has no tokenizer files: none are written for it (ids are the text's UTF-8 bytes; pass
 `--byte-tokenizer` to write an equivalent transformers tokenizer). Bad input exits 2 with one line, before OUT
@@ -29,6 +32,7 @@ from typing import Any, Optional
 from rayspeed.errors import EXIT_BAD_INPUT, EXIT_OK
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+_VERSION = re.compile(r"^models:/[^/@]+(/\d+|@[^/]+)/?$")
 
 
 class ExportInputError(ValueError):
@@ -156,18 +160,8 @@ def _from_run(args: argparse.Namespace, out: Path) -> list[str]:
             return _peft_from_run(client, args.source, Path(tmp), out)
         if models:
             model_id = sorted(models, key=lambda m: m.creation_timestamp)[-1].model_id
-            with mlflow_process_store(uri):  # models:/ URIs resolve against the process-wide store
-                src = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=tmp))
-            out.mkdir(parents=True, exist_ok=True)
-            copied = []
-            for sub in ("model", "components/tokenizer"):
-                for f in sorted((src / sub).glob("*")) if (src / sub).is_dir() else []:
-                    if f.is_file():
-                        shutil.copy2(f, out / f.name)
-                        copied.append(f.name)
-            if not (out / "config.json").is_file():
-                raise ExportInputError(f"{args.source}: logged model {model_id} holds no Hugging Face model")
-            return [f"run {args.source}: logged model {model_id}", f"copied {', '.join(copied)}"]
+            return [f"run {args.source}: logged model {model_id}", *_copy_logged(uri, model_id, Path(tmp), out,
+                                                                                 args.source)]
         try:
             src = Path(client.download_artifacts(args.source, "model", tmp))
         except Exception:
@@ -184,6 +178,52 @@ def _from_run(args: argparse.Namespace, out: Path) -> list[str]:
         tok = _tokenizer(run.data.params.get("data.tokenizer", "bytes"), spec.get("pretrained"), args.byte_tokenizer)
         report = hf_dir_from_export(str(src), str(out), tok, int(args.max_shard_size * 1e9))
         return [f"run {args.source}: converted its model/ export", f"{len(report['weights'])} safetensors file(s)"]
+
+
+def _copy_logged(uri: str, model_id: str, tmp: Path, out: Path, source: str) -> list[str]:
+    """A logged model's Hugging Face files (MLflow's transformers flavor keeps the tokenizer apart, under
+    components/tokenizer) copied flat into OUT."""
+    import mlflow
+
+    from rayspeed.compat import mlflow_process_store
+
+    with mlflow_process_store(uri):  # models:/ URIs resolve against the process-wide store
+        src = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=str(tmp)))
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for sub in ("model", "components/tokenizer"):
+        for f in sorted((src / sub).glob("*")) if (src / sub).is_dir() else []:
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
+                copied.append(f.name)
+    if not (out / "config.json").is_file():
+        raise ExportInputError(f"{source}: logged model {model_id} holds no Hugging Face model")
+    return [f"copied {', '.join(copied)}"]
+
+
+def _from_version(args: argparse.Namespace, out: Path) -> list[str]:
+    from mlflow.exceptions import MlflowException
+
+    from rayspeed.model.warm_start import WarmStartError
+    from rayspeed.paths import MLFLOW_DB, home
+    from rayspeed.tracking.client import mlflow_client
+    from rayspeed.tracking.model_fetch import parse_models_uri, resolve_alias
+
+    if args.format == "peft":
+        raise ExportInputError(f"{args.source}: --format peft takes the adapter job's run id or a checkpoint")
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / MLFLOW_DB}"
+    try:
+        name, _, version = parse_models_uri(resolve_alias(args.source, uri)) or ("", None, None)
+        mv = mlflow_client(uri).get_model_version(name, str(version))
+    except (MlflowException, WarmStartError):  # an unknown name, version or alias
+        raise ExportInputError(f"{args.source}: no such registered version in {uri} (pass --tracking-uri)") from None
+    model_id = (mv.source or "").removeprefix("models:/")
+    if not (mv.source or "").startswith("models:/") or "/" in model_id:
+        raise ExportInputError(f"{args.source}: version {version} of {name} is no logged model ({mv.source}); "
+                               f"export its run ({mv.run_id}) instead")
+    with tempfile.TemporaryDirectory(prefix="rayspeed-export-") as tmp:
+        return [f"{args.source}: logged model {model_id}", *_copy_logged(uri, model_id, Path(tmp), out,
+                                                                          args.source)]
 
 
 def _peft_from_run(client: Any, run_id: str, tmp: Path, out: Path) -> list[str]:
@@ -205,6 +245,8 @@ def _peft_from_run(client: Any, run_id: str, tmp: Path, out: Path) -> list[str]:
 def export_command(args: argparse.Namespace) -> int:
     from rayspeed.errors import ConfigError
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per download is noise in a log
+
     try:
         out = _check_out(args.out)
         src = Path(args.source).expanduser()
@@ -212,8 +254,11 @@ def export_command(args: argparse.Namespace) -> int:
             lines = _from_checkpoint(args, out)
         elif _RUN_ID.match(args.source):
             lines = _from_run(args, out)
+        elif _VERSION.match(args.source):
+            lines = _from_version(args, out)
         else:
-            raise ExportInputError(f"{args.source}: neither a directory nor an MLflow run id (32 hex digits)")
+            raise ExportInputError(f"{args.source}: neither a directory, an MLflow run id (32 hex digits) nor a "
+                                   "registered version (models:/name/3 or models:/name@alias)")
     except (ExportInputError, ConfigError) as e:
         msg = e.render() if isinstance(e, ConfigError) else str(e)
         print(f"rayspeed export: {msg}", file=sys.stderr)

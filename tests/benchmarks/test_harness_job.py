@@ -5,7 +5,8 @@ JSON as eval/step_N.json, and the first evaluation's score reaches MLflow while 
 last step's loss is logged, with steps logged between its submission and its result (the job's own callback slows
 the steps after the evaluated checkpoint, at most 2 s each, until the scores are in, and holds the step before the
 last for them, so the order does not hang on this machine's speed; the scores it waits for are the ones rayspeed
-keeps for a job's callbacks)."""
+keeps for a job's callbacks). The last score equals lm-eval's own simple_evaluate on that checkpoint, exported the
+way users export one."""
 
 from __future__ import annotations
 
@@ -54,6 +55,24 @@ def test_scores_at_each_checkpoint_arrive_while_training_goes_on(examples_home, 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     scores = sorted(client.get_metric_history(run_id, "eval/facts/acc"), key=lambda m: m.step)
     assert [m.step for m in scores] == [20, 40] and all(0.0 <= m.value <= 1.0 for m in scores)
+
+    # lm-eval's own simple_evaluate on the last checkpoint, exported as users export it, with the job's settings (the
+    # whole task, zero-shot, the tokenizer's chat template: checked in the results JSON below): the score rayspeed
+    # recorded is lm-eval's.
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from rayspeed.cli import main as cli
+
+    exported = tmp_path / "exported"
+    assert cli(["export", str(tmp_path / "runs" / "sft-harness" / "checkpoint_step00000040"), str(exported),
+                "--format", "hf"]) == 0
+    own = simple_evaluate(model="hf", model_args={"pretrained": str(exported), "dtype": "float32"}, tasks=["facts"],
+                          device="cpu", batch_size=8, apply_chat_template=True, bootstrap_iters=0,
+                          task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
+    assert own["n-samples"]["facts"]["effective"] == 4
+    assert {k: v for k, v in own["results"]["facts"].items() if isinstance(v, float)} == {"acc,none": scores[-1].value}
+
     losses = {m.step: m.timestamp for m in client.get_metric_history(run_id, "train/loss")}
     first = scores[0].timestamp
     assert first < losses[40], "the first evaluation's score came after training ended"
@@ -65,3 +84,4 @@ def test_scores_at_each_checkpoint_arrive_while_training_goes_on(examples_home, 
     assert record["results"]["facts"]["acc,none"] == scores[0].value and record["n-samples"]["facts"]["effective"] == 4
     assert record["chat_template"] is True  # the example's tokenizer has one (eval.harness.chat_template auto)
     assert metric_history(tmp_path, run_id, "train/loss")[-1][0] == 40
+

@@ -1,71 +1,139 @@
 """rayspeed retrain --gate: promotion on benchmark scores measured now, the same way, on the champion and the
-challenger (the job's eval.harness settings: a local lm-eval task the test writes). The cycle's training job is the
-stub of test_retrain_promotion (it registers a prepared model); the two models are the example chat model and a
-perturbed copy, the better-scoring one the champion. The worse challenger is rejected naming the gate and both
-scores; the gate's arithmetic (direction from lm-eval, min_delta, a missing score) and bad --gate values are
-checked without evaluating anything."""
+challenger (the job's eval.harness settings: a local lm-eval task the test writes, tests/_facts_task.py). Three real
+cycles (--launcher local, a real MLflow store in tmp_path) of a chat fine-tune of the example chat model on its
+facts: the first starts from the pretrained weights and is promoted (no champion yet); the second, trained longer,
+answers more of the task's questions and the gate promotes it; the third, at a destructive learning rate, answers
+fewer and the gate rejects it naming both scores. A gate on a metric the task does not report is bad input before
+anything trains; the gate's arithmetic (direction from lm-eval, min_delta, a missing score) is checked without
+evaluating anything."""
 
 from __future__ import annotations
 
-import shutil
+import json
+import logging
 from pathlib import Path
 
 import pytest
+from test_retrain import _job as _byte_job
+from test_retrain import home  # noqa: F401  (the fixture)
 
-import _retrain_stub
 from _facts_task import write_task
-from _retrain_stub import REG, client, job_file, register_champion, stub_command
 
-home = _retrain_stub.home  # the fixture
+REG = "rayspeed-rtg"
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _perturbed(source: str, out: Path, seed: int) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _chat_facts_task(where: Path) -> Path:
+    """tests/_facts_task.py's task over the example chat model's own facts (scripts/make_tiny_chat_model.py), so that
+    training on its chats raises the score: the right answer and two other facts' answers, never first (a model
+    whose weights are NaN picks the first choice: it scores 0)."""
+    import importlib.util
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(out)
-    for f in Path(source).iterdir():  # the tokenizer, its template
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out / f.name)
-    return str(out)
+    spec = importlib.util.spec_from_file_location("make_tiny_chat_model", ROOT / "scripts" / "make_tiny_chat_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    facts = script.FACTS
+    tasks = write_task(where)
+    with open(where / "facts.jsonl", "w") as f:
+        for i, (question, answer) in enumerate(facts):
+            wrong = [facts[(i + 1) % len(facts)][1], facts[(i + 7) % len(facts)][1]]
+            k = 1 + i % 2
+            f.write(json.dumps({"question": question, "choices": wrong[:k] + [answer] + wrong[k:], "answer": k}) + "\n")
+    return tasks
+
+
+def _chat_job(where: Path, made: dict, tasks: Path) -> str:
+    cfg = where / "job.yaml"
+    cfg.write_text(f"""
+name: rtg
+model: {{pretrained: "{made['model']}", init: pretrained, seq_len: 64}}
+data: {{source: files, path: "{made['chats']}/*.jsonl", format: chat, tokenizer: model, document_masking: true,
+       val_fraction: 0.1}}
+train: {{global_batch_size: 8, max_steps: 2, lr: 1.0e-5, min_lr: 1.0e-5, warmup_steps: 0, weight_decay: 0.0,
+        precision: fp32, eval_every_steps: 0, eval_batches: 1}}
+cluster: {{num_workers: 1}}
+resilience: {{checkpoint_every_steps: 0}}
+eval: {{harness: {{tasks: [facts], include_path: "{tasks}", every_checkpoints: 0}}}}
+tracking: {{log_every_steps: 10, system_metrics: false, loss_landscape: false, charts_every_checkpoints: 0}}
+health: {{preflight: false}}
+""")
+    return str(cfg)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_challenger_whose_score_dropped_is_rejected_naming_the_gate(home, examples_home):
-    from rayspeed.benchmarks.harness import evaluate, metrics_of
+@pytest.mark.timeout(600)
+def test_the_gate_promotes_a_better_challenger_and_rejects_a_worse_one(home, examples_home, caplog):  # noqa: F811
+    from mlflow.tracking import MlflowClient
+
     from rayspeed.retrain.cycle import run_cycle
 
+    made = examples_home[1]
+    cfg = _chat_job(home, made, _chat_facts_task(home))
+    c = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    caplog.set_level(logging.INFO, logger="rayspeed.retrain")
+
+    r1 = run_cycle(cfg, launcher="local", gates=["facts/acc"])
+    assert (r1.outcome, r1.version, r1.champion_after) == ("promoted", "1", "1"), r1.reason
+    start = next(m for m in caplog.messages if m.startswith(f"cycle {r1.job}: "))
+    assert start == f"cycle {r1.job}: from the pretrained weights of {made['model']} (model.pretrained)", start
+    assert c.get_model_version(REG, "1").tags["rayspeed.retrain.warm_start_from"] == f"model.pretrained {made['model']}"
+
+    r2 = run_cycle(cfg, ["train.max_steps=150", "train.lr=3.0e-3", "train.min_lr=3.0e-4"], force=True,
+                   launcher="local", gates=["facts/acc"])
+    assert (r2.outcome, r2.exit_code, r2.version, r2.champion_after) == ("promoted", 0, "2", "2"), r2.reason
+    tags = c.get_model_version(REG, "2").tags
+    scores = {v: json.loads(tags[f"rayspeed.retrain.gate_scores.{who}"])["eval/facts/acc"]
+              for v, who in (("1", "champion"), ("2", "challenger"))}
+    assert r2.warm_start_from == f"models:/{REG}/1" and scores["2"] > scores["1"], scores
+    assert f"gate facts/acc: version 2 {scores['2']:.6g} vs champion version 1 {scores['1']:.6g}" in r2.reason
+
+    r3 = run_cycle(cfg, ["train.max_steps=4", "train.lr=3.0", "train.min_lr=3.0"], force=True, launcher="local",
+                   gates=["facts/acc"])
+    assert (r3.outcome, r3.exit_code, r3.version, r3.champion_after) == ("rejected", 4, "3", "2"), r3.reason
+    worse = json.loads(c.get_model_version(REG, "3").tags["rayspeed.retrain.gate_scores.challenger"])["eval/facts/acc"]
+    assert worse < scores["2"]
+    assert (f"gate facts/acc: version 3 {worse:.6g} vs champion version 2 {scores['2']:.6g} (higher is better; "
+            f"needs >= {scores['2']:.6g})") in r3.reason
+    assert str(c.get_model_version_by_alias(REG, "champion").version) == "2"
+
+
+def test_a_gate_on_a_metric_the_task_does_not_report_stops_before_training(home, capfd):  # noqa: F811
+    from rayspeed.cli import main as cli
+
+    cfg = _byte_job(home)
     tasks = write_task(home)
-    settings = {"tasks": ["facts"], "include_path": str(tasks), "limit": None, "num_fewshot": None,
-                "chat_template": "auto", "batch_size": 8}
-    candidates = [examples_home[1]["model"]]
-    scores = [metrics_of(evaluate(candidates[0], settings))["eval/facts/acc"]]
-    for seed in range(3):  # a second model that scores otherwise
-        candidates.append(_perturbed(candidates[0], home / f"perturbed-{seed}", seed))
-        scores.append(metrics_of(evaluate(candidates[-1], settings))["eval/facts/acc"])
-        if scores[-1] != scores[0]:
-            break
-    assert scores[-1] != scores[0], scores
-    pair = [(candidates[0], scores[0]), (candidates[-1], scores[-1])]
-    (best, best_score), (worse, worse_score) = sorted(pair, key=lambda c: -c[1])
-    cfg = job_file(home)
     with open(cfg, "a") as f:
-        f.write(f"eval: {{harness: {{tasks: [facts], include_path: {tasks}}}}}\n"
-                "resilience: {checkpoint_every_steps: 2}\n")
-    register_champion(home, best, val=5.0)
-    r = run_cycle(cfg, launcher="local", job_cmd=stub_command(home), gates=["facts/acc"], cold=True,
-                  env={"STUB_MODEL_DIR": worse, "STUB_VAL_LOSS": "0.01"})
-    assert (r.outcome, r.exit_code, r.version, r.champion_after) == ("rejected", 4, "2", "1"), r.reason
-    assert (f"gate facts/acc: version 2 {worse_score:.6g} vs champion version 1 {best_score:.6g} (higher is better; "
-            f"needs >= {best_score:.6g})") in r.reason
-    tags = client(home).get_model_version(REG, "2").tags
-    assert '"eval/facts/acc"' in tags["rayspeed.retrain.gate_scores.champion"]
+        f.write(f'eval: {{harness: {{tasks: [facts], include_path: "{tasks}", every_checkpoints: 0}}}}\n')
+    before = sorted(p.relative_to(home) for p in home.rglob("*"))
+    capfd.readouterr()
+    assert cli(["retrain", "--config", str(cfg), "--gate", "facts/acc_norm", "--launcher", "local"]) == 2
+    out, err = capfd.readouterr()
+    assert err.strip().splitlines() == [
+        "retrain: bad_input (exit 2): --gate facts/acc_norm: task 'facts' reports no metric 'acc_norm'; its metrics: "
+        "acc (use one of them, e.g. --gate facts/acc)"], err
+    assert json.loads(out.strip().splitlines()[-1])["exit_code"] == 2
+    assert sorted(p.relative_to(home) for p in home.rglob("*")) == before  # nothing written
+
+
+def test_metric_names_come_from_the_task_config(tmp_path):
+    """metric_list x filter_list as lm-eval labels the scores (the filter kept after an underscore unless `none`),
+    lm-eval's defaults for the output type without a metric_list; None where the config alone does not say."""
+    from rayspeed.benchmarks.harness import metric_labels
+
+    tasks = write_task(tmp_path)
+    (tasks / "gen.yaml").write_text(
+        "task: gen\ndataset_path: json\noutput_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\n"
+        "metric_list:\n  - metric: exact_match\nfilter_list:\n  - name: strict-match\n    filter:\n"
+        "      - function: take_first\n  - name: none\n    filter:\n      - function: take_first\n")
+    (tasks / "mc.yaml").write_text("task: mc\ndataset_path: json\noutput_type: multiple_choice\ndoc_to_text: q\n"
+                                   "doc_to_choice: c\ndoc_to_target: 0\n")
+    (tasks / "custom.yaml").write_text("task: custom\ndataset_path: json\nprocess_results: !function utils.score\n"
+                                       "doc_to_text: q\ndoc_to_target: a\n")
+    settings = {"tasks": ["facts", "gen", "mc", "custom"], "include_path": str(tasks)}
+    assert metric_labels("facts", settings) == ["acc"]
+    assert metric_labels("gen", settings) == ["exact_match", "exact_match_strict-match"]
+    assert metric_labels("mc", settings) == ["acc", "acc_norm"]
+    assert metric_labels("custom", settings) is None
 
 
 def test_the_gate_arithmetic():

@@ -120,6 +120,14 @@ def test_logged_model_registered_loads_in_transformers_and_pyfunc(home, tmp_path
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(again(_ids()).logits, expected, rtol=1e-5, atol=1e-5)
+    # A registered version exports its own logged model (a run that registered twice has two).
+    assert export_main(["models:/rayspeed-hfjob/1", "--format", "hf", str(tmp_path / "v1"), "--tracking-uri", uri]) == 0
+    assert f"logged model {logged[0].model_id}" in capsys.readouterr().out
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "v1"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(_ids()).logits, expected, rtol=1e-5, atol=1e-5)
+    assert export_main(["models:/rayspeed-hfjob/9", "--format", "hf", str(tmp_path / "v9"), "--tracking-uri", uri]) == 2
+    assert "no such registered version" in capsys.readouterr().err and not (tmp_path / "v9").exists()
     assert export_main(["0" * 32, "--format", "hf", str(tmp_path / "o2"), "--tracking-uri", uri]) == 2
     assert "no such MLflow run" in capsys.readouterr().err
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from rayspeed.config.eval_keys import task_file
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-./ ]")
+_PLAIN = re.compile(r"^[A-Za-z0-9_\-.]+$")
 
 
 def all_local(settings: dict[str, Any]) -> bool:
@@ -65,13 +66,51 @@ def evaluate(model_dir: str, settings: dict[str, Any], device: str = "cpu") -> d
     return json.loads(json.dumps({k: res.get(k) for k in keep}, default=str)) | {"chat_template": use_chat}
 
 
+def _label(metric: str, filt: str) -> str:
+    return metric if filt in ("", "none") else f"{metric}_{filt}"
+
+
 def metric_key(task: str, name: str) -> Optional[str]:
     """`eval/<task>/<metric>` for a score of lm-eval's results (None: a standard error or not a score)."""
     metric, _, filt = name.partition(",")
     if "_stderr" in metric or metric in ("alias", "name", "sample_len", "samples"):
         return None
-    label = metric if filt in ("", "none") else f"{metric}_{filt}"
-    return _UNSAFE.sub("_", f"eval/{task}/{label}")
+    return _UNSAFE.sub("_", f"eval/{task}/{_label(metric, filt)}")
+
+
+def metric_labels(task: str, settings: dict[str, Any], manager: Any = None) -> Optional[list[str]]:
+    """The `<metric>` part of every eval/<task>/<metric> an evaluation of `task` will report, read from the task's
+    config before anything runs: its metric_list (lm-eval's defaults for its output_type without one) x its
+    filter_list (`none` without one), or a group's aggregate_metric_list x filter_list. None where the config alone
+    does not say: a Python task, process_results without a metric_list, a metric given as a function, a group
+    whose filters lm-eval finds in its children's results, a tag (its tasks report under their own names).
+    manager: task_manager(settings), when the caller has one (indexing lm-eval's own tasks takes seconds)."""
+    from lm_eval.api.registry import DEFAULT_METRIC_REGISTRY
+
+    # The index holds each task's YAML as read (includes merged, !function values left as their paths).
+    entry = (manager or task_manager(settings)).task_index.get(task)
+    kind = getattr(getattr(entry, "kind", None), "name", None)
+    cfg = getattr(entry, "cfg", None)
+    if kind not in ("TASK", "GROUP") or not isinstance(cfg, dict):
+        return None
+    pairs: list[tuple[Any, Any]] = []
+    if kind == "GROUP":
+        aggregates = cfg.get("aggregate_metric_list") or []
+        for agg in aggregates if isinstance(aggregates, list) else [aggregates]:
+            filters = agg.get("filter_list") if isinstance(agg, dict) else None
+            if filters is None:
+                return None
+            pairs += [(agg.get("metric"), f) for f in ([filters] if isinstance(filters, str) else filters)]
+    else:
+        if cfg.get("process_results") and not cfg.get("metric_list"):
+            return None
+        metrics = [m.get("metric") if isinstance(m, dict) else None for m in cfg.get("metric_list") or []] or \
+            DEFAULT_METRIC_REGISTRY.get(cfg.get("output_type") or "generate_until", [])
+        filters = [f.get("name") if isinstance(f, dict) else None for f in cfg.get("filter_list") or []] or ["none"]
+        pairs = [(m, f) for m in metrics for f in filters]
+    if not pairs or not all(isinstance(x, str) and _PLAIN.match(x) for pair in pairs for x in pair):
+        return None  # a !function metric: its name is the function's, known once it is imported
+    return sorted({_UNSAFE.sub("_", _label(m, f)) for m, f in pairs})
 
 
 def metrics_of(results: dict[str, Any]) -> dict[str, float]:

@@ -38,9 +38,12 @@ class ProcessRunner:
     def submit(self, step: int, spec: dict[str, Any]) -> None:
         log_path = os.path.join(spec["out"], "task.log")
         os.makedirs(spec["out"], exist_ok=True)
+        # The spec's env goes into the process's environment only: its command line is anyone's to read (`ps`), and
+        # env may name a tracking store with its credentials.
+        argv = json.dumps({k: v for k, v in spec.items() if k != "env"})
         with open(log_path, "w") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "rayspeed.benchmarks.task", json.dumps(spec)],
-                                    stdout=logf, stderr=subprocess.STDOUT, env=own_environment(spec.get("env", {})),
+            proc = subprocess.Popen([sys.executable, "-m", "rayspeed.benchmarks.task", argv], stdout=logf,
+                                    stderr=subprocess.STDOUT, env=own_environment(spec.get("env", {})),
                                     start_new_session=True)
         self.pending[step] = (proc, spec["out"])
 

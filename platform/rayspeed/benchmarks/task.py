@@ -1,6 +1,7 @@
-"""One evaluation, in a process of its own: a committed checkpoint exported to Hugging Face format (`rayspeed
-export ... --format hf`, the command users run), then lm-evaluation-harness on it; the results go to
-<out>/results.json (written last, atomically: its presence means done) and the exported model is deleted.
+"""One evaluation, in a process of its own: a committed checkpoint (or a registered version, models:/name/3: its
+logged model, what the retraining gates evaluate) exported to Hugging Face format (`rayspeed export ... --format
+hf`, the command users run), then lm-evaluation-harness on it; the results go to <out>/results.json (written last,
+atomically: its presence means done) and the exported model is deleted.
 
     python -m rayspeed.benchmarks.task '{"checkpoint": ..., "out": ..., "settings": {...}, "device": "cpu"}'
 """
@@ -41,8 +42,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         if os.path.isdir(model_dir):  # a retried task: start the export over
             shutil.rmtree(model_dir)
+        # --byte-tokenizer: lm-eval needs tokenizer files, which a byte-level job's export otherwise leaves out.
         r = subprocess.run([sys.executable, "-m", "rayspeed", "export", spec["checkpoint"], model_dir, "--format",
-                            "hf"], capture_output=True, text=True, env=env)
+                            "hf", "--byte-tokenizer"], capture_output=True, text=True, env=env)
         if r.returncode != 0:
             raise RuntimeError(f"export of {spec['checkpoint']} failed: {(r.stderr or r.stdout).strip()[-800:]}")
         exported = time.time()

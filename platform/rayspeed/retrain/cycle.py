@@ -10,12 +10,13 @@ What a cycle does, in order:
      it held is "skipped: locked" (exit 3). A dead holder's lock is released (flock) or expires (S3).
   3. Builds (or reuses) the job's token file (the cache the workers then read) for its content hash.
   4. Finds the champion (alias `champion` of the registered model: tracking.register_model or
-     rayspeed-<name>). Without one the cycle always trains (from scratch). With one, unchanged data -- the
-     hash of the last cycle that trained (<storage>/.retrain/<name>.json, for this MLflow store and model;
-     else the champion's tag rayspeed.data_hash) -- is "skipped" (exit 3) unless forced; otherwise the job
+     rayspeed-<name>). Without one the cycle always trains (from model.pretrained's weights when the job has them,
+     else from scratch). With one, unchanged data -- the hash of the last cycle that trained
+     (<storage>/.retrain/<name>.json, for this MLflow store and model; else the champion's tag
+     rayspeed.data_hash) -- is "skipped" (exit 3) unless forced; otherwise the job
      warm-starts from that exact version (train.init_from = models:/<name>/<version>, downloaded once into
      <storage>/.cache/models and checked against the job's model section first: a different architecture is
-     exit 2, or pass --cold to train from scratch).
+     exit 2, or pass --cold to train without the champion's weights).
   5. Runs the training job as a subprocess (`python -m rayspeed train`, i.e. jobs/train.py) under its own
      name <name>-cycle-<UTC timestamp>, so each cycle is its own MLflow run, registering a new version of the
      SAME registered model; RAY_ADDRESS (or an embedded local Ray, or --launcher local) decides where.
@@ -195,10 +196,11 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
         cfg = load(config, overrides)
     except ConfigError as e:
         raise _Stop("bad_input", e.render()) from None
-    from rayspeed.retrain.gates import parse_gates
+    from rayspeed.retrain.gates import check_metrics, parse_gates
 
     try:
         gates = parse_gates(gate_specs, cfg)
+        check_metrics(gates, cfg)
     except ValueError as e:
         raise _Stop("bad_input", str(e)) from None
     if cfg.train.objective == "dpo":
@@ -296,7 +298,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
             model_dir = resolve_init_from(init_spec, uri, cache)  # the workers reuse this download
             check_compatible(model_dir, cfg.model, init_spec)
         except WarmStartError as e:
-            hint = "" if cfg.train.init_from else "; or pass --cold to train from scratch"
+            hint = "" if cfg.train.init_from else "; or pass --cold to train without the champion's weights"
             raise _Stop("bad_input", f"{e}{hint}") from None
     result.warm_start_from = init_spec
     init_arg = init_spec
@@ -313,7 +315,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     for s in sets:
         cmd += ["--set", s]
     cmd += ["--launcher", launcher]
-    log.info("cycle %s: %s from %s", job, "warm start" if init_spec else "from scratch", init_spec or "random init")
+    log.info("cycle %s: %s", job, _start(cfg, init_spec))
     sys.stdout.flush()
     sys.stderr.flush()
     rc = subprocess.call(cmd, env={**os.environ, "MLFLOW_TRACKING_URI": uri, **(env or {})})
@@ -344,7 +346,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     if new_val is None and trained_val is not None:
         new_val = float(trained_val)
     result.val_loss = new_val
-    tags = {TAG_DATA_HASH: data_hash, TAG_JOB: job, TAG_WARM_START: init_spec or "scratch"}
+    tags = {TAG_DATA_HASH: data_hash, TAG_JOB: job, TAG_WARM_START: init_spec or _first_weights(cfg)}
 
     # 7. compare like with like, re-check the champion, decide
     champ_val, baseline = None, None
@@ -366,7 +368,7 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
                 baseline = f"version {champ.version}: recorded val/loss (on other data; {how})"
     result.val_loss, result.champion_val_loss, result.baseline = new_val, champ_val, baseline
     if gates and champ is not None:  # the benchmark gates decide (rayspeed.retrain.gates)
-        promote, why = _gated(gates, cfg, uri, reg, str(champ.version), version, storage, tags)
+        promote, why = _gated(gates, cfg, uri, reg, str(champ.version), version, tags)
     else:
         promote, why = decide(new_val, champ_val, margin, has_champion=champ is not None)
     if baseline:
@@ -393,13 +395,31 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
     return True
 
 
-def _gated(gates: list[Any], cfg: Any, uri: str, reg: str, champion_version: str, version: str, storage: str,
+def _first_weights(cfg: Any) -> str:
+    """Where a cycle without train.init_from starts: model.pretrained's weights (model.init: pretrained) or none."""
+    if cfg.model.pretrained and cfg.model.init == "pretrained":
+        return f"model.pretrained {cfg.model.pretrained}"
+    return "scratch"
+
+
+def _start(cfg: Any, init_spec: Optional[str]) -> str:
+    """Where this cycle's training starts from, in words (train.init_from replaces model.pretrained's weights, except
+    for an adapter job, whose adapter continues on them)."""
+    if init_spec:
+        return f"warm start from {init_spec}"
+    first = _first_weights(cfg)
+    if first == "scratch":
+        return "from scratch (random init)"
+    return f"from the pretrained weights of {cfg.model.pretrained} (model.pretrained)"
+
+
+def _gated(gates: list[Any], cfg: Any, uri: str, reg: str, champion_version: str, version: str,
            tags: dict[str, str]) -> tuple[bool, str]:
     from rayspeed.benchmarks.harness import metrics_of
-    from rayspeed.retrain.gates import judge, model_dirs, score_versions
+    from rayspeed.retrain.gates import judge, score_versions
 
     try:
-        old, new = score_versions(model_dirs(uri, reg, [champion_version, version], storage), cfg)
+        old, new = score_versions(uri, reg, [champion_version, version], cfg)
     except Exception as e:  # an evaluation that fails decides nothing: the champion stays
         return False, f"the gates could not be measured ({type(e).__name__}: {str(e)[:300]})"
     for who, results in (("champion", old), ("challenger", new)):

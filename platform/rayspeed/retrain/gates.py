@@ -7,8 +7,8 @@ A gate holds when the challenger's score is at least the champion's plus min_del
 when lower is. min_delta is absolute, in the metric's units, 0 by default (no worse); a negative one tolerates a
 drop of that much. With gates, the gates decide alone: val/loss is still measured and recorded, and --margin is
 not applied (promote on val/loss by giving no gate). With no champion the first version is promoted, as without
-gates; a gate whose score the evaluation does not produce (a task that failed, a metric the task does not have)
-rejects, naming it.
+gates. A metric its task's config does not report (lm-eval's metric_list x filter_list) is bad input before anything
+trains; a gate whose score an evaluation still does not produce (a task that failed) rejects, naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 _GATE = re.compile(r"^(?P<task>[^/:]+)/(?P<metric>[^:]+)(?::(?P<delta>.*))?$")
 
@@ -54,6 +54,22 @@ def parse_gates(specs: list[str], cfg: Any) -> list[Gate]:
     return gates
 
 
+def check_metrics(gates: list[Gate], cfg: Any) -> None:
+    """ValueError naming a gate whose metric its task does not report, with the names it does (read from the task's
+    config, as the evaluation will label them); a task whose config does not say is left to the evaluation."""
+    if not gates:
+        return
+    from rayspeed.benchmarks.harness import metric_labels, task_manager
+
+    settings = dataclasses.asdict(cfg.eval.harness)
+    manager = task_manager(settings)
+    for gate in gates:
+        labels = metric_labels(gate.task, settings, manager)
+        if labels is not None and gate.metric not in labels:
+            raise ValueError(f"--gate {gate}: task {gate.task!r} reports no metric {gate.metric!r}; its metrics: "
+                             f"{', '.join(labels)} (use one of them, e.g. --gate {gate.task}/{labels[0]})")
+
+
 def judge(gates: list[Gate], new: dict[str, Any], champion: dict[str, Any], new_version: str,
           champion_version: str) -> tuple[bool, str]:
     """(promote?, why) from both versions' lm-eval results."""
@@ -80,21 +96,36 @@ def judge(gates: list[Gate], new: dict[str, Any], champion: dict[str, Any], new_
     return True, "; ".join(held)
 
 
-def score_versions(model_dirs: list[str], cfg: Any) -> list[dict[str, Any]]:
-    """Each model directory's lm-eval results with the job's eval.harness settings (CPU unless the job uses GPUs)."""
-    from rayspeed.benchmarks.harness import evaluate
+def score_versions(uri: str, name: str, versions: list[str], cfg: Any) -> list[dict[str, Any]]:
+    """Each registered version's lm-eval results with the job's eval.harness settings, got the way an evaluation
+    during training gets them (rayspeed.benchmarks.task, a process per version, both at once; CPU unless the job
+    uses GPUs): `rayspeed export models:/<name>/<version> --format hf` makes the Hugging Face folder lm-eval loads
+    (the version's own logged model: config.json and safetensors with the tokenizer, which MLflow's transformers
+    flavor keeps apart under components/tokenizer), then lm-eval scores it. RuntimeError naming a version without
+    a result."""
+    import os
+    import shutil
+
+    from rayspeed.benchmarks.runner import ProcessRunner, wait_all
+    from rayspeed.paths import owned_scratch
 
     settings = dataclasses.asdict(cfg.eval.harness)
     device = "cuda" if cfg.cluster.use_gpu else "cpu"
-    return [evaluate(d, settings, device) for d in model_dirs]
-
-
-def model_dirs(uri: str, name: str, versions: list[str], storage: str) -> list[str]:
-    """The registered versions' Hugging Face folders (downloaded once into the storage's model cache)."""
-    from pathlib import Path
-
-    from rayspeed import paths
-    from rayspeed.tracking.model_fetch import resolve_init_from
-
-    cache: Optional[str] = str(Path(storage) / ".cache" / "models") if not paths.is_uri(storage) else None
-    return [resolve_init_from(f"models:/{name}/{v}", uri, cache) for v in versions]
+    # The store reaches the export through the environment, never the command line (`ps` shows it to everyone).
+    env = {"MLFLOW_TRACKING_URI": uri, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    runner, scratch = ProcessRunner(), owned_scratch("rayspeed-gate-")
+    try:
+        for i, v in enumerate(versions):
+            runner.submit(i, {"step": i, "checkpoint": f"models:/{name}/{v}", "settings": settings, "device": device,
+                              "out": os.path.join(scratch, f"version-{v}"), "env": env})
+        done = dict(wait_all(runner, cfg.eval.harness.timeout_s))
+    finally:
+        runner.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    for i, v in enumerate(versions):
+        if i not in done:
+            raise RuntimeError(f"version {v}'s evaluation did not finish within eval.harness.timeout_s "
+                               f"({cfg.eval.harness.timeout_s:g} s)")
+        if "error" in done[i]:
+            raise RuntimeError(f"version {v}: {done[i]['error']}")
+    return [done[i] for i in range(len(versions))]
