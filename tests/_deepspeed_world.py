@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from _dist import run_distributed
+from rayspeed.compat import skip_deepspeed_shm_comm_op
 from rayspeed.monitoring.comm_timer import CommTimer
 from rayspeed.monitoring.landscape import loss_landscape
 from rayspeed.monitoring.system import SystemSampler, gather_system_metrics
@@ -41,9 +42,7 @@ def _init_deepspeed():
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_comm_torch, "build_shm_op"):  # CPU accelerator: skip the JIT-built inference op
-        ds_comm_torch.build_shm_op = lambda: None
+    skip_deepspeed_shm_comm_op()  # CPU accelerator: skip the JIT-built inference op
     deepspeed.init_distributed(dist_backend="gloo")
 
 
@@ -223,8 +222,8 @@ def export_layouts(rank, root):
 
 def train_steps(cfg, engine, pipelined, groups, steps):
     """rayspeed's TrainStep over `steps` ((micro-batches, loss scale or None) per step) on an engine build_engine
-    made: (each step's loss, the first step's gradients as reduced by Transformer name (ZeRO-0: before the update),
-    the weights after the last step)."""
+    made: (each step's loss, the first step's gradients as reduced by Transformer name, before the update, the
+    weights after the last step)."""
     from rayspeed.model.pipeline import canonical_named_parameters
     from rayspeed.train.step import TrainStep
 
@@ -235,10 +234,28 @@ def train_steps(cfg, engine, pipelined, groups, steps):
         if not grads:
             grads.update({n: p.grad.detach().clone() for n, p in named})
 
-    hook = engine.optimizer.register_step_pre_hook(keep) if cfg.parallel.zero_stage == 0 else None
+    hook = step_of_zero1 = None
+    if cfg.parallel.zero_stage == 0:
+        hook = engine.optimizer.register_step_pre_hook(keep)
+    elif cfg.parallel.zero_stage == 1:
+        # ZeRO-1 drops p.grad once reduced and keeps the averaged gradients flat and partitioned over the data-
+        # parallel ranks until its step frees them: each full gradient is reassembled (a collective over the
+        # data-parallel group, in the same parameter order on every rank) just before that step.
+        from deepspeed.utils import safe_get_full_grad
+
+        step_of_zero1 = engine.optimizer.step
+
+        def step_keeping(*args, **kwargs):
+            if not grads:
+                grads.update({n: safe_get_full_grad(p).detach().clone() for n, p in named})
+            return step_of_zero1(*args, **kwargs)
+
+        engine.optimizer.step = step_keeping
     chaos = SimpleNamespace(poisons_loss=lambda step: False)
     step = TrainStep(cfg, engine, pipelined, groups, torch.device("cpu"), None, chaos, None, None, None, None)
     losses = [float(step.run(micro, scale, s + 1)) for s, (micro, scale) in enumerate(steps)]
     if hook is not None:
         hook.remove()
+    if step_of_zero1 is not None:
+        del engine.optimizer.step
     return losses, grads, {n: p.detach().clone() for n, p in named}

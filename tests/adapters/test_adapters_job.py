@@ -72,8 +72,8 @@ def test_killed_adapter_job_resumes_to_the_same_loss_curve_and_exports_a_peft_ad
     from rayspeed.model.export import load_model
 
     # The job's export: the merged model, its adapter beside it; `rayspeed export` of the last checkpoint in both
-    # formats, the run's adapter by run id. A merged weight (W + s B A) rounds differently in fp32 than W x +
-    # s B (A x): merged against unmerged is compared at 1e-4.
+    # formats, the run's adapter by run id. The merged (W + s B A) x and the unmerged W x + s B (A x) round
+    # differently in fp32, on this model by less than 1e-5.
     model_dir = whole / "runs" / "lora-job" / "model"
     ckpt = whole / "runs" / "lora-job" / "checkpoint_step00000006"
     out = {}
@@ -89,7 +89,7 @@ def test_killed_adapter_job_resumes_to_the_same_loss_curve_and_exports_a_peft_ad
         for folder in (model_dir / "adapter", out["peft"], out["peft-run"]):
             peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
                                              str(folder)).eval()
-            torch.testing.assert_close(peft(ids).logits, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{folder}: {m}")
+            torch.testing.assert_close(peft(ids).logits, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{folder}: {m}")
         hf = AutoModelForCausalLM.from_pretrained(str(out["hf"]), dtype=torch.float32).eval()
         torch.testing.assert_close(hf(ids).logits, want, rtol=1e-5, atol=1e-5)  # both merged the same way
         plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)(ids).logits

@@ -125,10 +125,10 @@ def test_a_cp2_x_pp2_engine_trains_like_one_unsplit_rank(results, case):
         got, want = res["val"]
         assert got == pytest.approx(want, **TOL)
         assert res["weights"] and max(res["weights"].values()) <= 1e-5, res["weights"]
-        if CASES[case][1] == 0:
-            assert res["grads"] and all(scale > 0 for _, scale in res["grads"].values())
-            for name, (diff, scale) in res["grads"].items():
-                assert diff <= TOL["abs"] + TOL["rel"] * scale, (case, name, diff, scale)
-    if CASES[case][1] == 0:  # every parameter's gradient was compared on the stage that holds it
-        assert {n for r in results for n in r[case]["grads"]} == set(results[0][case]["weights"]) | set(
-            results[2][case]["weights"])
+        # Adam's update ignores a constant gradient scale: only the gradients themselves catch a halved loss
+        assert res["grads"] and all(scale > 0 for _, scale in res["grads"].values())
+        for name, (diff, scale) in res["grads"].items():
+            assert diff <= TOL["abs"] + TOL["rel"] * scale, (case, name, diff, scale)
+    # every parameter's gradient was compared on the stage that holds it
+    assert {n for r in results for n in r[case]["grads"]} == set(results[0][case]["weights"]) | set(
+        results[2][case]["weights"])
