@@ -42,6 +42,19 @@ def test_zero2_kill_drill_matches_uninterrupted_run(ray_head, tmp_path, zero2_re
     assert rec_step == 11 and recovery > 0 and summary["recovery_s"] == pytest.approx(recovery)
     assert metric_history(tmp_path, summary["mlflow_run_id"], "resilience/lost_steps") == [(11, 1.0)]
     print(f"\nkill drill: resilience/recovery_s = {recovery:.1f}")
+    # Where the seconds went: the start from the command (step 1), the recovery from the failure (step 11).
+    run_id = summary["mlflow_run_id"]
+    phases = ("interpreter", "config", "plan", "checks", "ray", "data", "mlflow", "worker_start", "imports",
+              "init_distributed", "groups_and_data", "engine", "resume", "preflight", "first_step")
+    start = {k: metric_history(tmp_path, run_id, f"startup/{k}_s") for k in (*phases, "total")}
+    assert all(h and h[0][0] == 1 and h[0][1] >= 0 for h in start.values()), start
+    assert sum(start[k][0][1] for k in phases) == pytest.approx(start["total"][0][1], abs=1e-3)
+    (rec_total,) = metric_history(tmp_path, run_id, "recovery/total_s")
+    assert rec_total[0] == 11 and rec_total[1] == pytest.approx(recovery, abs=0.5)
+    restart_phases = ("restart", *phases[phases.index("imports"):])
+    assert sum(metric_history(tmp_path, run_id, f"recovery/{k}_s")[0][1] for k in restart_phases) == pytest.approx(
+        rec_total[1], abs=1e-3)
+    assert "start: " in r.stderr and "s from the command to the first step (interpreter " in r.stderr
 
     from mlflow.tracking import MlflowClient
 

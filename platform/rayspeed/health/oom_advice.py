@@ -51,7 +51,8 @@ def oom_details(lines: list[str], first: int) -> dict[str, Any]:
     if m:
         d["reserved_unallocated_gib"] = _gib(m.group(1))
     steps = [int(m.group(1)) for line in lines[:first] for m in _STEP.finditer(line)]
-    if not steps and any("first step done" in line for line in lines[:first]):
+    # "start: ... to the first step (...)" (and the older "first step done"): step 1 had finished
+    if not steps and any("first step done" in line or "to the first step (" in line for line in lines[:first]):
         steps = [1]
     d["last_step_before"] = steps[-1] if steps else None
     return d

@@ -31,18 +31,23 @@ log = logging.getLogger("rayspeed")
 def train_command(args: argparse.Namespace) -> int:
     """`python jobs/train.py` / `rayspeed train`: check, plan, then run under Ray Train or in this process."""
     from rayspeed.logs import VERBOSE_ENV, plain_unless_terminal, quiet_benign, setup
+    from rayspeed.train.timeline import Timeline
 
+    clock = Timeline.since_process_start()
+    clock.mark("interpreter")
     setup()
     plain_unless_terminal()
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # the workers inherit it (worker_env)
     try:
         job = load(args.config, args.overrides)
+        clock.mark("config")
         quiet_benign(job.cluster.use_gpu)
         world = 1 if args.launcher == "local" else job.cluster.max_workers
         from rayspeed.planner import resolve
 
         cfg, plan = resolve(job, world_size=world)
+        clock.mark("plan")
         lr = plan.rules.get("lr", {})
         if lr.get("applied") and "warning" in lr:
             log.warning("%s", lr["warning"])
@@ -56,6 +61,7 @@ def train_command(args: argparse.Namespace) -> int:
         problems = launch_problems(job, cfg, args.launcher)
         if problems:
             raise ConfigError(problems)
+        clock.mark("checks")
         if args.dry_run:
             from rayspeed.tracking.client import unreachable
 
@@ -70,6 +76,7 @@ def train_command(args: argparse.Namespace) -> int:
 
         resume_guard.check(job, str(locate(storage_path(cfg)).child(cfg.name)), args.resume)
         ray_info = connect_ray(cfg) if args.launcher == "ray" else None
+        clock.mark("ray")
         unsafe = auto_home_problem(cfg, nodes=ray_info["nodes"] if ray_info else 1)
         if unsafe:
             raise ConfigError(unsafe)
@@ -78,13 +85,14 @@ def train_command(args: argparse.Namespace) -> int:
         # Tokenized once here (Ray Data on the cluster, or a local process pool), before the MLflow run exists: a
         # bad record is exit 2 with nothing written. The workers then open the committed token shards.
         prepare(cfg, storage_path(cfg), args.launcher)
+        clock.mark("data")
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         log.warning("interrupted before training started: no MLflow run and no checkpoint were written")
         return EXIT_INTERRUPTED
-    return _run(job, cfg, args.launcher, ray_info, args.resume)
+    return _run(job, cfg, args.launcher, ray_info, args.resume, clock)
 
 
 # ---------------------------------------------------------------- Ray
@@ -156,7 +164,8 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
 # ---------------------------------------------------------------- run
 
 
-def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any] | None, resume: str) -> int:
+def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any] | None, resume: str,
+         clock: Any) -> int:
     from rayspeed.tracking.client import PROBE_TIMEOUT_S, unreachable
     from rayspeed.tracking.runs import find_or_create_run, finish_run, supersede_run
     from rayspeed.train import resilience, resume_guard
@@ -191,9 +200,12 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
                      redact_uri(tracking_uri(cfg)))
         except Exception as e:  # tracking must never stop training
             log.warning("MLflow unavailable (%s): training without tracking", redact_text(str(e).splitlines()[0]))
+    identity = resume_guard.run_identity(job)
+    clock.mark("mlflow")
     payload = LaunchPayload(job=to_dict(job), tracking_uri=tracking_uri(cfg), storage_path=storage,
-                            experiment_dir=str(exp), launched_at=time.time(), mlflow_run_id=run_id, resume=resume,
-                            tracking_deferred=bool(down), run_identity=resume_guard.run_identity(job))
+                            experiment_dir=str(exp), launched_at=clock.started, mlflow_run_id=run_id, resume=resume,
+                            tracking_deferred=bool(down), run_identity=identity, start_phases=dict(clock.phases),
+                            handed_at=time.time())
     error: Exception | None = None
     stop = Interruption(lambda sig: _record_interruption(cfg, exp, launcher, run_id, down, sig))
     try:

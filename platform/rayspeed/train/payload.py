@@ -19,7 +19,7 @@ class LaunchPayload:
     experiment_dir: str
     """<storage>/<job name>: checkpoints, events, summary."""
     launched_at: float
-    """Wall-clock time the launcher started the job."""
+    """Wall-clock time the command started (its process: the interpreter counts)."""
     mlflow_run_id: Optional[str] = None
     """The job's one MLflow run (None: tracking unavailable, training goes on)."""
     tracking_deferred: bool = False
@@ -30,6 +30,10 @@ class LaunchPayload:
     run_identity: Optional[dict[str, Any]] = None
     """What the run computes, as submitted (rayspeed.train.resume_guard.run_identity), computed once by the
     launcher: every checkpoint records it (None: the worker computes it from `job`)."""
+    start_phases: dict[str, float] = field(default_factory=dict)
+    """The launcher's part of the start, phase by phase (rayspeed.train.timeline)."""
+    handed_at: Optional[float] = None
+    """When the launcher handed the job to the workers (Ray Train's fit, or the in-process loop)."""
 
 
 @dataclass

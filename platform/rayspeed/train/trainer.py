@@ -212,7 +212,7 @@ class Trainer:
             metrics.sources.append(self.objective.metrics)
             extra.append(DpoValidationMetrics(self.validator, tracker, lambda: self.mlflow.logged_until))
         for cb in (self.mlflow, *extra,
-                   RecoveryCallback(ctx, tracker, self.attempt_started),
+                   RecoveryCallback(ctx, tracker, self.attempt_started, self.phases, self.payload),
                    *(load_callback(name) for name in c.train.callbacks),
                    OutputsCallback(c, ctx, self.payload, self.engine, self.groups, self.device, self.checkpointer,
                                    self.validator_batches, self.mlflow),
