@@ -257,7 +257,7 @@ def export_command(args: argparse.Namespace) -> int:
         elif _VERSION.match(args.source):
             lines = _from_version(args, out)
         else:
-            raise ExportInputError(f"{args.source}: neither a directory, an MLflow run id (32 hex digits) nor a "
+            raise ExportInputError(f"{args.source}: neither a directory nor an MLflow run id (32 hex digits) nor a "
                                    "registered version (models:/name/3 or models:/name@alias)")
     except (ExportInputError, ConfigError) as e:
         msg = e.render() if isinstance(e, ConfigError) else str(e)
