@@ -49,8 +49,10 @@ def test_node_loss_shrinks_and_regrows(tmp_path):
         [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", TINY, "--set", f"name={name}",
          "--set", "cluster.num_workers=[1, 2]", "--set", "resilience.stability_threshold=0.5",
          "--set", "cluster.resources_per_worker={trainer: 1}",
-         "--set", "cluster.cpus_per_worker=1", "--set", "train.max_steps=400",
-         "--set", "resilience.checkpoint_every_steps=10", "--set", "resilience.elastic_monitor_interval_s=10",
+         # Long enough that the node added back is in use before the end: Ray Train's controller sizes the group up
+         # some 25 s after the node returns here (its autoscaling coordinator, then a 5 s monitor interval).
+         "--set", "cluster.cpus_per_worker=1", "--set", "train.max_steps=1000",
+         "--set", "resilience.checkpoint_every_steps=10", "--set", "resilience.elastic_monitor_interval_s=5",
          "--set", "tracking.log_every_steps=5", "--set", "train.eval_every_steps=0",
          # Several nodes: auto storage/tracking would not guess; these nodes share this machine's disk.
          "--set", f"storage.path={tmp_path / 'runs'}", "--set", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"],
