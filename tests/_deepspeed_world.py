@@ -225,7 +225,9 @@ def train_steps(cfg, engine, pipelined, groups, steps):
     made: (each step's loss, the first step's gradients as reduced by Transformer name, before the update, the
     weights after the last step)."""
     from rayspeed.model.pipeline import canonical_named_parameters
-    from rayspeed.train.step import TrainStep
+    from rayspeed.train.objective import LanguageModel
+    from rayspeed.train.step import StepReadings, TrainStep
+    from rayspeed.train.step_guard import NO_GUARD
 
     named = list(canonical_named_parameters(engine.module) if pipelined else engine.module.named_parameters())
     grads: dict = {}
@@ -252,8 +254,11 @@ def train_steps(cfg, engine, pipelined, groups, steps):
 
         engine.optimizer.step = step_keeping
     chaos = SimpleNamespace(poisons_loss=lambda step: False)
-    step = TrainStep(cfg, engine, pipelined, groups, torch.device("cpu"), None, chaos, None, None, None, None)
-    losses = [float(step.run(micro, scale, s + 1)) for s, (micro, scale) in enumerate(steps)]
+    scales = [scale for _, scale in steps]
+    device = torch.device("cpu")
+    objective = LanguageModel(None, scales.__getitem__, device, getattr(groups, "cp", None), cfg.parallel.zero_stage)
+    step = TrainStep(engine, objective, StepReadings(engine, pipelined), NO_GUARD, chaos, None, device, pipelined)
+    losses = [float(step.run(micro, s, s + 1)) for s, (micro, _) in enumerate(steps)]
     if hook is not None:
         hook.remove()
     if step_of_zero1 is not None:

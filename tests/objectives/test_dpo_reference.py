@@ -91,8 +91,8 @@ def test_precomputed_resident_and_adapter_off_references_give_one_loss(tmp_path)
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     positions = np.arange(split.num_pairs)
-    precomputed = _objective().loss(Engine(policy), pair_batch(split, positions, logps))[0]
-    resident = _objective(resident=initial).loss(Engine(policy), pair_batch(split, positions, None))[0]
+    precomputed = _objective().pair_loss(Engine(policy), pair_batch(split, positions, logps))[0]
+    resident = _objective(resident=initial).pair_loss(Engine(policy), pair_batch(split, positions, None))[0]
     torch.testing.assert_close(resident, precomputed, **TOL)
     assert abs(float(precomputed) - np.log(2)) > 1e-3
 
@@ -103,9 +103,9 @@ def test_precomputed_resident_and_adapter_off_references_give_one_loss(tmp_path)
             if "lora_B" in name:
                 p.normal_(0, 0.2)
     batch = pair_batch(split, positions, None)
-    off = _objective(adapter=True).loss(Engine(adapted), batch)[0]
-    base = _objective(resident=initial).loss(Engine(adapted), batch)[0]
+    off = _objective(adapter=True).pair_loss(Engine(adapted), batch)[0]
+    base = _objective(resident=initial).pair_loss(Engine(adapted), batch)[0]
     torch.testing.assert_close(off, base, **TOL)
-    on = _objective(resident=adapted).loss(Engine(adapted), batch)[0]
+    on = _objective(resident=adapted).pair_loss(Engine(adapted), batch)[0]
     assert float(on) == pytest.approx(np.log(2), abs=1e-6)  # the adapted model as its own reference
     assert abs(float(off) - np.log(2)) > 1e-3  # turning the adapters off changed the reference

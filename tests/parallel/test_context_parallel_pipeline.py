@@ -56,7 +56,8 @@ def _micro_batches(case, step):
 
 
 def _scale(case, micro):
-    """TrainStep.loss_scale of a weighted step: dp * grad_accum / the step's counted labels (None: the plain mean)."""
+    """rayspeed.train.objective.label_scale of a weighted step: dp * grad_accum / the step's counted labels (None:
+    the plain mean)."""
     if not CASES[case][2]:
         return None
     return 1 * GA / sum(int((mb[1] != -100).sum()) for mb in micro)

@@ -53,6 +53,7 @@ import torch.nn as nn
 from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
 from rayspeed.model.moe import MoE, RouterStats
+from rayspeed.model.output import Routing
 from rayspeed.model.transformer import OutputHead, RMSNorm, block_class, check_mode, check_split, embed_scale
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, sum_over_cp
@@ -176,16 +177,20 @@ def _pipeline_module_class():
         """
 
         def __init__(self, *args, tp: TensorParallel = NO_TP, sequence_parallel: bool = False,
-                     cp: ContextParallel = NO_CP, num_experts: int = 0, **kwargs):
+                     cp: ContextParallel = NO_CP, num_experts: int = 0, moe_layers: Sequence[int] = (), **kwargs):
             super().__init__(*args, **kwargs)
             self.sp_tp = tp
             self.sequence_parallel = sequence_parallel and tp.enabled
             self.cp = cp
             # This stage's MoE layers report to one collector; its sums travel on (module docstring).
             self.stage_router_stats = RouterStats(num_experts) if num_experts else None
-            for m in self.modules():
-                if isinstance(m, MoE):
-                    m.stats = self.stage_router_stats
+            here = [m for m in self.modules() if isinstance(m, MoE)]
+            for m in here:
+                m.stats = self.stage_router_stats
+            # The stage's MoE layers, in the order they route, among the model's; the last stage's loss pools all.
+            self.routing = None if self.stage_router_stats is None else Routing(
+                self.stage_router_stats, list(moe_layers),
+                rows=[list(moe_layers).index(int(m.name.split(".")[1])) for m in here], pooled=self.loss_fn)
 
         def _stage_input(self, x):
             if self.cp.enabled:  # (tokens or hidden[, segment ids]) -> (them, this stage's SequenceLayout)
@@ -331,6 +336,7 @@ def build_pipeline_module(
             sequence_parallel=sp,
             cp=cp,
             num_experts=dims.num_experts,
+            moe_layers=[i for i in range(dims.num_layers) if dims.is_moe(i)],
         )
 
 

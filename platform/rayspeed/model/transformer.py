@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,7 @@ from rayspeed.families.family import NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OF
 from rayspeed.model.attention import MaskRows, context_attention, masked_attention
 from rayspeed.model.flex import flex_attention
 from rayspeed.model.moe import MoE, RouterStats
+from rayspeed.model.output import ModelOutput, Routing
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.comm import copy_to_tp, gather_from_tp
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, segment_positions, sum_over_cp
@@ -364,8 +365,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stats = self.router_stats
+        self.routing: Optional[Routing] = None if self.router_stats is None else Routing(
+            self.router_stats, [i for i in range(dims.num_layers) if dims.is_moe(i)])
         self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), unweighted
-        self.balance_loss: Optional[torch.Tensor] = None  # the weighted term in the last loss (with its graph)
         self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, tp, sp, dims.family.norm)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
@@ -373,11 +375,12 @@ class Transformer(nn.Module):
             self.register_state_dict_post_hook(_frozen_tied_head_once)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None, reduction: str = "mean") -> torch.Tensor:
+                segment_ids: Optional[torch.Tensor] = None, reduction: str = "mean", parts: bool = False) -> Any:
         """Labels of -100 are not counted (the mean is over the others). segment_ids [b, s]: document masking
         (attention within a document, positions from its start); None: plain causal attention. reduction "none":
         each label's cross entropy [b, s] (0 where not counted; a preference objective's per-token log-probabilities
-        negated), without the balance loss.
+        negated), without the balance loss. parts: the loss as a ModelOutput (what trains, the language loss, the
+        balance loss) instead of the one tensor transformers returns.
 
         Context parallel (cp): the three are this rank's part of each sequence (context_parallel.py `shard`), the
         logits those of its tokens, and the loss this rank's share of the whole sequence's mean: its tokens' sum
@@ -392,23 +395,22 @@ class Transformer(nn.Module):
         x = self.norm(x)
         aux = self.router_stats.aux_loss() if self.router_stats is not None else None
         self.aux_loss = aux.detach() if aux is not None else None  # kept for metrics, without the graph
-        self.balance_loss = None
         if labels is None:
             return self.head(x)
         if reduction == "none":
             if self.cp.enabled:
                 raise ValueError("per-token losses under context parallelism are not built")
-            return self.head.loss(x, labels, reduction="none").view(labels.shape)
+            per_token = self.head.loss(x, labels, reduction="none").view(labels.shape)
+            return ModelOutput(per_token, per_token) if parts else per_token
         if self.cp.enabled:
             count = sum_over_cp((labels != IGNORE_INDEX).sum(), self.cp).clamp(min=1)
-            loss = self.head.loss(x, labels, reduction="sum") / count
+            language = self.head.loss(x, labels, reduction="sum") / count
         else:
-            loss = self.head.loss(x, labels)
+            language = self.head.loss(x, labels)
         # Under cp every part holds the whole sequence's balance loss: each adds its 1/cp share, as the loss's.
-        self.balance_loss = aux * self.dims.router_aux_loss_coef / self.cp.world_size if aux is not None else None
-        if self.balance_loss is not None:  # the loss transformers returns with output_router_logits
-            loss = loss + self.balance_loss
-        return loss
+        balance = None if aux is None else aux * self.dims.router_aux_loss_coef / self.cp.world_size
+        loss = language if balance is None else language + balance
+        return ModelOutput(loss, language, balance, self.aux_loss) if parts else loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter unsharded (all-gathered over tp; collective), keyed by parameter name.

@@ -9,7 +9,10 @@ retraining compares); val/rewards/accuracies and val/rewards/margins are logged 
 
     dpo = DpoObjective(cfg, groups, device, resident=reference_model)     # resident: None (precomputed), a model
     loss = dpo.train_loss(engine, micro_batch)                             # records the statistics
-    metrics.sources.append(dpo.metrics)                                    # rewards/*, logps/* at each log step
+    dpo.validator = DpoValidator(cfg, dpo, held_out)                       # once its reference is ready
+    listeners = dpo.listeners(tracker, logged_until)                       # rewards/*, logps/*, val/rewards/*
+
+The step runs it through rayspeed.train.objective's protocol (scale, loss, whole, pipeline_step, listeners).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 from rayspeed.objectives.dpo import DpoSettings, completion_lengths, dpo_loss, sequence_logps
 from rayspeed.train.events import Callback, TrainState
+from rayspeed.train.objective import Listeners, Losses
 
 log = logging.getLogger("rayspeed.worker")
 
@@ -77,6 +81,7 @@ class DpoObjective:
         self.pipelined = pipelined
         self.captured: list[torch.Tensor] = []
         self.capturing = False
+        self.validator: Any = None  # DpoValidator: it scores with this objective, so it comes after
         if pipelined:
             engine.module.loss_fn.per_token = self.pipeline_loss
 
@@ -101,15 +106,32 @@ class DpoObjective:
         with adapters_disabled(engine.module):
             return logps_of(engine, ids, labels)
 
-    def loss(self, engine: Any, micro_batch: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_loss(self, engine: Any, micro_batch: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ref = self.reference(engine, micro_batch)
         ids, labels = micro_batch[0].to(self.device), micro_batch[1].to(self.device)
         return dpo_loss(logps_of(engine, ids, labels), ref.float(), completion_lengths(labels), self.settings)
 
     def train_loss(self, engine: Any, micro_batch: tuple) -> torch.Tensor:
-        loss, stats = self.loss(engine, micro_batch)
+        loss, stats = self.pair_loss(engine, micro_batch)
         self.window.add(stats, loss)
         return loss
+
+    # ------------------------------------------------------------------ the objective protocol
+    def scale(self, index: int) -> Optional[float]:
+        return None  # each micro-batch's mean over its pairs; DeepSpeed's averaging makes the global batch's
+
+    def loss(self, engine: Any, micro_batch: tuple, scale: Optional[float]) -> Losses:
+        loss = self.train_loss(engine, micro_batch)
+        return Losses(loss, loss)
+
+    def whole(self, total: torch.Tensor) -> torch.Tensor:
+        return total
+
+    def pipeline_step(self, engine: Any, micro_batches: list, scale: Optional[float], poison: bool) -> torch.Tensor:
+        return self.train_batch(engine, micro_batches)
+
+    def listeners(self, tracker: Any, logged_until: Callable[[], int]) -> Listeners:
+        return Listeners([DpoValidationMetrics(self.validator, tracker, logged_until)], [self.metrics])
 
     # ------------------------------------------------------------------ under a pipeline
     def pipeline_loss(self, ce: torch.Tensor, labels: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -190,7 +212,7 @@ class DpoValidator:
             o.eval_batches(engine, self.batches, window)
         else:
             for mb in self.batches:
-                loss, stats = o.loss(engine, mb)
+                loss, stats = o.pair_loss(engine, mb)
                 window.add(stats, loss)
         engine.train()
         out = window.take(o.reduce_groups) or {"loss": float("nan")}

@@ -60,8 +60,9 @@ class DpoData:
         return PairBatches(self.train, c.model.seq_len, schedule, g.dp_rank, g.dp, c.parallel.micro_batch_size,
                            c.parallel.grad_accum, start_step=start_step, reference=self.batches.reference)
 
-    def objective(self, engine: Any, device: Any, pipelined: bool = False) -> tuple[Any, Any]:
-        """(DpoObjective, DpoValidator), the reference ready: call with the engine at its initial weights."""
+    def objective(self, engine: Any, device: Any, pipelined: bool = False) -> Any:
+        """The DpoObjective with its DpoValidator, the reference ready: call with the engine at its initial
+        weights."""
         from rayspeed.data.pair_batches import pair_val_batches
         from rayspeed.train.dpo_objective import DpoObjective, DpoValidator
 
@@ -78,7 +79,8 @@ class DpoData:
         self.batches.reference = refs[0]
         rounds = c.train.eval_batches * c.parallel.grad_accum  # eval_batches global batches of pairs
         val = pair_val_batches(self.val, c.parallel.micro_batch_size, rounds, g.dp_rank, g.dp, refs[1])
-        return objective, DpoValidator(c, objective, val)
+        objective.validator = DpoValidator(c, objective, val)
+        return objective
 
     def precomputed(self, objective: Any, engine: Any, split: Any) -> np.ndarray:
         from rayspeed.objectives import reference

@@ -54,10 +54,9 @@ def stage_inputs(micro_batch: tuple, device: torch.device) -> Any:
     return micro_batch[0].to(device)
 
 
-def stage_batches(micro_batches: list, groups: Any, device: torch.device) -> list:
+def stage_batches(micro_batches: list, cp: Any, device: torch.device) -> list:
     """(first stage's inputs, last stage's labels) of each micro-batch for the pipeline engine: this rank's part of
-    each sequence under context parallelism."""
-    cp = getattr(groups, "cp", None)
+    each sequence under context parallelism (cp: the group, None at cp 1)."""
     parts = [local_part(mb, cp, device) for mb in micro_batches]
     return [(stage_inputs(mb, device), mb[1]) for mb in parts]
 
@@ -95,9 +94,8 @@ class Validator:
                 counted += sum(int((c[1] != IGNORE_INDEX).sum()) for c in chunks)
             else:
                 for c in chunks:
-                    loss = engine(*local_part(c, self.cp, self.device))
-                    balance = getattr(engine.module, "balance_loss", None)  # MoE: val/loss is the language loss
-                    loss = over_cp(loss - balance if balance is not None else loss, self.cp)
+                    # val/loss is the language loss (a mixture's balance term left out)
+                    loss = over_cp(engine(*local_part(c, self.cp, self.device), parts=True).language, self.cp)
                     k = int((c[1] != IGNORE_INDEX).sum())
                     total += loss.detach().double() * (k if self.weighted else 1)
                     counted += k

@@ -2,10 +2,13 @@
 before the optimizer applies anything, so `health.watchdog: skip` withholds a bad update (weights, Adam's moments and
 step count stay as they were) and `rollback` restores the last verified checkpoint instead of stepping into it.
 
-    guard = StepGuard(watchdog, engine, groups, own_norm)   # installs itself in the client optimizer
+    guard = StepGuard(watchdog, engine, groups, own_norm, checkpointer, tags)   # installs itself in the optimizer
     guard.arm(step, loss)                                     # before the boundary's engine.step() / train_batch
     engine.step()                                             # the optimizer asks guard() once or per group
     decision = guard.settle()                                 # what was decided this step (None: no update due)
+    guard.act(step)                                           # after it: settle, then skip or roll back
+
+NO_GUARD stands in with health.watchdog off (arm and act do nothing).
 
 Where the numbers come from: the loss is this rank's micro-batch mean, averaged over the data-parallel group
 (one scalar all-reduce per step: the price of deciding before the update; with a pipeline the loss lives on the
@@ -19,17 +22,35 @@ watchdog, so a run of bad steps counts towards watchdog_max_skips either way.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from rayspeed import compat
+from rayspeed.checkpoint import manifest
+from rayspeed.logs import log_rank
+
+log = logging.getLogger("rayspeed.worker")
+
+
+class NoGuard:
+    def arm(self, step: int, loss: Optional[torch.Tensor]) -> None:
+        pass
+
+    def act(self, step: int) -> None:
+        pass
+
+
+NO_GUARD = NoGuard()
 
 
 class StepGuard:
-    def __init__(self, watchdog: Any, engine: Any, groups: Any, own_norm: Callable[[], Optional[torch.Tensor]]):
+    def __init__(self, watchdog: Any, engine: Any, groups: Any, own_norm: Callable[[], Optional[torch.Tensor]],
+                 checkpointer: Any = None, tags: Callable[[dict[str, str]], None] = lambda tags: None):
         self.watchdog, self.engine, self.groups, self.own_norm = watchdog, engine, groups, own_norm
+        self.checkpointer, self.tags = checkpointer, tags
         self.step = 0
         self.loss: Optional[float] = None
         self.decision: Any = None
@@ -72,3 +93,23 @@ class StepGuard:
 
     def _armed(self) -> bool:
         return self._skipped is not None
+
+    def act(self, step: int) -> None:
+        """After the step: act on what was decided before its update (it was withheld unless ok)."""
+        decision = self.settle()
+        if decision is None or decision.ok:
+            return
+        if decision.action == "skip":
+            self.tags({f"rayspeed.watchdog.step{step}": f"skipped: {decision.reason}"[:4000]})
+            return
+        chosen = self.checkpointer.rollback(self.engine)
+        if chosen is None:
+            log_rank(log, "watchdog: %s, but no verified checkpoint to roll back to; the update was not applied, "
+                     "continuing", decision.reason, level=logging.WARNING)
+            return
+        # Continue with the data after the bad window: replaying it would reproduce the same blow-up.
+        self.watchdog.reset()
+        name = manifest.name_of(chosen)
+        log_rank(log, "watchdog: %s -> rolled back to %s, skipping the data of steps %d..%d", decision.reason, name,
+                 (manifest.step_of(chosen) or 0) + 1, step, level=logging.WARNING)
+        self.tags({f"rayspeed.watchdog.step{step}": f"rollback to {name}: {decision.reason}"[:4000]})

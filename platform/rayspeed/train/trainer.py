@@ -23,14 +23,17 @@ from rayspeed.parallel.objects import gather_objects
 from rayspeed.train.chaos import ChaosDrills
 from rayspeed.train.evaluation import ValidationCallback, Validator, dp_mean
 from rayspeed.train.events import Callbacks, TrainState, load_callback
+from rayspeed.train.features import FEATURES
 from rayspeed.train.loop import run_loop
 from rayspeed.train.metrics_callback import MetricsCallback
 from rayspeed.train.mlflow_callback import MlflowCallback
+from rayspeed.train.objective import LanguageModel, label_scale
 from rayspeed.train.outputs import OutputsCallback
 from rayspeed.train.payload import LaunchPayload, RunResult
 from rayspeed.train.recovery import RecoveryCallback
 from rayspeed.train.resume_guard import run_identity
-from rayspeed.train.step import TrainStep
+from rayspeed.train.step import StepReadings, TrainStep
+from rayspeed.train.step_guard import NO_GUARD, StepGuard
 
 log = logging.getLogger("rayspeed.worker")
 
@@ -66,7 +69,7 @@ class Trainer:
         self.validator: Any = None
         self.data_inputs: list[dict[str, Any]] = []
         self.dpo: Any = None  # a DPO job's data (rayspeed.train.dpo_setup.DpoData)
-        self.objective: Any = None  # and its objective (rayspeed.train.dpo_objective.DpoObjective)
+        self.objective: Any = None  # rayspeed.train.objective: the language model's, or a DPO job's
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Optional[RunResult]:
@@ -87,12 +90,8 @@ class Trainer:
             from rayspeed.engine.clip import GradClipper
 
             self.clipper = GradClipper(self.engine.module.parameters(), c.train.grad_clip, self.groups.tp_group)
-        if self.dpo is not None:  # the reference from the initial weights: before any checkpoint is loaded
-            self.objective, self.validator = self.dpo.objective(self.engine, self.device, self.pipelined)
-        else:
-            self.validator = Validator(c, self.validator_batches, self.device, self.pipelined,
-                                       lambda t: dp_mean(t, self.groups, self.device),
-                                       weighted=self.batches.weighted, cp=self.groups.cp)
+        self.objective = self._objective()
+        self.validator = self.objective.validator
         phases["engine"] = time.time() - t
         t = time.time()
         client = self.checkpointer.load(self.engine)
@@ -110,6 +109,15 @@ class Trainer:
         log_rank(log, "startup: %s", ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         self.mlflow.describe(self.ds_config, self.node_ids, self.data_inputs)
         return None
+
+    def _objective(self) -> Any:
+        if self.dpo is not None:  # the reference from the initial weights: before any checkpoint is loaded
+            return self.dpo.objective(self.engine, self.device, self.pipelined)
+        c, g = self.cfg, self.groups
+        validator = Validator(c, self.validator_batches, self.device, self.pipelined,
+                              lambda t: dp_mean(t, g, self.device), weighted=self.batches.weighted, cp=g.cp)
+        return LanguageModel(validator, lambda index: label_scale(self.batches, g.dp, c.parallel.grad_accum, index),
+                             self.device, g.cp, c.parallel.zero_stage)
 
     def _check_topology(self) -> None:
         """tp groups must sit on one node: Ray Train places a node's workers on consecutive ranks (verified here,
@@ -188,66 +196,37 @@ class Trainer:
             return failed
         return self.train()
 
-    def callbacks(self, step: TrainStep) -> Callbacks:
+    def callbacks(self, readings: StepReadings) -> tuple[Callbacks, MetricsCallback]:
         """The listeners, in the order step_end reaches them (end and failure: reversed, so the tracker closes
-        last): the tracker, recovery accounting, the job's own (train.callbacks: at the end they see the
+        last): the tracker, what the objective and the model's features add (the tracker's last artifact goes
+        before the run closes), recovery accounting, the job's own (train.callbacks: at the end they see the
         registered model), the outputs, then the producers of the log and validation events (after every step_end
         listener: a step ends before what it produces)."""
         c, ctx, events = self.cfg, self.ctx, Callbacks()
         tracker = self.mlflow.tracker
-        metrics = MetricsCallback(c, self.plan, ctx, self.groups, self.device, events, tracker, step.lr,
-                                  step.global_grad_norm, engine=self.engine)
-        step.timing = metrics
-        expert_load = self.expert_load(tracker)  # after the tracker: its last artifact goes before the run closes
-        if expert_load is not None:
-            metrics.sources.append(expert_load.metrics)
-        extra: list[Any] = [expert_load] if expert_load is not None else []
-        if c.eval.harness.tasks:
-            from rayspeed.train.harness_callback import HarnessCallback
-
-            extra.append(HarnessCallback(c, ctx, tracker))
-        if self.objective is not None:
-            from rayspeed.train.dpo_objective import DpoValidationMetrics
-
-            metrics.sources.append(self.objective.metrics)
-            extra.append(DpoValidationMetrics(self.validator, tracker, lambda: self.mlflow.logged_until))
-        for cb in (self.mlflow, *extra,
+        metrics = MetricsCallback(c, self.plan, ctx, self.groups, self.device, events, tracker, readings.lr,
+                                  readings.global_grad_norm, engine=self.engine)
+        added = [self.objective.listeners(tracker, lambda: self.mlflow.logged_until),
+                 *(feature(self, tracker) for feature in FEATURES)]
+        metrics.sources += [source for listeners in added for source in listeners.metrics]
+        for cb in (self.mlflow, *(cb for listeners in added for cb in listeners.callbacks),
                    RecoveryCallback(ctx, tracker, self.attempt_started, self.phases, self.payload),
                    *(load_callback(name) for name in c.train.callbacks),
                    OutputsCallback(c, ctx, self.payload, self.engine, self.groups, self.device, self.checkpointer,
                                    self.validator_batches, self.mlflow),
                    metrics, ValidationCallback(self.validator, self.engine, events)):
             events.add(cb)
-        return events
-
-    def expert_load(self, tracker: Any) -> Any:
-        """The moe/* metrics and artifacts of a mixture of experts (None for a dense model)."""
-        module = self.engine.module
-        stats = getattr(module, "router_stats", None) or getattr(module, "stage_router_stats", None)
-        if stats is None:
-            return None
-        from rayspeed.config.shape import ModelShape
-        from rayspeed.model.moe import MoE
-        from rayspeed.train.moe_callback import ExpertLoad
-
-        dims = ModelShape.from_config(self.cfg.model)
-        moe_layers = [i for i in range(dims.num_layers) if dims.is_moe(i)]
-        rows = pooled = None
-        if not hasattr(module, "router_stats"):  # a pipeline stage: its MoE layers, in the order they route
-            rows = [moe_layers.index(int(m.name.split(".")[1])) for m in module.modules() if isinstance(m, MoE)]
-            pooled = module.loss_fn
-        return ExpertLoad(stats, moe_layers, self.groups, self.device, tracker,
-                          every=self.cfg.tracking.charts_every_checkpoints, rows=rows, pooled=pooled)
+        return events, metrics
 
     def train(self) -> RunResult:
         c, start = self.cfg, self.state["step"]
         state = TrainState(max_steps=c.train.max_steps, rank=self.ctx.rank, world_size=self.ctx.world_size,
                            step=start, start_step=start, restarts=self.state["restarts"],
                            resumed_from=self.state.get("resumed_from"))
-        step = TrainStep(c, self.engine, self.pipelined, self.groups, self.device, self.batches, self.chaos,
-                         self.clipper, self.watchdog, self.checkpointer, self.mlflow.set_tags)
-        step.objective = self.objective
-        events = self.callbacks(step)
+        readings = StepReadings(self.engine, self.pipelined, self.clipper, self.groups)
+        events, metrics = self.callbacks(readings)
+        step = TrainStep(self.engine, self.objective, readings, self._guard(readings), self.chaos, metrics,
+                         self.device, self.pipelined)
         saves = Cadence(self.checkpointer, self.engine, self.client_state, events)
         try:
             events.start(state)
@@ -257,6 +236,12 @@ class Trainer:
         self.engine.train()
         run_loop(self.batches.iterate(start, c.train.max_steps - start), step, saves, events, state)
         return self.result(state)
+
+    def _guard(self, readings: StepReadings) -> Any:
+        if self.cfg.health.watchdog == "off":
+            return NO_GUARD
+        return StepGuard(self.watchdog, self.engine, self.groups, readings.own_norm, self.checkpointer,
+                         self.mlflow.set_tags)
 
     def client_state(self, step: int) -> dict[str, Any]:
         """What a checkpoint carries besides the engine's state: the step, the data position, the restarts."""

@@ -1,0 +1,35 @@
+"""What the model's features and the job's evaluation add to a run, each a function of the trainer and the tracker
+returning its Listeners (empty where it does not apply): the trainer composes them and does not ask which.
+
+    FEATURES = (expert_load, harness)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rayspeed.train.objective import Listeners
+
+
+def expert_load(trainer: Any, tracker: Any) -> Listeners:
+    """A mixture of experts' moe/* metrics and expert-load artifacts (the model's routing record)."""
+    routing = trainer.engine.module.routing
+    if routing is None:
+        return Listeners()
+    from rayspeed.train.moe_callback import ExpertLoad
+
+    load = ExpertLoad(routing.stats, routing.moe_layers, trainer.groups, trainer.device, tracker,
+                      every=trainer.cfg.tracking.charts_every_checkpoints, rows=routing.rows, pooled=routing.pooled)
+    return Listeners([load], [load.metrics])
+
+
+def harness(trainer: Any, tracker: Any) -> Listeners:
+    """lm-eval tasks at the job's cadence (eval.harness.tasks)."""
+    if not trainer.cfg.eval.harness.tasks:
+        return Listeners()
+    from rayspeed.train.harness_callback import HarnessCallback
+
+    return Listeners([HarnessCallback(trainer.cfg, trainer.ctx, tracker)])
+
+
+FEATURES = (expert_load, harness)
