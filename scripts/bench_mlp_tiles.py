@@ -1,5 +1,5 @@
 """Peak memory of one long sequence under selective checkpointing with the MLP recomputed whole and in tiles of rows
-(model/transformer.py MLP_TILE_BYTES), measured on CPU, beside the planner's prediction of the same quantity.
+(model/parts/mlp.py MLP_TILE_BYTES), measured on CPU, beside the planner's prediction of the same quantity.
 
     python scripts/bench_mlp_tiles.py [--seq 16384]   # one JSON line per case (bench.py --only context_parallel)
 
@@ -32,8 +32,9 @@ def _measure(seq: int, tile_bytes: int) -> tuple[float, float]:
 
     from bench_context_parallel import Peak
     from rayspeed.model import transformer
+    from rayspeed.model.parts import mlp
 
-    transformer.MLP_TILE_BYTES = tile_bytes
+    mlp.MLP_TILE_BYTES = tile_bytes
     torch.set_num_threads(1)
     cfg = type("Cfg", (), {**MODEL, "seq_len": seq, "tie_embeddings": False})()
     model = transformer.Transformer(cfg, activation_checkpointing="selective", seed=1)

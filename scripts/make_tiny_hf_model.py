@@ -32,6 +32,7 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
 
     from rayspeed import families
     from rayspeed.config.shape import ModelShape, rope_fields
+    from rayspeed.families.family import QUERY_SCALE_KEY
 
     half = int((head_dim or hidden // heads) * (partial_rotary or 1.0)) // 2
     scaling = {"default": None,
@@ -55,11 +56,11 @@ def hf_config(arch: str = "llama", vocab: int = 256, hidden: int = 64, layers: i
         kwargs["head_dim"] = head_dim
     # The family's own keys as an export writes them (the window and layer types given here, no extra biases).
     family = families.by_model_type(arch)
-    scalar = family.defaults.get(family.query_scale_key) if family.query_scale_key else None
+    scalar = family.defaults.get(QUERY_SCALE_KEY) if family.keys.reads(QUERY_SCALE_KEY) else None
     shape = ModelShape(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
                        ffn_hidden_size=ffn, vocab_size=vocab, seq_len=max_positions, tie_embeddings=tied,
                        rope_theta=rope_theta, architecture=family.architecture, head_dim=head_dim or 0,
-                       hidden_act=family.activations[0], sliding_window=sliding_window,
+                       hidden_act=family.keys.activations[0], sliding_window=sliding_window,
                        layer_types=tuple(layer_types or ()), rope_local_theta=local_rope_theta,
                        query_pre_attn_scalar=scalar, partial_rotary_factor=partial_rotary or 1.0,
                        attn_logit_softcapping=softcaps[0] if softcaps else None,

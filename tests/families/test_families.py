@@ -14,7 +14,7 @@ from rayspeed.config.hf_config import model_keys_from_hf, to_hf_config
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import parse
 from rayspeed.config.shape import ModelShape
-from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, SLIDING_USE_FLAG, Family
+from rayspeed.families.family import HEAD_DIM_KEY, SLIDING_USE_FLAG, ConfigKeys, Family
 from rayspeed.planner.memory import layer_saved
 from rayspeed.planner.search import build_ctx
 from rayspeed.planner.timing import layer_fwd
@@ -45,28 +45,27 @@ def test_registry_finds_each_family_by_architecture_and_model_type():
 def test_the_records_say_what_differs_between_families():
     gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe = families.FAMILIES
     assert [f.qkv_bias for f in families.FAMILIES] == [False] * 7 + [True, False, False]
-    assert [f.qk_norm for f in families.FAMILIES] == [False, True, False, False, False, True, False, False, True, True]
-    assert [f.softcapping for f in families.FAMILIES] == [True] + [False] * 9
+    assert [f.tensor_names.qk_norm for f in families.FAMILIES] == [None, "head", None, None, None, "projection", None,
+                                                                   None, "head", "head"]
+    assert [f.keys.reads("attn_logit_softcapping") for f in families.FAMILIES] == [True] + [False] * 9
     assert [f for f in families.FAMILIES if f.moe is not None] == [mixtral, qwen3_moe]  # experts: model/moe.py
-    assert qwen3_moe.block_module == qwen3.block_module  # Qwen3's attention, q/k norms included
-    assert (olmo2.qk_norm_width, qwen3.qk_norm_width) == ("projection", "head")  # OLMo 2: over heads x head_dim
-    assert not any(f.o_bias for f in families.FAMILIES)
-    assert [f.norm for f in families.FAMILIES] == ["rmsnorm_offset", "rmsnorm_offset", "rmsnorm", "rmsnorm",
-                                                   "rmsnorm", "rmsnorm_fp32_weight", "rmsnorm", "rmsnorm", "rmsnorm",
-                                                   "rmsnorm"]
-    assert [f.sliding_window for f in families.FAMILIES] == ["layer_types", "layer_types", "none", "all_layers",
-                                                             "all_layers", "none", "all_layers", "use_flag",
-                                                             "use_flag", "use_flag"]
-    assert [f.block_module for f in families.FAMILIES] == ["gemma2_block", "gemma3_block", None, None, None,
-                                                           "olmo2_block", None, None, "qwen3_block", "qwen3_block"]
+    assert qwen3_moe.tensor_names.qk_norm == qwen3.tensor_names.qk_norm  # Qwen3's attention, q/k norms included
+    assert [f.tensor_names.hidden_norms for f in families.FAMILIES] == [4, 4] + [2] * 8
+    assert [f.norms_keep_fp32 for f in families.FAMILIES] == [True, True, False, False, False, True, False, False,
+                                                              False, False]
+    assert [f.keys.sliding_window for f in families.FAMILIES] == ["layer_types", "layer_types", "none", "all_layers",
+                                                                  "all_layers", "none", "all_layers", "use_flag",
+                                                                  "use_flag", "use_flag"]
+    assert [len(dataclasses.fields(f)) for f in families.FAMILIES] == [9] * 10  # data: no behaviour switches
     assert gemma2.tensor_names.in_layer.keys() < gemma3.tensor_names.in_layer.keys()  # Gemma 3 adds q/k norms
     # Phi-3's fused checkpoint tensors, each part's rows in order.
     assert phi3.tensor_names.fused_parts("model.layers.3.self_attn.qkv_proj.weight") == (
         "layers.3.attn.wq.weight", "layers.3.attn.wk.weight", "layers.3.attn.wv.weight")
     assert phi3.tensor_names.hf_name("layers.0.mlp.w_up.weight") == "model.layers.0.mlp.gate_up_proj.weight"
-    assert phi3.tensor_names.fused_parts("model.layers.0.mlp.down_proj.weight") == () and phi3.partial_rotary
-    assert (gemma3.norms_per_block, gemma3.embed_scale, gemma3.activations, gemma3.local_rope) == (
-        4, True, ("gelu_pytorch_tanh",), True)
+    assert phi3.tensor_names.fused_parts("model.layers.0.mlp.down_proj.weight") == ()
+    assert phi3.keys.reads("partial_rotary_factor")
+    assert (gemma3.keys.activation, gemma3.keys.activations, gemma3.keys.reads("rope_local_base_freq")) == (
+        "hidden_activation", ("gelu_pytorch_tanh",), True)
     assert gemma3.tensor_names.hf_name("layers.2.mlp_post_norm.weight") == (
         "model.layers.2.post_feedforward_layernorm.weight")
     # OLMo 2's block keeps the decoder's norm names, mapped onto its post-norms.
@@ -75,7 +74,7 @@ def test_the_records_say_what_differs_between_families():
     assert olmo2.tensor_names.partition_dim("layers.0.attn.q_norm.weight") == 0
     assert qwen3.head_dim(1024, 16, given=128) == 128 and qwen3.query_width(16, 128) == 2048  # config.json's
     for fam in (llama, mistral, qwen2):
-        assert fam.rope_types == ("default", "linear", "llama3", "yarn", "longrope")
+        assert fam.keys.rope_types == ("default", "linear", "llama3", "yarn", "longrope")
         assert dict(fam.defaults) == {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
         assert fam.head_dim(4096, 32, given=256) == 128  # hidden / heads: config.json's head_dim is not read
         assert fam.query_width(32, 128) == 4096
@@ -93,22 +92,15 @@ def test_the_records_say_what_differs_between_families():
         llama.tensor_names.in_layer["attn.wq.weight"] = ("x", 0)  # type: ignore[index]
 
 
-def test_a_record_the_decoder_cannot_run_is_refused():
+def test_a_record_rayspeed_cannot_read_is_refused():
     with pytest.raises(ValueError, match="sliding_window 'sometimes'"):
-        Family(architectures=("XForCausalLM",), model_type="x", sliding_window="sometimes")
-    with pytest.raises(ValueError, match="head_dim_rule"):
-        Family(architectures=("XForCausalLM",), model_type="x", head_dim_rule="guess")
-    with pytest.raises(ValueError, match="their own block module"):
-        Family(architectures=("XForCausalLM",), model_type="x", o_bias=True)
-    with pytest.raises(ValueError, match="q/k norms"):
-        Family(architectures=("XForCausalLM",), model_type="x", qk_norm=True)
-    with pytest.raises(ValueError, match="norm 'layernorm' is not one of"):
-        Family(architectures=("XForCausalLM",), model_type="x", norm="layernorm")
-    with pytest.raises(ValueError, match="other norms per block"):
-        Family(architectures=("XForCausalLM",), model_type="x", norms_per_block=4)
+        Family(architectures=("XForCausalLM",), model_type="x", keys=ConfigKeys(sliding_window="sometimes"))
     with pytest.raises(ValueError, match="activations"):
-        Family(architectures=("XForCausalLM",), model_type="x", activations=("relu",))
-    assert Family(architectures=("XForCausalLM",), model_type="x", o_bias=True, block_module="x_block").o_bias
+        Family(architectures=("XForCausalLM",), model_type="x", keys=ConfigKeys(activations=("relu",)))
+    with pytest.raises(ValueError, match="optional keys"):
+        Family(architectures=("XForCausalLM",), model_type="x", keys=ConfigKeys(optional=("rope_guess",)))
+    assert Family(architectures=("XForCausalLM",), model_type="x", keys=ConfigKeys(optional=("head_dim",))).keys.reads(
+        "head_dim")
 
 
 def test_the_checkpoint_name_map_round_trips_with_each_tensors_tp_dim():
@@ -147,7 +139,7 @@ def test_todays_families_keep_the_query_width_at_hidden(arch):
 
 # A Qwen3-0.6B-like family: its config.json names head_dim 128 with hidden 1024 over 16 heads (not 64).
 WIDE = Family(architectures=("WideHeadForCausalLM",), model_type="wide_head",
-              head_dim_rule=HEAD_DIM_FROM_CONFIG, sliding_window=SLIDING_USE_FLAG)
+              keys=ConfigKeys(optional=(HEAD_DIM_KEY,), sliding_window=SLIDING_USE_FLAG))
 WIDE_CONFIG = {"architectures": ["WideHeadForCausalLM"], "model_type": "wide_head", "hidden_size": 1024,
                "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                "intermediate_size": 3072, "vocab_size": 151936, "max_position_embeddings": 4096}

@@ -1,9 +1,8 @@
-"""The model builds what the family's record says: its block module, and q/o widths of heads * head_dim where the
+"""The model builds what the family's record and its model module say: the composition of parts
+(rayspeed.model.families, the Llama decoder for a family without one), and q/o widths of heads * head_dim where the
 head width is not hidden / heads."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -11,12 +10,14 @@ import torch
 from rayspeed import families
 from rayspeed.config.hf_checkpoint import param_shapes
 from rayspeed.config.shape import ModelShape
-from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, Family
+from rayspeed.families.family import HEAD_DIM_KEY, ConfigKeys, Family, llama_tensor_names
 from rayspeed.model import Transformer
+from rayspeed.model.families import composition_of, compositions
+from rayspeed.model.parts.norms import OffsetRMSNorm, RMSNorm
 from rayspeed.model.transformer import Block, block_class
 
 WIDE = Family(architectures=("WideHeadForCausalLM",), model_type="wide_head",
-              head_dim_rule=HEAD_DIM_FROM_CONFIG, qkv_bias=True)
+              tensor_names=llama_tensor_names(qkv_bias=True), keys=ConfigKeys(optional=(HEAD_DIM_KEY,)))
 
 
 @pytest.fixture
@@ -27,23 +28,22 @@ def wide(monkeypatch):
                       qkv_bias=True)
 
 
-def test_the_families_without_a_block_module_use_the_decoders_block():
-    for fam in (f for f in families.FAMILIES if f.block_module is None):
+def test_each_family_is_composed_once_and_the_others_are_the_llama_decoder():
+    composed = [f for model in compositions() for f in model.families]
+    assert len(composed) == len({id(f) for f in composed})  # no family in two modules
+    assert [f.model_type for f in composed] == ["gemma2", "gemma3_text", "llama", "olmo2", "qwen3", "qwen3_moe"]
+    for fam in families.FAMILIES:
         shape = ModelShape(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                            vocab_size=256, seq_len=8, tie_embeddings=True, architecture=fam.architecture)
-        assert block_class(shape) is Block
+        model = composition_of(fam)
+        assert block_class(shape) is model.block and issubclass(model.block, Block)
+        assert (model.norm is OffsetRMSNorm) == model.embed_scale == fam.model_type.startswith("gemma")
+        if fam.model_type in ("llama", "mistral", "mixtral", "phi3", "qwen2"):
+            assert (model.block, model.norm) == (Block, RMSNorm)
 
 
-def test_a_family_naming_a_block_module_gets_that_modules_block(monkeypatch):
-    own = dataclasses.replace(WIDE, block_module="transformer")
-    monkeypatch.setattr(families, "FAMILIES", families.FAMILIES + (own,))
-    shape = ModelShape(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=256,
-                       seq_len=8, tie_embeddings=True, architecture="WideHeadForCausalLM")
-    assert block_class(shape) is Block  # rayspeed.model.transformer.Block, found through the record
-    missing = dataclasses.replace(WIDE, architectures=("NoBlockForCausalLM",), block_module="no_such_block")
-    monkeypatch.setattr(families, "FAMILIES", families.FAMILIES + (missing,))
-    with pytest.raises(ModuleNotFoundError):
-        block_class(dataclasses.replace(shape, architecture="NoBlockForCausalLM"))
+def test_a_family_no_module_composes_is_the_llama_decoder(wide):
+    assert composition_of(WIDE).block is Block and composition_of(WIDE).families == (WIDE,)
 
 
 def test_the_model_of_a_wide_head_family_has_the_checkpoints_shapes_and_runs(wide):

@@ -59,12 +59,13 @@ def _model(arch, kernel, **keys):
                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                hidden_act="gelu_pytorch_tanh"), False)])
 def test_a_model_gives_the_same_logits_through_either_kernel(arch, keys, documents, monkeypatch):
-    from rayspeed.model import flex, transformer
+    from rayspeed.model import flex
+    from rayspeed.model.parts import self_attention
 
     ids = torch.randint(0, 64, (2, S), generator=torch.Generator().manual_seed(1))
     seg = _documents() if documents else None
     calls = []
-    monkeypatch.setattr(transformer, "flex_attention", lambda *a: calls.append(1) or flex.flex_attention(*a))
+    monkeypatch.setattr(self_attention, "flex_attention", lambda *a: calls.append(1) or flex.flex_attention(*a))
     with torch.no_grad():
         want = _model(arch, "sdpa", **keys)(ids, segment_ids=seg)
         assert not calls

@@ -214,17 +214,17 @@ def check_transformer(tp, sequence_parallel, tie_embeddings, activation_checkpoi
 def check_mlp_tiles(tp):
     """A long sequence's MLP recomputed in tiles of rows (selective checkpointing, sequence parallel: each tile
     gathers its rows over tp) gives tp1's loss, gradients and logits: 2 tiles of 2 of the rank's 4 rows here."""
-    from rayspeed.model import transformer
+    from rayspeed.model.parts import mlp
 
-    old = transformer.MLP_TILE_BYTES
-    transformer.MLP_TILE_BYTES = 2 * 2 * 2 * 32 * 4 * 4  # rows x batch x tp x f / tp x 4 tensors x fp32
+    old = mlp.MLP_TILE_BYTES
+    mlp.MLP_TILE_BYTES = 2 * 2 * 2 * 32 * 4 * 4  # rows x batch x tp x f / tp x 4 tensors x fp32
     try:
         x = torch.zeros(2, 4, 32)
         model = Transformer(SimpleNamespace(**CFG, tie_embeddings=False), tp=tp, sequence_parallel=True, seed=SEED)
-        assert transformer.mlp_tile_rows(model.layers[0].mlp, x) == 2
+        assert mlp.mlp_tile_rows(model.layers[0].mlp, x) == 2
         check_transformer(tp, True, False, "selective")
     finally:
-        transformer.MLP_TILE_BYTES = old
+        mlp.MLP_TILE_BYTES = old
 
 
 def check_grad_clip(tp):

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from rayspeed import families
 from rayspeed.config.shape import ModelShape
 from rayspeed.families import Family, TensorNames
+from rayspeed.families.family import QK_NORM_PER_PROJECTION
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,12 +60,13 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         else:
             out.update({p + "mlp.w_gate.weight": (f, h), p + "mlp.w_up.weight": (f, h),
                         p + "mlp.w_down.weight": (h, f)})
-        if shape.family.norms_per_block == 4:  # Gemma: after attention and after the MLP as well
+        names = shape.family.tensor_names
+        if names.hidden_norms == 4:  # Gemma: after attention and after the MLP as well
             out.update({p + "attn_post_norm.weight": (h,), p + "mlp_post_norm.weight": (h,)})
         if shape.qkv_bias:
             out.update({p + "attn.wq.bias": (q,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
-        if shape.family.qk_norm:
-            whole = shape.family.qk_norm_width == "projection"  # OLMo 2: over the projection, else one head
+        if names.qk_norm is not None:
+            whole = names.qk_norm == QK_NORM_PER_PROJECTION  # OLMo 2: over the projection, else one head
             out.update({p + "attn.q_norm.weight": (q if whole else shape.head_dim,),
                         p + "attn.k_norm.weight": (kv if whole else shape.head_dim,)})
     return out

@@ -1,14 +1,12 @@
-"""Hugging Face `config.json` <-> the job's model section. Pure Python: the planner plans a real model from here
-without importing torch.
+"""Hugging Face `config.json` <-> the job's model section. Pure Python: the planner plans a real model from here.
 
     hf = read_pretrained_config("meta-llama/Llama-3.2-1B")    # a local directory or a hub id
     keys, problems = model_keys_from_hf(hf, where="<dir>/config.json", seq_len=4096)
     problems = apply_pretrained(raw_model_section, cfg.model)  # parse(): fills what the job left unset
     to_hf_config(ModelShape.from_config(cfg.model))            # the export's config.json
 
-Both forms of RoPE settings are read: `rope_theta` + `rope_scaling` (as hub checkpoints written by transformers 4
-carry them; `type` or `rope_type`) and `rope_parameters` (transformers 5).
-"""
+Both forms of RoPE settings are read: `rope_theta` + `rope_scaling` (transformers 4's; `type` or `rope_type`) and
+`rope_parameters` (transformers 5)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,11 @@ from rayspeed.config.shape import ModelShape, rope_fields
 from rayspeed.families import Family
 from rayspeed.families.family import (
     FULL_ATTENTION,
-    HEAD_DIM_FROM_CONFIG,
+    HEAD_DIM_KEY,
     LAYER_TYPES,
+    LOCAL_ROPE_KEY,
+    PARTIAL_ROTARY_KEY,
+    QUERY_SCALE_KEY,
     SLIDING_ALL_LAYERS,
     SLIDING_ATTENTION,
     SLIDING_LAYER_TYPES,
@@ -154,7 +155,7 @@ def _architecture(hf: dict[str, Any]) -> Optional[str]:
 
 def _local_rope(hf: dict[str, Any], family: Family, where: str, problems: list[str]) -> Optional[float]:
     """The sliding-window layers' RoPE base of a family that has one (plain RoPE only), from either form."""
-    if not family.local_rope:
+    if not family.keys.reads(LOCAL_ROPE_KEY):
         return None
     params = hf.get("rope_parameters")
     local = params.get(SLIDING_ATTENTION) if isinstance(params, dict) else None
@@ -179,10 +180,10 @@ def _rope(hf: dict[str, Any], family: Family, where: str,
           problems: list[str]) -> tuple[float, Optional[dict[str, Any]]]:
     """(rope_theta, rope_scaling or None) from either form; per layer type, those of the full-attention layers
     (the family's local RoPE is _local_rope's)."""
-    rope_types, default_theta = family.rope_types, float(family.defaults.get("rope_theta", 10000.0))
+    rope_types, default_theta = family.keys.rope_types, float(family.defaults.get("rope_theta", 10000.0))
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        if not family.local_rope or FULL_ATTENTION not in params:
+        if not family.keys.reads(LOCAL_ROPE_KEY) or FULL_ATTENTION not in params:
             problems.append(f"{where}: rope_parameters per layer type ({', '.join(params)}) are not supported for "
                             f"{family.architecture}; one RoPE for all layers is")
             return default_theta, None
@@ -195,7 +196,7 @@ def _rope(hf: dict[str, Any], family: Family, where: str,
         theta = float(hf.get("rope_theta", default_theta))
     kind = str(scaling.get("rope_type", scaling.get("type", "default")))
     partial = scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0) and not family.partial_rotary:
+    if partial not in (None, 1, 1.0) and not family.keys.reads(PARTIAL_ROTARY_KEY):
         problems.append(f"{where}: partial_rotary_factor {partial} is not supported for {family.architecture} (RoPE "
                         "over the whole head only)")
     if kind not in rope_types:
@@ -250,15 +251,15 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         problems.append(f"{where}: architecture {arch} is not supported{': ' + reason if reason else ''}; "
                         f"supported: {', '.join(families.names())}")
         return {}, problems
-    missing = [k for k in family.required_keys if hf.get(k) is None]
+    missing = [k for k in family.keys.required if hf.get(k) is None]
     if missing:
         problems.append(f"{where}: lacks {', '.join(missing)}")
         return {}, problems
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    act = hf.get(family.activation_key, family.defaults[family.activation_key])
-    if act not in family.activations:
-        problems.append(f"{where}: {family.activation_key} {act!r} is not supported for {arch}; supported: "
-                        f"{', '.join(family.activations)}")
+    act = hf.get(family.keys.activation, family.defaults[family.keys.activation])
+    if act not in family.keys.activations:
+        problems.append(f"{where}: {family.keys.activation} {act!r} is not supported for {arch}; supported: "
+                        f"{', '.join(family.keys.activations)}")
     head_dim = hf.get("head_dim")
     if head_dim is not None and heads and int(head_dim) != family.head_dim(h, heads, int(head_dim)):
         problems.append(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = {h // heads}; "
@@ -267,17 +268,17 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         problems.append(f"{where}: attention_bias true (biases on q, k, v and o) is not supported for {arch}")
     if hf.get("mlp_bias"):
         problems.append(f"{where}: mlp_bias true is not supported")
-    caps = {key: hf.get(key, family.defaults.get(key)) if family.softcapping else None
+    caps = {key: hf.get(key, family.defaults.get(key)) if family.keys.reads(key) else None
             for key in ("attn_logit_softcapping", "final_logit_softcapping")}
     for key in caps:
-        if not family.softcapping and hf.get(key) is not None:
+        if not family.keys.reads(key) and hf.get(key) is not None:
             problems.append(f"{where}: {key} {hf[key]} (soft-capping) is not supported for {arch}")
     if hf.get("use_bidirectional_attention"):
         problems.append(f"{where}: use_bidirectional_attention true is not supported (causal language models only)")
     window, layer_types = sliding_window(family, hf, where, problems)
     theta, scaling = _rope(hf, family, where, problems)
-    scalar = hf.get(family.query_scale_key, family.defaults.get(family.query_scale_key)) \
-        if family.query_scale_key else None
+    scalar = hf.get(QUERY_SCALE_KEY, family.defaults.get(QUERY_SCALE_KEY)) \
+        if family.keys.reads(QUERY_SCALE_KEY) else None
     max_pos = hf.get("max_position_embeddings")
     keys = {
         "architecture": arch,
@@ -286,7 +287,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "num_heads": heads,
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
         # Only a family that reads config.json's head_dim carries it; for the others hidden / heads decides.
-        "head_dim": int(head_dim) if head_dim and family.head_dim_rule == HEAD_DIM_FROM_CONFIG else None,
+        "head_dim": int(head_dim) if head_dim and family.keys.reads(HEAD_DIM_KEY) else None,
         "ffn_hidden_size": int(hf["intermediate_size"]),
         "vocab_size": int(hf["vocab_size"]),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", family.tie_embeddings_default)),
@@ -299,7 +300,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "layer_types": layer_types,
         "rope_local_theta": _local_rope(hf, family, where, problems),
         "query_pre_attn_scalar": float(scalar) if scalar else None,
-        "partial_rotary_factor": _partial_rotary(hf) if family.partial_rotary else None,
+        "partial_rotary_factor": _partial_rotary(hf) if family.keys.reads(PARTIAL_ROTARY_KEY) else None,
         **{key: float(value) if value else None for key, value in caps.items()},
         **moe_keys_from_hf(family, hf, where, problems),
     }
@@ -311,19 +312,19 @@ def sliding_window(family: Family, hf: dict[str, Any], where: str, problems: lis
     """(window, layer types) as transformers reads config.json for the family: (None, None) without a window;
     layer types None when every layer slides."""
     given = hf.get("sliding_window", family.defaults.get("sliding_window"))
-    if family.sliding_window == SLIDING_USE_FLAG and not hf.get("use_sliding_window"):
+    if family.keys.sliding_window == SLIDING_USE_FLAG and not hf.get("use_sliding_window"):
         return None, None
     if not given:
         return None, None
-    if family.sliding_window == SLIDING_ALL_LAYERS:
+    if family.keys.sliding_window == SLIDING_ALL_LAYERS:
         return int(given), None
-    if family.sliding_window not in (SLIDING_USE_FLAG, SLIDING_LAYER_TYPES):
+    if family.keys.sliding_window not in (SLIDING_USE_FLAG, SLIDING_LAYER_TYPES):
         problems.append(f"{where}: sliding_window {given} (sliding-window attention) is not supported for "
                         f"{family.architecture}")
         return None, None
     types = hf.get("layer_types")
     n = int(hf["num_hidden_layers"])
-    if types is None and family.sliding_window == SLIDING_USE_FLAG:
+    if types is None and family.keys.sliding_window == SLIDING_USE_FLAG:
         first = int(hf.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT))
         types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)]
     elif types is None:  # Gemma 3: every pattern-th layer is global
@@ -413,7 +414,7 @@ def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_toke
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
-        family.activation_key: shape.hidden_act,
+        family.keys.activation: shape.hidden_act,
         "max_position_embeddings": max(shape.max_position_embeddings or 0, shape.seq_len),
         "initializer_range": shape.init_std,
         "rms_norm_eps": shape.norm_eps,

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from rayspeed import families
 from rayspeed.families import Family
+from rayspeed.families.family import QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION
 
 
 def default_ffn(hidden_size: int) -> int:
@@ -144,7 +145,7 @@ class ModelShape:
                    qkv_bias=family.qkv_bias,
                    max_position_embeddings=int(max_pos) if max_pos else None,
                    head_dim=family.head_dim(int(m.hidden_size), heads, getattr(m, "head_dim", None)),
-                   hidden_act=str(getattr(m, "hidden_act", None) or family.activations[0]),
+                   hidden_act=str(getattr(m, "hidden_act", None) or family.keys.activations[0]),
                    attention_kernel=str(getattr(m, "attention_kernel", None) or "auto"),
                    sliding_window=int(window) if window else None,
                    layer_types=tuple(str(t) for t in (getattr(m, "layer_types", None) or ())),
@@ -258,7 +259,7 @@ class ModelShape:
         h, q = self.hidden_size, self.q_dim
         bias = (q + 2 * self.kv_dim) if self.qkv_bias else 0
         # q/k norms over the whole projections (OLMo 2) are split by tp with the heads.
-        norms = (q + self.kv_dim) if self.family.qk_norm and self.family.qk_norm_width == "projection" else 0
+        norms = (q + self.kv_dim) if self.family.tensor_names.qk_norm == QK_NORM_PER_PROJECTION else 0
         return 2 * h * q + 2 * h * self.kv_dim + bias + norms
 
     @functools.cached_property
@@ -282,8 +283,8 @@ class ModelShape:
     def layer_norm_params(self) -> int:
         """The block's RMSNorm weights (two, four for Gemma) and a family's per-head q/k norms, replicated on every
         tp rank."""
-        per_head = self.family.qk_norm and self.family.qk_norm_width == "head"
-        return self.family.norms_per_block * self.hidden_size + (2 * self.head_dim if per_head else 0)
+        names = self.family.tensor_names
+        return names.hidden_norms * self.hidden_size + (2 * self.head_dim if names.qk_norm == QK_NORM_PER_HEAD else 0)
 
     @property
     def layer_params(self) -> int:

@@ -19,7 +19,16 @@ from rayspeed.config.moe_keys import moe_problems
 from rayspeed.config.names import name_problems, registered_name_problems
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
-from rayspeed.families.family import FULL_ATTENTION, LAYER_TYPES, SLIDING_ALL_LAYERS, SLIDING_ATTENTION, SLIDING_NONE
+from rayspeed.families.family import (
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    LOCAL_ROPE_KEY,
+    PARTIAL_ROTARY_KEY,
+    QUERY_SCALE_KEY,
+    SLIDING_ALL_LAYERS,
+    SLIDING_ATTENTION,
+    SLIDING_NONE,
+)
 
 CALLBACK_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
@@ -67,11 +76,11 @@ def attention_problems(m: Any, family: families.Family) -> list[str]:
     runs."""
     p: list[str] = []
     arch = family.architecture
-    if m.hidden_act is not None and m.hidden_act not in family.activations:
+    if m.hidden_act is not None and m.hidden_act not in family.keys.activations:
         p.append(f"model.hidden_act: {m.hidden_act!r} is not supported for {arch}; supported: "
-                 f"{', '.join(family.activations)}")
+                 f"{', '.join(family.keys.activations)}")
     if m.sliding_window is not None:
-        if family.sliding_window == SLIDING_NONE:
+        if family.keys.sliding_window == SLIDING_NONE:
             p.append(f"model.sliding_window: {arch} has no sliding-window attention; drop model.sliding_window")
         elif m.sliding_window < 1:
             p.append(f"model.sliding_window: must be >= 1 (or null: no window), got {m.sliding_window}")
@@ -82,24 +91,24 @@ def attention_problems(m: Any, family: families.Family) -> list[str]:
                      f"{len(m.layer_types)} entries" + (f" with {', '.join(wrong)}" if wrong else ""))
         elif SLIDING_ATTENTION in m.layer_types and m.sliding_window is None:
             p.append("model.layer_types: sliding_attention layers need model.sliding_window")
-        elif family.sliding_window == SLIDING_ALL_LAYERS and FULL_ATTENTION in m.layer_types:
+        elif family.keys.sliding_window == SLIDING_ALL_LAYERS and FULL_ATTENTION in m.layer_types:
             p.append(f"model.layer_types: {arch} slides on every layer (transformers ignores layer_types for it); "
                      "drop model.layer_types")
     if m.partial_rotary_factor not in (None, 1, 1.0):
         head = m.head_dim or (m.hidden_size // m.num_heads if m.num_heads >= 1 else 0)
-        if not family.partial_rotary:
+        if not family.keys.reads(PARTIAL_ROTARY_KEY):
             p.append(f"model.partial_rotary_factor: {arch} rotates the whole head; drop model.partial_rotary_factor")
         elif not 0 < m.partial_rotary_factor <= 1 or int(head * m.partial_rotary_factor) % 2:
             p.append(f"model.partial_rotary_factor: {m.partial_rotary_factor} of head_dim {head} must be in (0, 1] "
                      "and give an even number of rotated dimensions")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = getattr(m, key)
-        if value is not None and (not family.softcapping or value <= 0):
+        if value is not None and (not family.keys.reads(key) or value <= 0):
             p.append(f"model.{key}: soft-capping must be > 0 and is read by a family that has it ({arch} "
-                     f"{'has' if family.softcapping else 'has not'}); got {value}")
-    if m.rope_local_theta is not None and not family.local_rope:
+                     f"{'has' if family.keys.reads(key) else 'has not'}); got {value}")
+    if m.rope_local_theta is not None and not family.keys.reads(LOCAL_ROPE_KEY):
         p.append(f"model.rope_local_theta: {arch} has one RoPE base for every layer; drop model.rope_local_theta")
-    if m.query_pre_attn_scalar is not None and family.query_scale_key is None:
+    if m.query_pre_attn_scalar is not None and not family.keys.reads(QUERY_SCALE_KEY):
         p.append(f"model.query_pre_attn_scalar: {arch} scales attention by head_dim^-0.5; drop "
                  "model.query_pre_attn_scalar")
     elif m.query_pre_attn_scalar is not None and m.query_pre_attn_scalar <= 0:
@@ -160,7 +169,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     p += attention_problems(m, family or families.DEFAULT)
     if m.rope_scaling:
         kind = str(m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default")))
-        rope_types = (family or families.DEFAULT).rope_types
+        rope_types = (family or families.DEFAULT).keys.rope_types
         if kind not in rope_types:
             p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
         p += extended_rope_problems(m, kind)

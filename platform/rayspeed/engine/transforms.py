@@ -59,7 +59,7 @@ def _activation_checkpointing(model: torch.nn.Module, cfg: Any, groups: Any, on_
     mode = check_mode(cfg.parallel.activation_checkpointing)
     if mode == "none":
         return None
-    # A family's own block (model/<family>_block.py) recomputes through the same attribute.
+    # A family's own block (rayspeed.model.families) recomputes through the same attribute.
     blocks = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "activation_checkpointing")]
     if not blocks:
         raise ValueError(f"parallel.activation_checkpointing {mode}: the model has no block to recompute")

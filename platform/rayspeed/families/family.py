@@ -1,8 +1,10 @@
 """What makes a model family itself, in one frozen record: the Hugging Face names, what its config.json holds and
 what rayspeed accepts of it, the checkpoint's tensor names, and the shape rules. Pure Python, below the config.
 
-Everything that differs between families is read from a `Family`; code elsewhere asks the record instead of
-comparing architecture names, so a new family is a new record (and a block module only if its block differs).
+A record is data: names, config keys and defaults, the tensor name map (which says which tensors a block has and how
+tensor parallelism splits each, so the parameter count and the checkpoint's tensor list follow from it), the shape
+rule. How a family computes is not here: its model module (rayspeed.model.families.<name>) composes parts, and a
+family without one is the Llama decoder. Code elsewhere asks the record instead of comparing architecture names.
 """
 
 from __future__ import annotations
@@ -24,22 +26,21 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
-# RMSNorm styles: where the weight is applied and what it is.
-NORM_RMS = "rmsnorm"  # normalise in fp32, cast back, times the weight (Llama, Qwen, Mistral)
-NORM_RMS_FP32_WEIGHT = "rmsnorm_fp32_weight"  # the weight times the fp32 normalised tensor, then cast (OLMo 2)
-NORM_RMS_OFFSET = "rmsnorm_offset"  # times (1 + weight) in fp32, then cast; the weight starts at 0 (Gemma)
-NORM_STYLES = (NORM_RMS, NORM_RMS_FP32_WEIGHT, NORM_RMS_OFFSET)
-
 # MLP activations (config.json's names) and what the decoder computes for each.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
-# Head-dim rules: how the attention head width follows from config.json.
-HEAD_DIM_FROM_HIDDEN = "hidden/heads"
-HEAD_DIM_FROM_CONFIG = "config"  # config.json's head_dim when it gives one, else hidden/heads
+# Optional config.json keys, each read only by a family whose ConfigKeys name it (another family's file must not
+# carry it: it would change nothing, silently).
+HEAD_DIM_KEY = "head_dim"  # the head width, instead of hidden / heads (the query width is then heads * head_dim)
+SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+QUERY_SCALE_KEY = "query_pre_attn_scalar"  # the attention scale s^-0.5 instead of head_dim^-0.5
+PARTIAL_ROTARY_KEY = "partial_rotary_factor"  # RoPE rotates only this share of each head
+LOCAL_ROPE_KEY = "rope_local_base_freq"  # sliding-window layers' own RoPE base (or rope_parameters per layer type)
+OPTIONAL_KEYS = (HEAD_DIM_KEY, *SOFTCAP_KEYS, QUERY_SCALE_KEY, PARTIAL_ROTARY_KEY, LOCAL_ROPE_KEY)
 
-# What a q/k norm normalises over.
-QK_NORM_PER_HEAD = "head"
-QK_NORM_PER_PROJECTION = "projection"
+# What a q/k norm normalises over, as the tensor name map says it (TensorNames.qk_norm).
+QK_NORM_PER_HEAD = "head"  # a weight of head_dim, whole on every tp rank (Qwen3, Gemma 3)
+QK_NORM_PER_PROJECTION = "projection"  # heads x head_dim wide, split by tp with the heads (OLMo 2)
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -110,6 +111,24 @@ class TensorNames:
         index, _, rest = hf[len(self.layer_prefix):].partition(".")
         return tuple(f"layers.{index}.{suffix}" for suffix in self.fused.get(rest, ()))
 
+    @property
+    def hidden_norms(self) -> int:
+        """Norms over the hidden width in a block: 2 (before attention and the MLP), 4 with Gemma's post-norms."""
+        return sum(1 for k in self.in_layer if k.endswith("norm.weight") and not k.startswith("attn."))
+
+    @property
+    def qk_norm(self) -> Optional[str]:
+        """What the block's q/k norms run over (QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION), None: none."""
+        entry = self.in_layer.get("attn.q_norm.weight")
+        if entry is None:
+            return None
+        return QK_NORM_PER_HEAD if entry[1] is None else QK_NORM_PER_PROJECTION
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q, k and v carry biases."""
+        return "attn.wq.bias" in self.in_layer
+
     def partition_dim(self, name: str) -> Optional[int]:
         """The dimension tensor parallelism splits rayspeed parameter `name` along (None: replicated)."""
         if name in self.top:
@@ -120,9 +139,9 @@ class TensorNames:
 
 
 
-def llama_tensor_names() -> TensorNames:
-    """transformers' Llama naming, which Mistral and Qwen2 share (the same as the layers in parallel/layers.py:
-    q/k/v, gate and up column-parallel, o and down row-parallel, norms replicated)."""
+def llama_tensor_names(qkv_bias: bool = False) -> TensorNames:
+    """transformers' Llama naming, which Mistral and Qwen2 (with q/k/v biases) share (the same as the layers in
+    parallel/layers.py: q/k/v, gate and up column-parallel, o and down row-parallel, norms replicated)."""
     in_layer: dict[str, tuple[str, Optional[int]]] = {
         "attn_norm.weight": ("input_layernorm.weight", None),
         "mlp_norm.weight": ("post_attention_layernorm.weight", None),
@@ -131,10 +150,9 @@ def llama_tensor_names() -> TensorNames:
         "mlp.w_down.weight": ("mlp.down_proj.weight", 1),
     }
     for p in "qkv":
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias") if qkv_bias else ("weight",):
             in_layer[f"attn.w{p}.{kind}"] = (f"self_attn.{p}_proj.{kind}", 0)
     in_layer["attn.wo.weight"] = ("self_attn.o_proj.weight", 1)
-    in_layer["attn.wo.bias"] = ("self_attn.o_proj.bias", None)  # added after the row-parallel reduce: whole
     top = {"embed.weight": ("model.embed_tokens.weight", 0), "norm.weight": ("model.norm.weight", None),
            "head.weight": ("lm_head.weight", 0)}
     return TensorNames(top=frozen(top), in_layer=frozen(in_layer))
@@ -166,88 +184,63 @@ def no_extras(shape: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class ConfigKeys:
+    """What a family's config.json may hold beyond the keys every family has, and what rayspeed accepts of it."""
+    required: tuple[str, ...] = REQUIRED_KEYS
+    """Keys without which the shape is unknown."""
+    optional: tuple[str, ...] = ()
+    """OPTIONAL_KEYS the family reads (config.json's head_dim, soft-capping, ...); the others are refused."""
+    activation: str = "hidden_act"
+    """The key naming the MLP activation (Gemma's is hidden_activation)."""
+    activations: tuple[str, ...] = ("silu",)
+    """The activations accepted, the first the default."""
+    rope_types: tuple[str, ...] = ROPE_TYPES
+    """RoPE scalings accepted."""
+    sliding_window: str = SLIDING_NONE
+    """What config.json may say about sliding-window attention (one of SLIDING_POLICIES)."""
+
+    def reads(self, key: str) -> bool:
+        return key in self.optional
+
+
+@dataclass(frozen=True)
 class Family:
-    """One model family as rayspeed runs it."""
+    """One model family as rayspeed reads and writes it."""
     architectures: tuple[str, ...]
     """Hugging Face architecture names (config.json's `architectures`); the first is the one an export writes."""
     model_type: str
     """config.json's `model_type`."""
     tensor_names: TensorNames = field(default_factory=llama_tensor_names)
-    """The checkpoint name map."""
+    """The checkpoint name map: which tensors a block has, their names and tp dimensions."""
     defaults: Mapping[str, Any] = field(default_factory=lambda: frozen(
         {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}))
     """config.json defaults of the family's transformers config class, for keys a file may omit."""
-    required_keys: tuple[str, ...] = REQUIRED_KEYS
-    """config.json keys without which the shape is unknown."""
-    qkv_bias: bool = False
-    """q, k and v projections carry biases (config.json's attention_bias then does not apply)."""
-    o_bias: bool = False
-    """The attention output projection carries a bias (no current family; the model has none)."""
-    qk_norm: bool = False
-    """q and k are RMS-normalised before RoPE (Qwen3, OLMo 2)."""
-    qk_norm_width: str = QK_NORM_PER_HEAD
-    """Over what the q/k norms run: each head (a weight of head_dim, shared by the heads: Qwen3), or the whole
-    projection (a weight of heads x head_dim, split by tp with the heads: OLMo 2)."""
-    norm: str = NORM_RMS
-    """RMSNorm style of every norm of the model (one of NORM_STYLES)."""
-    norms_per_block: int = 2
-    """Norms of a block over the hidden width: 2 (before attention and MLP), 4 with Gemma's post-norms too."""
-    embed_scale: bool = False
-    """The embedding's output is multiplied by sqrt(hidden) (Gemma)."""
-    activations: tuple[str, ...] = ("silu",)
-    """MLP activations the family accepts (config.json's `hidden_act`, or `activation_key`)."""
-    activation_key: str = "hidden_act"
-    """The config.json key naming the activation (Gemma's is `hidden_activation`)."""
-    local_rope: bool = False
-    """Sliding-window layers have their own RoPE base (Gemma 3: `rope_parameters.sliding_attention`, or
-    `rope_local_base_freq` in transformers 4's form)."""
-    multimodal: tuple[str, ...] = ()
-    """Architectures whose config.json nests this family's text model under `text_config` (Gemma 3's
-    Gemma3ForConditionalGeneration): rayspeed reads and trains that text model and keeps the vision weights out;
-    an export is this family's text-only architecture."""
-    softcapping: bool = False
-    """config.json's attn_logit_softcapping and final_logit_softcapping are read (Gemma 2)."""
-    partial_rotary: bool = False
-    """RoPE may rotate only the first partial_rotary_factor of each head (Phi-4-mini: 0.75)."""
-    query_scale_key: Optional[str] = None
-    """The config.json key whose value s makes the attention scale s^-0.5 instead of head_dim^-0.5 (Gemma's
-    `query_pre_attn_scalar`)."""
-    post_norm: bool = False
-    """The branches' outputs are normalised before the residual add, with the weight applied in fp32 before the
-    cast back (OLMo 2, transformers' Olmo2RMSNorm), instead of normalising the branches' inputs."""
-    head_dim_rule: str = HEAD_DIM_FROM_HIDDEN
-    """hidden/heads, or config: config.json's head_dim (the query width is then heads * head_dim, not hidden)."""
-    rope_types: tuple[str, ...] = ROPE_TYPES
-    """RoPE scalings the family accepts."""
-    sliding_window: str = SLIDING_NONE
-    """What config.json may say about sliding-window attention (one of SLIDING_POLICIES)."""
+    keys: ConfigKeys = field(default_factory=ConfigKeys)
+    """What its config.json may hold."""
     export_extras: Callable[[Any], dict[str, Any]] = no_extras
     """The family's own config.json keys an export writes, given the ModelShape."""
     moe: Optional["ExpertKeys"] = None
     """How the family's config.json describes its experts (None: the family has none)."""
-    block_module: Optional[str] = None
-    """The module under rayspeed.model whose `Block` the family's blocks are; None: the decoder's own
-    (model/transformer.py). The pipeline's split counts blocks of that class."""
+    multimodal: tuple[str, ...] = ()
+    """Architectures whose config.json nests this family's text model under `text_config` (Gemma 3's
+    Gemma3ForConditionalGeneration): rayspeed reads and trains that text model and keeps the vision weights out;
+    an export is this family's text-only architecture."""
+    norms_keep_fp32: bool = False
+    """For the planner's activation memory only: the family's norms apply their weight to the fp32 normalised
+    tensor, which backward then keeps (Gemma's (1 + w), OLMo 2's order). The model's norms are its module's parts;
+    tests/planner/test_activation_memory.py holds the two to the bytes autograd saves."""
 
     def __post_init__(self) -> None:
-        # A record that the decoder cannot run is a mistake in the record, caught at import.
-        if self.sliding_window not in SLIDING_POLICIES:
-            raise ValueError(f"{self.model_type}: sliding_window {self.sliding_window!r} is not one of "
+        # A record rayspeed cannot read is a mistake in the record, caught at import.
+        k = self.keys
+        if k.sliding_window not in SLIDING_POLICIES:
+            raise ValueError(f"{self.model_type}: sliding_window {k.sliding_window!r} is not one of "
                              f"{SLIDING_POLICIES}")
-        if self.qk_norm_width not in (QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION):
-            raise ValueError(f"{self.model_type}: qk_norm_width {self.qk_norm_width!r} is unknown")
-        if self.head_dim_rule not in (HEAD_DIM_FROM_HIDDEN, HEAD_DIM_FROM_CONFIG):
-            raise ValueError(f"{self.model_type}: head_dim_rule {self.head_dim_rule!r} is unknown")
-        if self.norm not in NORM_STYLES:
-            raise ValueError(f"{self.model_type}: norm {self.norm!r} is not one of {NORM_STYLES}")
-        unknown = [a for a in self.activations if a not in ACTIVATIONS]
+        unknown = [a for a in k.activations if a not in ACTIVATIONS] + [o for o in k.optional
+                                                                         if o not in OPTIONAL_KEYS]
         if unknown:
-            raise ValueError(f"{self.model_type}: activations {unknown} are not among {ACTIVATIONS}")
-        if ((self.o_bias or self.qk_norm or self.post_norm or self.norms_per_block != 2)
-                and self.block_module is None):
-            raise ValueError(f"{self.model_type}: an output-projection bias, q/k norms or other norms per block need "
-                             "their own block module (model/transformer.py's Block has two pre-norms, no o bias, "
-                             "no q/k norms)")
+            raise ValueError(f"{self.model_type}: {unknown} are not among the activations {ACTIVATIONS} or the "
+                             f"optional keys {OPTIONAL_KEYS}")
 
     @property
     def architecture(self) -> str:
@@ -257,9 +250,13 @@ class Family:
     def tie_embeddings_default(self) -> bool:
         return bool(self.defaults["tie_word_embeddings"])
 
+    @property
+    def qkv_bias(self) -> bool:
+        return self.tensor_names.qkv_bias
+
     def head_dim(self, hidden_size: int, num_heads: int, given: Optional[int] = None) -> int:
         """The attention head width: hidden/heads, or `given` (config.json's head_dim) where the family reads it."""
-        if self.head_dim_rule == HEAD_DIM_FROM_CONFIG and given:
+        if self.keys.reads(HEAD_DIM_KEY) and given:
             return int(given)
         return hidden_size // num_heads if num_heads else 0
 

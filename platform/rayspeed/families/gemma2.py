@@ -1,16 +1,18 @@
 """Gemma 2 (transformers' Gemma2ForCausalLM): Gemma's (1 + w) RMS norms, four per block, the embedding scaled by
 sqrt(hidden), GeGLU, the attention scale query_pre_attn_scalar^-0.5, local sliding-window layers alternating with
 global ones (one RoPE base for both), and soft-capping of the attention scores (50) and of the final logits (30);
-tied embeddings (model/gemma2_block.py)."""
+tied embeddings (model/families/gemma2.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from rayspeed.families.family import (
-    HEAD_DIM_FROM_CONFIG,
-    NORM_RMS_OFFSET,
+    HEAD_DIM_KEY,
+    QUERY_SCALE_KEY,
     SLIDING_LAYER_TYPES,
+    SOFTCAP_KEYS,
+    ConfigKeys,
     Family,
     TensorNames,
     frozen,
@@ -45,7 +47,7 @@ FAMILY = Family(architectures=("Gemma2ForCausalLM",), model_type="gemma2", tenso
                                  "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
                                  "sliding_window": 4096, "sliding_window_pattern": 2,
                                  "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
-                head_dim_rule=HEAD_DIM_FROM_CONFIG, norm=NORM_RMS_OFFSET, norms_per_block=4, embed_scale=True,
-                activations=("gelu_pytorch_tanh",), activation_key="hidden_activation", softcapping=True,
-                query_scale_key="query_pre_attn_scalar", sliding_window=SLIDING_LAYER_TYPES,
-                export_extras=gemma2_extras, block_module="gemma2_block")
+                keys=ConfigKeys(optional=(HEAD_DIM_KEY, *SOFTCAP_KEYS, QUERY_SCALE_KEY),
+                                activation="hidden_activation", activations=("gelu_pytorch_tanh",),
+                                sliding_window=SLIDING_LAYER_TYPES),
+                export_extras=gemma2_extras, norms_keep_fp32=True)

@@ -2,16 +2,18 @@
 per block (before and after attention and the MLP), per-head q/k norms, the embedding scaled by sqrt(hidden),
 GeGLU with tanh-approximated GELU, the attention scale query_pre_attn_scalar^-0.5, and local layers attending
 within `sliding_window` with their own RoPE base (five local to one global in the released models); tied
-embeddings (model/gemma3_block.py)."""
+embeddings (model/families/gemma3.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from rayspeed.families.family import (
-    HEAD_DIM_FROM_CONFIG,
-    NORM_RMS_OFFSET,
+    HEAD_DIM_KEY,
+    LOCAL_ROPE_KEY,
+    QUERY_SCALE_KEY,
     SLIDING_LAYER_TYPES,
+    ConfigKeys,
     Family,
     TensorNames,
     frozen,
@@ -41,8 +43,7 @@ FAMILY = Family(architectures=("Gemma3ForCausalLM",), model_type="gemma3_text", 
                                  "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
                                  "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                                  "sliding_window": 4096, "sliding_window_pattern": 6}),
-                head_dim_rule=HEAD_DIM_FROM_CONFIG, qk_norm=True, norm=NORM_RMS_OFFSET, norms_per_block=4,
-                embed_scale=True, activations=("gelu_pytorch_tanh",), activation_key="hidden_activation",
-                local_rope=True, query_scale_key="query_pre_attn_scalar", sliding_window=SLIDING_LAYER_TYPES,
-                multimodal=("Gemma3ForConditionalGeneration",),
-                export_extras=gemma3_extras, block_module="gemma3_block")
+                keys=ConfigKeys(optional=(HEAD_DIM_KEY, QUERY_SCALE_KEY, LOCAL_ROPE_KEY),
+                                activation="hidden_activation", activations=("gelu_pytorch_tanh",),
+                                sliding_window=SLIDING_LAYER_TYPES),
+                multimodal=("Gemma3ForConditionalGeneration",), export_extras=gemma3_extras, norms_keep_fp32=True)

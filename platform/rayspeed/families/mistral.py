@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayspeed.families.family import SLIDING_ALL_LAYERS, Family
+from rayspeed.families.family import SLIDING_ALL_LAYERS, ConfigKeys, Family
 
 
 def mistral_extras(shape: Any) -> dict[str, Any]:
@@ -13,4 +13,4 @@ def mistral_extras(shape: Any) -> dict[str, Any]:
 
 
 FAMILY = Family(architectures=("MistralForCausalLM",), model_type="mistral",
-                sliding_window=SLIDING_ALL_LAYERS, export_extras=mistral_extras)
+                keys=ConfigKeys(sliding_window=SLIDING_ALL_LAYERS), export_extras=mistral_extras)

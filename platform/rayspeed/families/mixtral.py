@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rayspeed.families.family import SLIDING_ALL_LAYERS, ExpertKeys, Family, TensorNames, frozen, llama_tensor_names
+from rayspeed.families.family import (
+    SLIDING_ALL_LAYERS,
+    ConfigKeys,
+    ExpertKeys,
+    Family,
+    TensorNames,
+    frozen,
+    llama_tensor_names,
+)
 
 
 def mixtral_tensor_names() -> TensorNames:
@@ -29,5 +37,5 @@ def mixtral_extras(shape: Any) -> dict[str, Any]:
 
 FAMILY = Family(architectures=("MixtralForCausalLM",), model_type="mixtral", tensor_names=mixtral_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "hidden_act": "silu"}),
-                sliding_window=SLIDING_ALL_LAYERS, export_extras=mixtral_extras,
+                keys=ConfigKeys(sliding_window=SLIDING_ALL_LAYERS), export_extras=mixtral_extras,
                 moe=ExpertKeys(experts="num_local_experts"))

@@ -1,14 +1,12 @@
 """OLMo 2 (transformers' Olmo2ForCausalLM): norms after attention and after the MLP instead of before them (each
 branch's output is normalised before it joins the residual stream; no input norm), and RMS norms over the whole q
-and k projections (a weight of heads x head_dim, not per head) before RoPE (model/olmo2_block.py)."""
+and k projections (a weight of heads x head_dim, not per head) before RoPE (model/families/olmo2.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from rayspeed.families.family import (
-    NORM_RMS_FP32_WEIGHT,
-    QK_NORM_PER_PROJECTION,
     Family,
     TensorNames,
     frozen,
@@ -34,5 +32,4 @@ def olmo2_extras(shape: Any) -> dict[str, Any]:
 
 FAMILY = Family(architectures=("Olmo2ForCausalLM",), model_type="olmo2", tensor_names=olmo2_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "hidden_act": "silu"}),
-                qk_norm=True, qk_norm_width=QK_NORM_PER_PROJECTION, post_norm=True, norm=NORM_RMS_FP32_WEIGHT,
-                export_extras=olmo2_extras, block_module="olmo2_block")
+                export_extras=olmo2_extras, norms_keep_fp32=True)

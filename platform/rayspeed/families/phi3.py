@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rayspeed.families.family import SLIDING_ALL_LAYERS, Family, TensorNames, frozen, llama_tensor_names
+from rayspeed.families.family import (
+    PARTIAL_ROTARY_KEY,
+    SLIDING_ALL_LAYERS,
+    ConfigKeys,
+    Family,
+    TensorNames,
+    frozen,
+    llama_tensor_names,
+)
 
 
 def phi3_tensor_names() -> TensorNames:
@@ -33,4 +41,5 @@ def phi3_extras(shape: Any) -> dict[str, Any]:
 
 FAMILY = Family(architectures=("Phi3ForCausalLM",), model_type="phi3", tensor_names=phi3_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "hidden_act": "silu"}),
-                sliding_window=SLIDING_ALL_LAYERS, partial_rotary=True, export_extras=phi3_extras)
+                keys=ConfigKeys(optional=(PARTIAL_ROTARY_KEY,), sliding_window=SLIDING_ALL_LAYERS),
+                export_extras=phi3_extras)

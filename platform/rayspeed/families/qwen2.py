@@ -4,7 +4,7 @@ within `sliding_window`."""
 
 from __future__ import annotations
 
-from rayspeed.families.family import SLIDING_USE_FLAG, Family, use_flag_extras
+from rayspeed.families.family import SLIDING_USE_FLAG, ConfigKeys, Family, llama_tensor_names, use_flag_extras
 
-FAMILY = Family(architectures=("Qwen2ForCausalLM",), model_type="qwen2",
-                qkv_bias=True, sliding_window=SLIDING_USE_FLAG, export_extras=use_flag_extras)
+FAMILY = Family(architectures=("Qwen2ForCausalLM",), model_type="qwen2", tensor_names=llama_tensor_names(qkv_bias=True),
+                keys=ConfigKeys(sliding_window=SLIDING_USE_FLAG), export_extras=use_flag_extras)

@@ -1,5 +1,5 @@
 """Qwen3 (transformers' Qwen3ForCausalLM): Llama's block with per-head RMS norms on q and k before RoPE
-(model/qwen3_block.py), config.json's head_dim (128 in the released models, not hidden / heads), no q/k/v biases;
+(model/families/qwen3.py), config.json's head_dim (128 in the released models, not hidden / heads), no q/k/v biases;
 a sliding window as Qwen2's (`use_sliding_window`, `max_window_layers`)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rayspeed.families.family import (
-    HEAD_DIM_FROM_CONFIG,
+    HEAD_DIM_KEY,
     SLIDING_USE_FLAG,
+    ConfigKeys,
     Family,
     TensorNames,
     frozen,
@@ -30,5 +31,4 @@ def qwen3_extras(shape: Any) -> dict[str, Any]:
 
 
 FAMILY = Family(architectures=("Qwen3ForCausalLM",), model_type="qwen3", tensor_names=qwen3_tensor_names(),
-                head_dim_rule=HEAD_DIM_FROM_CONFIG, qk_norm=True, sliding_window=SLIDING_USE_FLAG,
-                export_extras=qwen3_extras, block_module="qwen3_block")
+                keys=ConfigKeys(optional=(HEAD_DIM_KEY,), sliding_window=SLIDING_USE_FLAG), export_extras=qwen3_extras)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rayspeed.families.family import HEAD_DIM_FROM_CONFIG, SLIDING_USE_FLAG, ExpertKeys, Family, TensorNames, frozen
+from rayspeed.families.family import HEAD_DIM_KEY, SLIDING_USE_FLAG, ConfigKeys, ExpertKeys, Family, TensorNames, frozen
 from rayspeed.families.qwen3 import qwen3_extras, qwen3_tensor_names
 
 
@@ -29,7 +29,7 @@ def qwen3_moe_extras(shape: Any) -> dict[str, Any]:
 
 
 FAMILY = Family(architectures=("Qwen3MoeForCausalLM",), model_type="qwen3_moe", tensor_names=qwen3_moe_tensor_names(),
-                head_dim_rule=HEAD_DIM_FROM_CONFIG, qk_norm=True, sliding_window=SLIDING_USE_FLAG,
-                export_extras=qwen3_moe_extras, block_module="qwen3_block",
+                keys=ConfigKeys(optional=(HEAD_DIM_KEY,), sliding_window=SLIDING_USE_FLAG),
+                export_extras=qwen3_moe_extras,
                 moe=ExpertKeys(experts="num_experts", expert_ffn="moe_intermediate_size", norm_topk="norm_topk_prob",
                                sparse_step="decoder_sparse_step", dense_layers="mlp_only_layers"))

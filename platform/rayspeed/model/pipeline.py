@@ -52,9 +52,10 @@ import torch.nn as nn
 
 from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
+from rayspeed.model.families import composition_of
 from rayspeed.model.moe import MoE, RouterStats
 from rayspeed.model.output import Routing
-from rayspeed.model.transformer import OutputHead, RMSNorm, block_class, check_mode, check_split, embed_scale
+from rayspeed.model.transformer import OutputHead, block_class, check_mode, check_split, embed_scale
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, sum_over_cp
 from rayspeed.parallel.groups import ParallelGroups, TensorParallel
@@ -82,15 +83,13 @@ class EmbeddingPipe(VocabParallelEmbedding):
         return super().forward(x)
 
 
-class FinalNormPipe(RMSNorm):
-    canonical_prefix = "norm"
-
-    def __init__(self, cfg, tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
-        dims = ModelShape.from_config(cfg)
-        super().__init__(dims.hidden_size, dims.norm_eps, tp, sequence_parallel, dims.family.norm)
-
+@functools.lru_cache(maxsize=None)
+def final_norm_pipe(norm: type) -> type:
+    """The last stage's final norm: the family's norm class (parameter `norm.weight`), the segment ids dropped."""
     def forward(self, x):
-        return super().forward(x[0] if isinstance(x, tuple) else x)  # the segment ids end here
+        return norm.forward(self, x[0] if isinstance(x, tuple) else x)  # the segment ids end here
+
+    return type(f"FinalNormPipe{norm.__name__}", (norm,), {"canonical_prefix": "norm", "forward": forward})
 
 
 class HeadPipe(OutputHead):
@@ -303,7 +302,7 @@ def build_pipeline_module(
         LayerSpec(block_class(dims), dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
         for i in range(dims.num_layers)
     ]
-    specs.append(LayerSpec(FinalNormPipe, dims, tp, sp))
+    specs.append(LayerSpec(final_norm_pipe(composition_of(dims.family).norm), dims.hidden_size, dims.norm_eps, tp, sp))
     if dims.tie_embeddings:
         specs.append(
             TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=tied_head_forward,

@@ -11,6 +11,7 @@ import functools
 from rayspeed.config.context_split import scheme_for
 from rayspeed.config.layout import Layout
 from rayspeed.config.shape import ModelShape
+from rayspeed.families.family import QK_NORM_PER_HEAD
 from rayspeed.planner.adapter_terms import activation_elems_per_token, frozen_weight_bytes, trained_and_frozen
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
@@ -25,7 +26,7 @@ COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "act
 ZERO3_TENSORS_PER_LAYER = 7
 # model/attention.py MASK_TILE_BYTES: a layer's mask above it is built a tile of query rows at a time.
 MASK_TILE_BYTES = 1 << 26
-# model/transformer.py MLP_TILE_BYTES: under selective checkpointing a dense MLP is recomputed in tiles of rows whose
+# model/parts/mlp.py MLP_TILE_BYTES: under selective checkpointing a dense MLP is recomputed in tiles of rows whose
 # intermediates stay under it.
 MLP_TILE_BYTES = 1 << 28
 
@@ -89,12 +90,12 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     r = 4 / w_bytes
     out_div = tp if sp else 1
     kv_eff = sh.kv_dim if flash_gqa else sh.q_dim
-    post = sh.family.post_norm
-    fp32_weight = sh.family.norm != "rmsnorm"  # the weight multiplies the fp32 normalised tensor before the cast
+    names = sh.family.tensor_names
+    fp32_weight = sh.family.norms_keep_fp32  # the weight multiplies the fp32 normalised tensor before the cast
     # Such a norm keeps its fp32 input and fp32 normalised tensor; its output feeds the projections (or, for a
     # post-norm, OLMo 2's, the branch's input is the residual stream, which they keep): (2r + 1) h + r.
     norm = (((2 * r + 1) if fp32_weight else (r + 2)) * sh.hidden_size + r) / out_div
-    extra_norms = sh.family.norms_per_block - 2  # Gemma's post-norms, one per branch
+    extra_norms = names.hidden_norms - 2  # Gemma's post-norms, one per branch
     post_norm = (2 * r * sh.hidden_size + r) / out_div if extra_norms else 0.0
     frac = tiled_fraction(sh, micro_batch, document_mask, ring)
     sdpa = (2 * sh.q_dim + 2 * kv_eff + r * sh.num_heads) / tp
@@ -107,9 +108,9 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
         attn += (cp * (3 * sh.q_dim + r * sh.num_heads) + (r + 1) * sh.num_heads * sh.seq_len) / tp - 2 * kv_eff / tp
         attn += sh.seq_len / w_bytes
         mask_scale = 0
-    if sh.family.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 in the fp32-weight order), an rsqrt per row
-        rows = (sh.num_heads + sh.num_kv_heads) / tp if sh.family.qk_norm_width == "head" else 2
-        attn += ((2 * r) if fp32_weight or post else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
+    if names.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 in the fp32-weight order), an rsqrt per row
+        rows = (sh.num_heads + sh.num_kv_heads) / tp if names.qk_norm == QK_NORM_PER_HEAD else 2
+        attn += ((2 * r) if fp32_weight else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
     if sh.attn_logit_softcapping and not frac:
         # Soft-capped scores run the math path (model/attention.py softcapped_attention): it keeps the tanh
         # output and the probabilities per head and key (working dtype; the fp32 softmax output too in half
@@ -189,7 +190,7 @@ def activation_bytes(ctx: Ctx, lay: Layout, stage: int) -> float:
 
 def mlp_tile_fraction(ctx: Ctx, lay: Layout, tokens: float) -> float:
     """The share of the rank's rows whose MLP intermediates backward rebuilds at once under selective checkpointing:
-    1, or one tile's when the whole would pass MLP_TILE_BYTES (model/transformer.py mlp_tile_rows; a dense MLP)."""
+    1, or one tile's when the whole would pass MLP_TILE_BYTES (model/parts/mlp.py mlp_tile_rows; a dense MLP)."""
     sh = ctx.shape
     whole = tokens * 4 * sh.ffn_hidden_size / lay.tp * ctx.w_bytes
     if sh.num_experts or whole <= MLP_TILE_BYTES:

@@ -154,7 +154,7 @@ def precision_rule(ctx: Ctx, requested: str) -> dict:
 
 
 def checkpointing_template(ctx: Ctx, lay: Layout) -> dict:
-    """What recomputation the runtime really applies (rayspeed.model.transformer.Block): torch.utils.checkpoint,
+    """What recomputation the runtime really applies (rayspeed.model.parts.blocks.Block): torch.utils.checkpoint,
     non-reentrant, per block or per sub-block. DeepSpeed's activation-checkpointing options (partitioned activations,
     contiguous buffers, CPU checkpointing) act only through deepspeed.checkpointing.checkpoint, which this model does
     not call, so they are neither set nor claimed."""

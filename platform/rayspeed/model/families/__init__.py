@@ -1,0 +1,54 @@
+"""Each family's decoder, composed from parts (rayspeed.model.parts): one module per family whose computation
+differs from Llama's, named as its record's module under rayspeed.families, holding its block and its MODEL
+composition. A family without a module here is the Llama decoder (rayspeed.model.families.llama), so adding a family
+is adding its files: nothing here lists them.
+
+    composition_of(shape.family)      # Composition(block, norm, embed_scale) the Transformer and the pipeline build
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rayspeed.model.parts.blocks import Block
+from rayspeed.model.parts.norms import RMSNorm
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What a family's decoder is made of besides the parts every family shares (embedding, output head)."""
+    families: tuple[Any, ...]
+    """The family records (rayspeed.families) this composition runs."""
+    block: type = Block
+    """Its blocks' class (its attention and norm classes named there)."""
+    norm: type = RMSNorm
+    """The final norm's class (the blocks' own are the block's)."""
+    embed_scale: bool = False
+    """The embedding's output is multiplied by sqrt(hidden) (Gemma)."""
+
+    def embedding_scale(self, hidden_size: int) -> Optional[float]:
+        return math.sqrt(hidden_size) if self.embed_scale else None
+
+
+@functools.cache
+def compositions() -> tuple[Composition, ...]:
+    """The MODEL of every module of this package."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        model = getattr(importlib.import_module(f"{__name__}.{info.name}"), "MODEL", None)
+        if isinstance(model, Composition):
+            found.append(model)
+    return tuple(found)
+
+
+def composition_of(family: Any) -> Composition:
+    """The composition that runs `family`; the Llama decoder for a family no module composes."""
+    for model in compositions():
+        if any(f is family for f in model.families):
+            return model
+    return Composition(families=(family,))

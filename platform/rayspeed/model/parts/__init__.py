@@ -1,0 +1,13 @@
+"""The parts a family's decoder is composed from (rayspeed.model.families): norms, attention, MLPs, blocks and the
+output head, plain modules built from the ModelShape. The tensor-parallel split is still inside the projections
+(parallel/layers.py); each part's parameter names are the checkpoint map's (`attn.wq.weight`, `mlp_norm.weight`).
+
+    norms.py            RMSNorm (weight after the cast), Fp32WeightRMSNorm (OLMo 2), OffsetRMSNorm (Gemma's 1 + w),
+                        ProjectionNorm (over a whole projection split by tp)
+    self_attention.py   Attention (GQA, RoPE, masks), QKNormAttention (per-head q/k norms),
+                        ProjectionNormAttention (q/k norms over the projections)
+    mlp.py              MLP (SwiGLU or GeGLU) and its row tiles
+    blocks.py           Block (pre-norm), SandwichBlock (pre- and post-norms), PostNormBlock (branch outputs
+                        normalised); recomputation modes
+    head.py             OutputHead (vocab-parallel logits and chunked cross entropy)
+"""
