@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rayspeed.config.shape import ModelShape
+from rayspeed.model.parts.routers import SoftmaxTopK
 from rayspeed.parallel.comm import SumOverTensorParallel, copy_to_tp
 from rayspeed.parallel.expert_parallel import NO_EP, Dispatch, ExpertParallel, ScaleGrad
 from rayspeed.parallel.groups import TensorParallel
@@ -131,13 +132,16 @@ class RouterStats:
 class MoE(nn.Module):
     """Router and stacked experts of one layer: w_gate, w_up [experts, f, h], w_down [experts, h, f] (the hub's
     per-expert matrices, stacked; f / tp of each under tensor parallelism); after shard_experts(ep), this rank's
-    experts only (the router stays whole)."""
+    experts only (the router stays whole). A family's MoE names its routing rule (model/parts/routers.py)."""
+
+    routing_rule: type = SoftmaxTopK
 
     def __init__(self, dims: ModelShape, seed: int, name: str, stats: Optional[RouterStats] = None,
                  tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
         super().__init__()
         e, h, f = dims.num_experts, dims.hidden_size, dims.expert_ffn_hidden_size
-        self.num_experts, self.top_k, self.normalise = e, dims.experts_per_token, dims.norm_topk_prob
+        self.num_experts, self.top_k = e, dims.experts_per_token
+        self.rule = self.routing_rule(dims)
         self.name = name  # layers.{i}.mlp: where its load goes in the moe/* metrics under a pipeline
         self.stats = stats
         self.ep = NO_EP
@@ -172,12 +176,9 @@ class MoE(nn.Module):
         self.ep = ep
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, k], experts [tokens, k]) of the flat tokens x; records the statistics."""
-        logits = self.router(x)
-        probs = F.softmax(logits.float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        """(weights [tokens, k], experts [tokens, k]) of the flat tokens x by the routing rule; records the
+        statistics."""
+        weights, experts, probs = self.rule(self.router(x))
         if self.stats is not None:
             counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
             self.stats.add(counts, probs.sum(0), x.shape[0])

@@ -27,7 +27,7 @@ from rayspeed.model.parts.mlp import MLP, MLP_TILE_BYTES
 from rayspeed.model.parts.norms import RMSNorm
 from rayspeed.parallel.context_parallel import NO_CP, ContextParallel, SequenceLayout, sum_over_cp
 from rayspeed.parallel.groups import TensorParallel
-from rayspeed.parallel.layers import NO_TP, VocabParallelEmbedding, gather_full
+from rayspeed.parallel.layers import NO_TP, gather_full
 from rayspeed.parallel.loss import IGNORE_INDEX
 
 # The parts' names, where earlier code and users import them from.
@@ -78,10 +78,8 @@ class Transformer(nn.Module):
         self.cp = cp or NO_CP
         self.activation_checkpointing = check_mode(activation_checkpointing)
 
-        self.embed = VocabParallelEmbedding(
-            dims.vocab_size, dims.hidden_size, tp, sequence_parallel=sp, init_std=dims.init_std, seed=seed,
-            name="embed", scale=embed_scale(dims),
-        )
+        model = composition_of(dims.family)
+        self.embed = model.input_stage.build(dims, tp, sp, seed, model.embedding_scale(dims.hidden_size))
         self.layers = nn.ModuleList(
             block_class(dims)(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
             for i in range(dims.num_layers)
@@ -94,25 +92,27 @@ class Transformer(nn.Module):
         self.routing: Optional[Routing] = None if self.router_stats is None else Routing(
             self.router_stats, [i for i in range(dims.num_layers) if dims.is_moe(i)])
         self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), unweighted
-        self.norm = composition_of(dims.family).norm(dims.hidden_size, dims.norm_eps, tp, sp)
+        self.norm = model.norm(dims.hidden_size, dims.norm_eps, tp, sp)
         self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
                                loss_chunk_tokens=loss_chunk_tokens)
         if dims.tie_embeddings:
             self.register_state_dict_post_hook(_frozen_tied_head_once)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None, reduction: str = "mean", parts: bool = False) -> Any:
+                segment_ids: Optional[torch.Tensor] = None, reduction: str = "mean", parts: bool = False,
+                inputs: Optional[dict[str, Any]] = None) -> Any:
         """Labels of -100 are not counted (the mean is over the others). segment_ids [b, s]: document masking
         (attention within a document, positions from its start); None: plain causal attention. reduction "none":
         each label's cross entropy [b, s] (0 where not counted; a preference objective's per-token log-probabilities
         negated), without the balance loss. parts: the loss as a ModelOutput (what trains, the language loss, the
-        balance loss) instead of the one tensor transformers returns.
+        balance loss) instead of the one tensor transformers returns. inputs: what the family's input stage takes
+        besides the ids (a vision-language family's image features).
 
         Context parallel (cp): the three are this rank's part of each sequence (context_parallel.py `shard`), the
         logits those of its tokens, and the loss this rank's share of the whole sequence's mean: its tokens' sum
         over the count of every part's labels, so the sum over the cp group (DeepSpeed's gradient reduction over
         data x cp) is the unsplit loss."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, **(inputs or {}))
         if self.router_stats is not None:
             self.router_stats.start(windowed=self.training and torch.is_grad_enabled())
         where = SequenceLayout(self.cp, input_ids.shape[1], segment_ids, x.device) if self.cp.enabled else segment_ids

@@ -3,7 +3,7 @@ differs from Llama's, named as its record's module under rayspeed.families, hold
 composition. A family without a module here is the Llama decoder (rayspeed.model.families.llama), so adding a family
 is adding its files: nothing here lists them.
 
-    composition_of(shape.family)      # Composition(block, norm, embed_scale) the Transformer and the pipeline build
+    composition_of(shape.family)      # Composition(block, norm, embed_scale, input_stage): what the decoder builds
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rayspeed.model.parts.blocks import Block
+from rayspeed.model.parts.inputs import TokenInput
 from rayspeed.model.parts.norms import RMSNorm
 
 
@@ -30,6 +31,8 @@ class Composition:
     """The final norm's class (the blocks' own are the block's)."""
     embed_scale: bool = False
     """The embedding's output is multiplied by sqrt(hidden) (Gemma)."""
+    input_stage: type = TokenInput
+    """What makes the first hidden states (`embed.*`): token embeddings, or a family's own stage (images)."""
 
     def embedding_scale(self, hidden_size: int) -> Optional[float]:
         return math.sqrt(hidden_size) if self.embed_scale else None

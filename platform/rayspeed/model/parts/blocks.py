@@ -39,6 +39,7 @@ class Block(nn.Module):
 
     attention_class: type = Attention
     norm_class: type = RMSNorm
+    moe_class: type = MoE
 
     def __init__(
         self,
@@ -64,7 +65,7 @@ class Block(nn.Module):
         self.attn_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp)
         self.attn = self.attention_class(dims, tp, sp, seed, name=f"{prefix}.attn", layer_idx=layer_idx)
         self.mlp_norm = self.norm_class(dims.hidden_size, dims.norm_eps, tp, sp)
-        self.mlp = (MoE(dims, seed, f"{prefix}.mlp", tp=tp, sequence_parallel=sp) if dims.is_moe(layer_idx)
+        self.mlp = (self.moe_class(dims, seed, f"{prefix}.mlp", tp=tp, sequence_parallel=sp) if dims.is_moe(layer_idx)
                     else MLP(dims, tp, sp, seed, name=f"{prefix}.mlp"))
 
     def _checkpointed(self, fn, *args):

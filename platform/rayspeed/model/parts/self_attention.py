@@ -16,7 +16,7 @@ from rayspeed.model.parts.norms import ProjectionNorm, RMSNorm
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.context_parallel import SequenceLayout, segment_positions
 from rayspeed.parallel.groups import TensorParallel
-from rayspeed.parallel.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from rayspeed.parallel.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region, sharded_parameter
 
 
 class Attention(nn.Module):
@@ -73,14 +73,17 @@ class Attention(nn.Module):
         cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
                                positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rows = MaskRows.of(s, segment_ids, self.window, x.device)
-        # (On CPU FlexAttention has a forward only: used there without autograd, as the parity tests compare it.)
-        if self.flex and (q.is_cuda or not torch.is_grad_enabled()) and (rows is not None or self.cap):
-            out = flex_attention(q, k, v, rows, self.scale, self.cap)
-        else:
-            out = masked_attention(q, k, v, rows, self.scale, self.cap)
+        out = self.core(q, k, v, MaskRows.of(s, segment_ids, self.window, x.device))
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[MaskRows]) -> torch.Tensor:
+        """The attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d] under the mask rows describe (None:
+        plain causal): SDPA, tiled masks, or FlexAttention. A family's attention replaces this (a sink logit)."""
+        # (On CPU FlexAttention has a forward only: used there without autograd, as the parity tests compare it.)
+        if self.flex and (q.is_cuda or not torch.is_grad_enabled()) and (rows is not None or self.cap):
+            return flex_attention(q, k, v, rows, self.scale, self.cap)
+        return masked_attention(q, k, v, rows, self.scale, self.cap)
 
 
 class QKNormAttention(Attention):
@@ -117,3 +120,26 @@ class ProjectionNormAttention(Attention):
             return flat.view(b, s, heads, d).transpose(1, 2)
 
         return over_projection(q, self.q_norm), over_projection(k, self.k_norm)
+
+
+class SinkAttention(Attention):
+    """Each head's scores compete with a learned sink logit (gpt-oss's `sinks`): the softmax runs over the keys and
+    the sink, and the sink's share is dropped, so a head may attend to nothing. The logits are split by tp with the
+    heads. Math attention (the mask built whole): not under context parallelism."""
+
+    def __init__(self, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int, name: str,
+                 layer_idx: int = 0):
+        super().__init__(dims, tp, sequence_parallel, seed, name, layer_idx)
+        self.sinks = sharded_parameter((dims.num_heads,), 0, tp, std=dims.init_std, seed=seed, key=f"{name}.sinks")
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[MaskRows]) -> torch.Tensor:
+        s = q.shape[2]
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        mask = rows.rows(0, s) if rows is not None else torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = self.sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, s, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return probs.to(v.dtype) @ v
