@@ -19,7 +19,7 @@ from rayspeed.families.family import Family, TensorNames, frozen, llama_tensor_n
 from rayspeed.model import families as model_families
 from rayspeed.model.moe import MoE
 from rayspeed.model.parts.blocks import Block
-from rayspeed.model.parts.inputs import TokenInput
+from rayspeed.model.parts.input_stage import TokenInput
 from rayspeed.model.parts.routers import SigmoidTopK
 from rayspeed.model.parts.self_attention import SinkAttention
 from rayspeed.model.transformer import Transformer

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rayspeed.model.parts.blocks import Block
-from rayspeed.model.parts.inputs import TokenInput
+from rayspeed.model.parts.input_stage import TokenInput
 from rayspeed.model.parts.norms import RMSNorm
 
 

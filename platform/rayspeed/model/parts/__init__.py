@@ -4,10 +4,12 @@ output head, plain modules built from the ModelShape. The tensor-parallel split 
 
     norms.py            RMSNorm (weight after the cast), Fp32WeightRMSNorm (OLMo 2), OffsetRMSNorm (Gemma's 1 + w),
                         ProjectionNorm (over a whole projection split by tp)
-    self_attention.py   Attention (GQA, RoPE, masks), QKNormAttention (per-head q/k norms),
-                        ProjectionNormAttention (q/k norms over the projections)
+    self_attention.py   Attention (GQA, RoPE, masks; `core` a family may replace), QKNormAttention (per-head q/k
+                        norms), ProjectionNormAttention (q/k norms over the projections), SinkAttention
     mlp.py              MLP (SwiGLU or GeGLU) and its row tiles
     blocks.py           Block (pre-norm), SandwichBlock (pre- and post-norms), PostNormBlock (branch outputs
                         normalised); recomputation modes
     head.py             OutputHead (vocab-parallel logits and chunked cross entropy)
+    routers.py          routing rules an MoE names: SoftmaxTopK, SigmoidTopK
+    input_stage.py      TokenInput: what turns the ids (and a family's other inputs) into the first hidden states
 """
