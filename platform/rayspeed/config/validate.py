@@ -7,17 +7,15 @@ starts instead of failing a worker later.
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any
 
 from rayspeed import families
-from rayspeed.config import adapter, eval_keys, objective_keys
-from rayspeed.config.context_split import context_problems
+from rayspeed.config import adapter, eval_keys, job_checks, objective_keys
 from rayspeed.config.env_lint import lint_env
-from rayspeed.config.moe_keys import moe_problems
+from rayspeed.config.job_checks import sequence_parallel_problem
 from rayspeed.config.names import name_problems, registered_name_problems
-from rayspeed.config.schema import AUTO, JobConfig
+from rayspeed.config.schema import JobConfig
 from rayspeed.config.shape import ModelShape
 from rayspeed.families.family import (
     FULL_ATTENTION,
@@ -44,12 +42,6 @@ def head_dim_problems(m: Any, family: families.Family) -> list[str]:
                 f"which {family.architecture} requires; drop model.head_dim"]
     return []
 
-
-def sequence_parallel_problem(seq_len: int, tp: int) -> str | None:
-    """Sequence parallelism splits each sequence over the tp ranks: seq_len must divide by tp."""
-    if tp > 1 and seq_len % tp:
-        return f"seq_len={seq_len} must divide by tp={tp} with sequence_parallel"
-    return None
 
 
 def default_sequence_parallel(seq_len: int, tp: int) -> bool:
@@ -139,12 +131,25 @@ def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) ->
 
 def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     """Every check that needs no cluster: cross-field arithmetic, storage, chaos, the health section and (unless the
-    caller is the lint itself: `rayspeed doctor --env`) the linted cluster.env. All problems, not the first."""
+    caller is the lint itself: `rayspeed doctor --env`) the linted cluster.env. All problems, not the first, in the
+    order of the sections."""
+    p = name_problems(cfg.name) + registered_name_problems(cfg.tracking.register_model) + number_problems(cfg)
+    p += model_problems(cfg) + data_problems(cfg) + adapter.problems(cfg, families.find(cfg.model.architecture))
+    p += objective_keys.problems(cfg) + eval_keys.problems(cfg) + job_checks.train_problems(cfg)
+    p += job_checks.parallel_problems(cfg) + job_checks.cluster_problems(cfg) + job_checks.resilience_problems(cfg)
+    p += job_checks.storage_problems(cfg) + job_checks.chaos_problems(cfg)
+    p += [f"train.callbacks: {name!r} is not `package.module:Class` (e.g. mypkg.hooks:PrintLoss)"
+          for name in cfg.train.callbacks if not CALLBACK_NAME.fullmatch(str(name))]
+    return p + health_problems(cfg, lint_cluster_env)
+
+
+
+
+def model_problems(cfg: JobConfig) -> list[str]:
+    """The model section: sizes, heads, positions, the family's keys, RoPE scaling."""
     p: list[str] = []
-    m, t, par, c, r = cfg.model, cfg.train, cfg.parallel, cfg.cluster, cfg.resilience
+    m = cfg.model
     kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    p += name_problems(cfg.name) + registered_name_problems(cfg.tracking.register_model)
-    p += number_problems(cfg)
     for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "seq_len"):
         if getattr(m, key) < 1:
             p.append(f"model.{key}: must be >= 1, got {getattr(m, key)}")
@@ -160,6 +165,18 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
                  f"model.max_position_embeddings to at least {m.seq_len}, with model.rope_scaling (e.g. "
                  f"{{rope_type: yarn, factor: {-(-m.seq_len // m.max_position_embeddings)}}}) if RoPE should stretch "
                  "(docs/MODELS.md)")
+    p += family_problems(m)
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
+        p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
+    if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
+        p.append(f"model.vocab_size ({m.vocab_size}) must be >= 256 with data.tokenizer: bytes")
+    return p
+
+
+def family_problems(m: Any) -> list[str]:
+    """The architecture, and what the model section says against what its family reads: head width, attention,
+    RoPE scaling."""
+    p: list[str] = []
     family = families.find(m.architecture)
     if family is None:
         p.append(f"model.architecture: {m.architecture!r} is not supported; supported: "
@@ -173,125 +190,7 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         if kind not in rope_types:
             p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
         p += extended_rope_problems(m, kind)
-    if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
-        p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
-    if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
-        p.append(f"model.vocab_size ({m.vocab_size}) must be >= 256 with data.tokenizer: bytes")
-    p += data_problems(cfg)
-    p += adapter.problems(cfg, family)
-    p += objective_keys.problems(cfg) + eval_keys.problems(cfg)
-    if t.global_batch_size < 1:
-        p.append(f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
-    if t.max_steps < 1:
-        p.append(f"train.max_steps: must be >= 1, got {t.max_steps}")
-    if not isinstance(t.lr, str) and t.lr <= 0:
-        p.append(f"train.lr: must be > 0 (or auto), got {t.lr}")
-    if not isinstance(t.min_lr, str) and t.min_lr < 0:
-        p.append(f"train.min_lr: must be >= 0 (or auto), got {t.min_lr}")
-    if not isinstance(t.lr, str) and not isinstance(t.min_lr, str) and t.min_lr > t.lr:
-        p.append(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
-    if t.warmup_steps < 0:
-        p.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
-    if t.eval_batches < 1:
-        p.append(f"train.eval_batches: must be >= 1, got {t.eval_batches}")
-    for key in ("dp", "tp", "pp", "micro_batch_size", "grad_accum"):
-        v = getattr(par, key)
-        if isinstance(v, int) and v < 1:
-            p.append(f"parallel.{key}: must be >= 1 or auto, got {v}")
-    if par.zero_stage != AUTO and par.zero_stage not in (0, 1, 2, 3):
-        p.append(f"parallel.zero_stage: must be 0, 1, 2, 3 or auto, got {par.zero_stage}")
-    if isinstance(par.tp, int) and par.tp >= 1:
-        if m.num_heads % par.tp or kv % par.tp:
-            p.append(
-                f"parallel.tp ({par.tp}) must divide model.num_heads ({m.num_heads}) and "
-                f"model.num_kv_heads ({kv})"
-            )
-        if m.vocab_size % par.tp:
-            p.append(f"parallel.tp ({par.tp}) must divide model.vocab_size ({m.vocab_size}) (vocab-parallel embedding)")
-        if c.use_gpu and par.tp > c.gpus_per_node:
-            p.append(f"parallel.tp ({par.tp}) must not exceed cluster.gpus_per_node ({c.gpus_per_node}): tp never "
-                     "spans nodes")
-    if (kernel := getattr(m, "attention_kernel", "auto")) not in ("auto", "sdpa", "flex"):
-        p.append(f"model.attention_kernel: must be auto, sdpa or flex, got {kernel!r}")
-    elif kernel == "flex" and not c.use_gpu:
-        p.append("model.attention_kernel: flex trains on CUDA only (torch 2.13 has no FlexAttention backward on "
-                 "CPU); use auto, or cluster.use_gpu: true")
-    if isinstance(par.pp, int) and par.pp >= 1 and par.pp > m.num_layers:
-        p.append(f"parallel.pp ({par.pp}) must not exceed model.num_layers ({m.num_layers})")
-    if par.pp not in (AUTO, 1) and par.zero_stage not in (AUTO, 0, 1):
-        p.append(
-            f"parallel.zero_stage ({par.zero_stage}) with parallel.pp ({par.pp}): DeepSpeed's pipeline engine "
-            "supports ZeRO 0 or 1 only; set parallel.zero_stage to 0, 1 or auto"
-        )
-    split = getattr(par, "stage_layers", None)
-    if split is not None:
-        if not split or any(n < 1 for n in split) or sum(split) != m.num_layers:
-            p.append(f"parallel.stage_layers ({split}): blocks per stage, each >= 1, adding up to model.num_layers "
-                     f"({m.num_layers})")
-        elif par.pp != AUTO and len(split) != par.pp:
-            p.append(f"parallel.stage_layers gives {len(split)} stages but parallel.pp is {par.pp}; set pp to "
-                     f"{len(split)} or auto")
-    p += context_problems(m, par, kv, None if c.elastic else c.max_workers) + moe_problems(cfg)
-    if par.sequence_parallel is True and par.tp == 1:
-        p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
-    if par.sequence_parallel is True and isinstance(par.tp, int) and sequence_parallel_problem(m.seq_len, par.tp):
-        p.append(f"parallel.sequence_parallel: true splits each sequence over tp ranks, but model.seq_len "
-                 f"({m.seq_len}) does not divide by parallel.tp ({par.tp}); leave it auto (off for this tp) or "
-                 f"use a seq_len that is a multiple of {par.tp}")
-    if isinstance(c.num_workers, list):
-        if len(c.num_workers) != 2 or c.num_workers[0] < 1 or c.num_workers[0] > c.num_workers[1]:
-            p.append(f"cluster.num_workers: expected an int or [min, max] with 1 <= min <= max, got {c.num_workers}")
-    elif c.num_workers < 1:
-        p.append(f"cluster.num_workers: must be >= 1, got {c.num_workers}")
-    if c.cpus_per_worker <= 0:
-        p.append(f"cluster.cpus_per_worker: must be > 0, got {c.cpus_per_worker}")
-    if c.gpus_per_node < 1 or c.num_nodes < 1:
-        p.append("cluster.gpus_per_node and cluster.num_nodes: must be >= 1")
-    if isinstance(c.local_num_cpus, int) and c.local_num_cpus < 1:
-        p.append(f"cluster.local_num_cpus: must be >= 1 or auto, got {c.local_num_cpus}")
-    if r.keep_checkpoints < 2:
-        p.append(f"resilience.keep_checkpoints: never fewer than 2 (got {r.keep_checkpoints}): a newer checkpoint "
-                 "must verify before an older one goes")
-    if r.max_failures < 0:
-        p.append(f"resilience.max_failures: must be >= 0, got {r.max_failures}")
-    if r.checkpoint_every_steps < 0:
-        p.append(f"resilience.checkpoint_every_steps: must be >= 0, got {r.checkpoint_every_steps}")
-    if not 0.0 <= r.stability_threshold <= 1.0:
-        p.append(f"resilience.stability_threshold: must be in [0, 1] (a fraction of cluster.num_workers' max), "
-                 f"got {r.stability_threshold}")
-    if r.capacity_wait_s <= 0:
-        p.append(f"resilience.capacity_wait_s: must be > 0, got {r.capacity_wait_s}")
-    if r.conversion_timeout_s <= 0:
-        p.append(f"resilience.conversion_timeout_s: must be > 0, got {r.conversion_timeout_s}")
-    if r.collective_timeout_s <= 0:
-        p.append(f"resilience.collective_timeout_s: must be > 0, got {r.collective_timeout_s}")
-    if cfg.tracking.log_every_steps < 1:
-        p.append(f"tracking.log_every_steps: must be >= 1, got {cfg.tracking.log_every_steps}")
-    local = cfg.storage.path != AUTO and "://" not in cfg.storage.path
-    if local and not os.path.isabs(os.path.expanduser(cfg.storage.path)):
-        p.append(f"storage.path: must be absolute (all nodes must see it), got {cfg.storage.path!r}")
-    if cfg.storage.path != AUTO and "://" in cfg.storage.path and not cfg.storage.path.startswith("file://"):
-        scheme = cfg.storage.path.split("://", 1)[0]
-        if not _known_scheme(scheme):
-            p.append(f"storage.path: {cfg.storage.path!r} has a scheme ({scheme}://) no filesystem handles; use an "
-                     "absolute local path or an object-store URI such as s3://bucket/prefix or gs://bucket/prefix")
-    if cfg.storage.staging_dir != AUTO and not os.path.isabs(os.path.expanduser(cfg.storage.staging_dir)):
-        p.append(f"storage.staging_dir: must be an absolute node-local path, got {cfg.storage.staging_dir!r}")
-    for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step", "nan_loss_at_step"):
-        drills = chaos_drills(getattr(cfg.chaos, key))
-        for k in drills:
-            if k.rank < 0 or k.step < 1:
-                p.append(f"chaos.{key}: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
-            elif k.rank >= c.max_workers:
-                p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
-            if k.point is not None and key != "kill_rank_in_checkpoint":
-                p.append(f"chaos.{key}.point: only chaos.kill_rank_in_checkpoint has a point (where in the save)")
-        steps = [k.step for k in drills]
-        if len(set(steps)) < len(steps):
-            p.append(f"chaos.{key}: each drill of the list needs its own step, got steps {steps}")
-    p += [f"train.callbacks: {name!r} is not `package.module:Class` (e.g. mypkg.hooks:PrintLoss)"
-          for name in cfg.train.callbacks if not CALLBACK_NAME.fullmatch(str(name))]
-    return p + health_problems(cfg, lint_cluster_env)
+    return p
 
 
 # Keys whose value must be a finite number in a range; (key, lowest, inclusive, highest, inclusive, why).
@@ -372,19 +271,6 @@ def data_problems(cfg: JobConfig) -> list[str]:
     return p
 
 
-def _known_scheme(scheme: str) -> bool:
-    """Whether pyarrow resolves URIs of this scheme (asked with a dummy URI; an unknown scheme fails at once,
-    before any network access, while a known one may fail later for other reasons)."""
-    if scheme in ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock", "file"):
-        return True
-    try:
-        from pyarrow import fs as pafs
-
-        pafs.FileSystem.from_uri(f"{scheme}://rayspeed-scheme-probe/x")
-    except Exception as e:
-        return "Unrecognized filesystem type" not in str(e)
-    return True
-
 
 def capacity_problems(cfg: JobConfig, cluster_resources: dict[str, float]) -> list[str]:
     """What stops the cluster (its total resources) from ever holding the job's minimum number of workers."""
@@ -427,10 +313,3 @@ def health_problems(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
         if issue.severity == "error":
             out.append(f"cluster.env.{issue.variable}: {issue.cause}; {issue.remedy}")
     return out
-
-
-def chaos_drills(spec: Any) -> list[Any]:
-    """A chaos key's drills as a list (the key takes one drill or a list of them)."""
-    if spec is None:
-        return []
-    return list(spec) if isinstance(spec, list) else [spec]
