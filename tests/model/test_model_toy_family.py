@@ -20,8 +20,8 @@ from rayspeed.model import families as model_families
 from rayspeed.model.moe import MoE
 from rayspeed.model.parts.blocks import Block
 from rayspeed.model.parts.input_stage import TokenInput
-from rayspeed.model.parts.routers import SigmoidTopK
 from rayspeed.model.parts.self_attention import SinkAttention
+from rayspeed.model.routers import SigmoidTopK
 from rayspeed.model.transformer import Transformer
 
 IMAGE_TOKEN, FEATURES = 7, 12

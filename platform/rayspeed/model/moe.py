@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rayspeed.config.shape import ModelShape
-from rayspeed.model.parts.routers import SoftmaxTopK
+from rayspeed.model.routers import SoftmaxTopK
 from rayspeed.parallel.comm import SumOverTensorParallel, copy_to_tp
 from rayspeed.parallel.expert_parallel import NO_EP, Dispatch, ExpertParallel, ScaleGrad
 from rayspeed.parallel.groups import TensorParallel
@@ -132,7 +132,7 @@ class RouterStats:
 class MoE(nn.Module):
     """Router and stacked experts of one layer: w_gate, w_up [experts, f, h], w_down [experts, h, f] (the hub's
     per-expert matrices, stacked; f / tp of each under tensor parallelism); after shard_experts(ep), this rank's
-    experts only (the router stays whole). A family's MoE names its routing rule (model/parts/routers.py)."""
+    experts only (the router stays whole). A family's MoE names its routing rule (model/routers.py)."""
 
     routing_rule: type = SoftmaxTopK
 

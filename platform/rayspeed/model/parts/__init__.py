@@ -1,5 +1,6 @@
 """The parts a family's decoder is composed from (rayspeed.model.families): norms, attention, MLPs, blocks and the
-output head, plain modules built from the ModelShape. The tensor-parallel split is still inside the projections
+output head, plain modules built from the ModelShape (the mixture of experts and its routing rules are
+model/moe.py and model/routers.py). The tensor-parallel split is still inside the projections
 (parallel/layers.py); each part's parameter names are the checkpoint map's (`attn.wq.weight`, `mlp_norm.weight`).
 
     norms.py            RMSNorm (weight after the cast), Fp32WeightRMSNorm (OLMo 2), OffsetRMSNorm (Gemma's 1 + w),
@@ -10,6 +11,5 @@ output head, plain modules built from the ModelShape. The tensor-parallel split 
     blocks.py           Block (pre-norm), SandwichBlock (pre- and post-norms), PostNormBlock (branch outputs
                         normalised); recomputation modes
     head.py             OutputHead (vocab-parallel logits and chunked cross entropy)
-    routers.py          routing rules an MoE names: SoftmaxTopK, SigmoidTopK
     input_stage.py      TokenInput: what turns the ids (and a family's other inputs) into the first hidden states
 """
