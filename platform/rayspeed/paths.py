@@ -4,7 +4,6 @@ caches, and the names of the files in a run's directory. Torch-free, MLflow-free
     <storage>/<job>/                       the experiment directory (Ray Train's run directory as well)
         checkpoint_stepNNNNNNNN/           one checkpoint (rayspeed.checkpoint.manifest)
         summary.json                       SUMMARY: what the launcher writes at the end
-        worker_result.json                 WORKER_RESULT: what rank 0 returns
         mlflow_run.json                    DEFERRED_RUN: the run rank 0 created when the server was down at launch
         .resilience/                       RESILIENCE_DIR: events.jsonl, handled.jsonl, progress.json
         .chaos/                            CHAOS_DIR: one marker per drill that fired
@@ -21,7 +20,6 @@ from typing import Any
 
 AUTO = "auto"
 SUMMARY = "summary.json"
-WORKER_RESULT = "worker_result.json"
 DEFERRED_RUN = "mlflow_run.json"
 RESILIENCE_DIR = ".resilience"
 CHAOS_DIR = ".chaos"

@@ -33,7 +33,7 @@ def test_local_launcher_on_s3(s3, tmp_path):
     keys = s3.keys(bucket)
     assert {"runs/s3-local/checkpoint_step00000005/manifest.json",
             "runs/s3-local/checkpoint_step00000010/manifest.json",
-            "runs/s3-local/summary.json", "runs/s3-local/worker_result.json"} <= set(keys), keys
+            "runs/s3-local/summary.json"} <= set(keys), keys
     assert _summary(s3, bucket, "s3-local")["mlflow_run_id"] == summary["mlflow_run_id"]
     assert not (tmp_path / "runs").exists()  # nothing of the experiment on local disk but staging
     assert not list(staging.rglob("*.pt")), "staging not cleaned after upload"

@@ -333,8 +333,6 @@ def _locked_cycle(cfg: Any, config: str, overrides: list[str], force: bool, marg
 
     # 6. the registered version
     version = summary.get("registered_model_version")
-    if version is None:
-        version = exp.read_json("worker_result.json").get("registered_model_version")
     if version is None and result.mlflow_run_id:
         version = champion.version_of_run(uri, reg, result.mlflow_run_id)
     if version is None:

@@ -3,7 +3,7 @@
 (`Location`, storage/location.py) with one module per kind: local_disk.py, object_store.py, in_memory.py.
 
     loc = locate("s3://bucket/runs").child("my-job")     # the filesystem is resolved once per root
-    loc.write_json("summary.json", {...}); loc.read_json("worker_result.json"); loc.exists(".chaos/x")
+    loc.write_json("summary.json", {...}); loc.read_json("summary.json"); loc.exists(".chaos/x")
     loc.upload_dir(local_dir, "checkpoint_step00000010"); loc.download_dir("checkpoint_step00000010", local_dir)
 
 A local path takes plain file I/O (the fast path: no pyarrow, no copies). A URI goes through a pyarrow filesystem

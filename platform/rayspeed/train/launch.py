@@ -116,7 +116,7 @@ def worker_env(cfg: JobConfig, storage: str, embedded: bool) -> dict[str, str]:
     return {**tracking_env(), **env}
 
 
-def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any) -> None:
+def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any) -> Optional[dict]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -158,7 +158,7 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
             worker_runtime_env={"env_vars": env} if env else {},
         ),
     )
-    trainer.fit()
+    return trainer.fit().return_value
 
 
 # ---------------------------------------------------------------- run
@@ -180,7 +180,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         if not down:  # else rank 0 sets the old run aside once the server answers (LaunchPayload.resume)
             supersede_run(cfg)
     exp.mkdirs()
-    for stale in (paths.DEFERRED_RUN, paths.WORKER_RESULT):  # an earlier submission's: this one's rank 0 writes its own
+    for stale in (paths.DEFERRED_RUN,):  # an earlier submission's: this one's rank 0 writes its own
         if exp.exists(stale):
             exp.delete(stale)
     if compat.forget_reported_checkpoints(exp):
@@ -209,13 +209,13 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     error: Exception | None = None
     stop = Interruption(lambda sig: _record_interruption(cfg, exp, launcher, run_id, down, sig))
     try:
-        # One result path under both launchers: rank 0 writes its RunResult beside the checkpoints, read here.
+        # One result under both launchers: rank 0's RunResult, returned (through Ray Train's Result under Ray).
         with stop:
             if launcher == "local":
-                _run_local(cfg, payload)
+                returned = _run_local(cfg, payload)
             else:
-                _ray_train(cfg, payload, embedded=bool(ray_info and ray_info.get("started")), stop=stop)
-        result = RunResult.from_json(exp.read_json(paths.WORKER_RESULT))
+                returned = _ray_train(cfg, payload, embedded=bool(ray_info and ray_info.get("started")), stop=stop)
+        result = RunResult.from_json(returned or {})
     except KeyboardInterrupt:
         if stop.signal is None:  # raised before the handlers were in place
             stop.signal = "SIGINT"
@@ -269,7 +269,7 @@ def _record_interruption(cfg: JobConfig, exp: Any, launcher: str, run_id: Option
                 "" if newest else " (it starts again from step 0)")
 
 
-def _run_local(cfg: JobConfig, payload: LaunchPayload) -> None:
+def _run_local(cfg: JobConfig, payload: LaunchPayload) -> dict:
     from rayspeed.health.envprofile import log_profile
     from rayspeed.train.context import local_context
     from rayspeed.train.worker import run_worker
@@ -278,5 +278,5 @@ def _run_local(cfg: JobConfig, payload: LaunchPayload) -> None:
         os.environ.setdefault(k, v)
     backend = "nccl" if cfg.cluster.use_gpu else "gloo"
     ctx = local_context(payload.experiment_dir, backend, cfg.resilience.collective_timeout_s)
-    run_worker(payload, ctx)
+    return run_worker(payload, ctx).to_json()
 

@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 import torch
 
-from rayspeed import paths, storage
 from rayspeed.checkpoint import rng
 from rayspeed.checkpoint.cadence import Cadence
 from rayspeed.checkpoint.manager import CheckpointManager
@@ -184,7 +183,6 @@ class Trainer:
                 log.error("preflight failed: %s", e.reason)
                 self.mlflow.set_tags({"rayspeed.preflight": e.reason[:4000]})
                 self.mlflow.close("preflight_failed")
-                self._write_result(result)
             return result
         self.mlflow.log_preflight(report)
         return None
@@ -258,9 +256,4 @@ class Trainer:
             checkpoint_bytes=self.checkpointer.last_bytes, model_state_bytes=state.model_state_bytes,
             layout=Layout.from_parallel(c.parallel).record(), registered_model_version=state.registered_model_version)
         result.mlflow_run_id = self.payload.mlflow_run_id  # after close: a deferred run exists once flushed
-        if self.ctx.is_rank0:
-            self._write_result(result)
         return result
-
-    def _write_result(self, result: RunResult) -> None:
-        storage.locate(self.ctx.experiment_dir).write_json(paths.WORKER_RESULT, result.to_json())

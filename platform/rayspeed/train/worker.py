@@ -23,14 +23,15 @@ from rayspeed.train.payload import LaunchPayload, RunResult
 log = logging.getLogger("rayspeed.worker")
 
 
-def train_loop(payload: LaunchPayload) -> None:
-    """Ray Train's train_loop_per_worker."""
+def train_loop(payload: LaunchPayload) -> dict:
+    """Ray Train's train_loop_per_worker: rank 0's RunResult comes back as the run's return value (Ray Train's
+    Result.return_value; none when the run fails: the launcher then words the failure from the error)."""
     from rayspeed.logs import quiet_benign
 
     quiet_benign(bool(payload.job.get("cluster", {}).get("use_gpu")))
     from rayspeed.train.context import ray_context
 
-    run_worker(payload, ray_context())
+    return run_worker(payload, ray_context()).to_json()
 
 
 def run_worker(payload: LaunchPayload, ctx: WorkerContext) -> RunResult:
