@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from rayspeed import paths, storage
-from rayspeed.config.validate import chaos_drills
+from rayspeed.config.job_checks import chaos_drills
 
 log = logging.getLogger("rayspeed.chaos")
 
