@@ -215,7 +215,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
                 returned = _run_local(cfg, payload)
             else:
                 returned = _ray_train(cfg, payload, embedded=bool(ray_info and ray_info.get("started")), stop=stop)
-        result = RunResult.from_json(returned or {})
+        result = RunResult.from_json(returned)
     except KeyboardInterrupt:
         if stop.signal is None:  # raised before the handlers were in place
             stop.signal = "SIGINT"

@@ -72,6 +72,6 @@ class RunResult:
         return {"name": name, **fields, **overrides, "launcher": launcher}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RunResult":
+    def from_json(cls, d: Optional[dict[str, Any]]) -> "RunResult":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known}) if d else cls(status="unknown")
