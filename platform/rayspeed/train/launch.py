@@ -226,7 +226,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     if run_id is None and down:  # a deferred run, created by rank 0 once the server answered (also on failure)
         run_id = result.mlflow_run_id or exp.read_json(paths.DEFERRED_RUN).get("run_id")
     if stop.signal and result.status != "finished":
-        return EXIT_INTERRUPTED
+        return _settle_interruption(cfg, exp, launcher, run_id, down, stop.signal)
     if result.status != "finished" and error is None:
         error = RuntimeError(f"{result.status}: {result.error or ''}")
     status = "finished" if error is None else (result.status if result.status not in ("unknown",) else "failed")
@@ -241,6 +241,20 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         log.error("training failed: %s", summary["error"].splitlines()[0])
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _settle_interruption(cfg: JobConfig, exp: Any, launcher: str, run_id: Optional[str], deferred: Optional[str],
+                         signal_name: str) -> int:
+    """After the workers stopped: a save that was in flight when the signal came may have committed after the line
+    was printed. Then the record is written again (summary.json's resume_from, one more line), so the last word names
+    the checkpoint the same command resumes."""
+    from rayspeed.checkpoint import manifest
+
+    newest, _ = manifest.latest_verified(str(exp), deep=False)
+    if newest and exp.read_json(paths.SUMMARY).get("resume_from") != manifest.name_of(newest):
+        log.warning("a save in flight at the signal has committed since")
+        _record_interruption(cfg, exp, launcher, run_id, bool(deferred), signal_name)
+    return EXIT_INTERRUPTED
 
 
 def _record_interruption(cfg: JobConfig, exp: Any, launcher: str, run_id: Optional[str], deferred: bool,
