@@ -12,22 +12,28 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Optional
+from typing import Any, Optional
 
 from rayspeed.families.family import ROPE_TYPES, Family, TensorNames
 
 __all__ = ["DEFAULT", "FAMILIES", "ROPE_TYPES", "Family", "TensorNames", "by_architecture", "by_model_type",
-           "find", "names", "text_family"]
+           "find", "names", "records_of", "text_family"]
+
+
+def records_of(path: Any, package: str, attribute: str, kind: type) -> tuple[Any, ...]:
+    """The `attribute` of every module of a package that is a `kind`, by module name: adding one is adding its
+    module (the family records here, their decoders' compositions in rayspeed.model.families)."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
+        record = getattr(importlib.import_module(f"{package}.{info.name}"), attribute, None)
+        if isinstance(record, kind):
+            found.append(record)
+    return tuple(found)
 
 
 def discover() -> tuple[Family, ...]:
-    """The FAMILY of every module of this package, by module name: adding a family is adding its module."""
-    found = []
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        record = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
-        if isinstance(record, Family):
-            found.append(record)
-    return tuple(found)
+    """The FAMILY of every module of this package: adding a family is adding its module."""
+    return records_of(__path__, __name__, "FAMILY", Family)
 
 
 FAMILIES: tuple[Family, ...] = discover()

@@ -9,12 +9,11 @@ is adding its files: nothing here lists them.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
-import pkgutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from rayspeed.families import records_of
 from rayspeed.model.parts.blocks import Block
 from rayspeed.model.parts.input_stage import TokenInput
 from rayspeed.model.parts.norms import RMSNorm
@@ -41,12 +40,7 @@ class Composition:
 @functools.cache
 def compositions() -> tuple[Composition, ...]:
     """The MODEL of every module of this package."""
-    found = []
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        model = getattr(importlib.import_module(f"{__name__}.{info.name}"), "MODEL", None)
-        if isinstance(model, Composition):
-            found.append(model)
-    return tuple(found)
+    return records_of(__path__, __name__, "MODEL", Composition)
 
 
 def composition_of(family: Any) -> Composition:
