@@ -224,7 +224,7 @@ def train_steps(cfg, engine, pipelined, groups, steps):
     """rayspeed's TrainStep over `steps` ((micro-batches, loss scale or None) per step) on an engine build_engine
     made: (each step's loss, the first step's gradients as reduced by Transformer name, before the update, the
     weights after the last step)."""
-    from rayspeed.model.pipeline import canonical_named_parameters
+    from rayspeed.model.decoder import canonical_named_parameters
     from rayspeed.train.objective import LanguageModel
     from rayspeed.train.step import StepReadings, TrainStep
     from rayspeed.train.step_guard import NO_GUARD

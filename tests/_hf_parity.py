@@ -65,8 +65,8 @@ def pipeline_logits_and_loss(shape, model_dir, groups, ids):
     import deepspeed
     import torch.distributed as dist
 
+    from rayspeed.engine.pipeline_module import build_pipeline_module
     from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.pipeline import build_pipeline_module
     from rayspeed.parallel.layers import deferred_init
     from rayspeed.parallel.loss import softcap
 
@@ -88,7 +88,7 @@ def pipeline_logits_and_loss(shape, model_dir, groups, ids):
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
                                            config=config)
     loss = engine.eval_batch(iter([(inputs, labels)])).detach().float().reshape(())
-    from rayspeed.model.pipeline import canonical_named_parameters
+    from rayspeed.model.decoder import canonical_named_parameters
 
     grads: dict = {}
     for name, p in canonical_named_parameters(module):

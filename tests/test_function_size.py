@@ -36,8 +36,6 @@ LARGER = {
     "health/healthcheck.py:render": (47, 23),
     "health/preflight.py:run_preflight": (73, 29),
     "health/topology.py:parse_topo": (53, 29),
-    "model/pipeline.py:_pipeline_module_class": (68, 24),
-    "model/pipeline.py:build_pipeline_module": (106, 31),
     "model/warm_start.py:load_initial_weights": (65, 25),
     "monitoring/landscape.py:_landscape": (106, 35),
     "parallel/groups.py:layout": (34, 42),

@@ -139,8 +139,9 @@ def _pp2(shape, model_dir, adapter):
     import torch.distributed as dist
 
     from rayspeed.adapters.attach import add_adapters
+    from rayspeed.engine.pipeline_module import build_pipeline_module
+    from rayspeed.model.decoder import canonical_named_parameters
     from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.pipeline import build_pipeline_module, canonical_named_parameters
     from rayspeed.parallel.groups import ParallelGroups
     from rayspeed.parallel.layers import deferred_init
 

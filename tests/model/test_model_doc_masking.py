@@ -94,7 +94,7 @@ def test_no_segment_ids_is_the_causal_model_and_checkpointing_keeps_masking():
 def _ranks(rank, world_size, case):
     import deepspeed
 
-    from rayspeed.model.pipeline import build_pipeline_module
+    from rayspeed.engine.pipeline_module import build_pipeline_module
     from rayspeed.model.transformer import Transformer
     from rayspeed.parallel.groups import ParallelGroups
 

@@ -144,8 +144,8 @@ def _ranks(rank, world_size, cases):
     import deepspeed
     import torch.distributed as dist
 
+    from rayspeed.engine.pipeline_module import build_pipeline_module
     from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.pipeline import build_pipeline_module
     from rayspeed.parallel.groups import ParallelGroups
     from rayspeed.parallel.layers import deferred_init
 

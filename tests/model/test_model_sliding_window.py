@@ -111,8 +111,8 @@ def _packed(vocab):
 def _packed_ranks(rank, world_size, dirs):
     import deepspeed
 
+    from rayspeed.engine.pipeline_module import build_pipeline_module
     from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.pipeline import build_pipeline_module
     from rayspeed.parallel.groups import ParallelGroups
     from rayspeed.parallel.layers import deferred_init
 

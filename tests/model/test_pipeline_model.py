@@ -60,8 +60,9 @@ CASES = [
 def _train_pipeline(rank, world_size, cases):
     import deepspeed
 
+    from rayspeed.engine.pipeline_module import build_pipeline_module
     from rayspeed.model import Transformer
-    from rayspeed.model.pipeline import build_pipeline_module, canonical_named_parameters
+    from rayspeed.model.decoder import canonical_named_parameters
     from rayspeed.parallel.groups import ParallelGroups
     from rayspeed.parallel.layers import gather_full
 

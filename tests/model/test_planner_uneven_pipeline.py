@@ -67,13 +67,13 @@ def _init_deepspeed():
 
 
 def _build(cfg, split, groups):
-    from rayspeed.model.pipeline import build_pipeline_module
+    from rayspeed.engine.pipeline_module import build_pipeline_module
 
     return build_pipeline_module(cfg, groups, num_stages=2, seed=SEED, stage_layers=split)
 
 
 def _train_uneven(rank, world_size, cases):
-    from rayspeed.model.pipeline import canonical_named_parameters
+    from rayspeed.model.decoder import canonical_named_parameters
     from rayspeed.parallel.groups import ParallelGroups
 
     deepspeed = _init_deepspeed()

@@ -148,7 +148,7 @@ def _pp2_rank(rank, world, model_dir, batch, ref, loss, settings):
     from rayspeed.config.shape import ModelShape
     from rayspeed.engine.build import build_engine
     from rayspeed.engine.deepspeed_config import deepspeed_config
-    from rayspeed.model.pipeline import canonical_named_parameters
+    from rayspeed.model.decoder import canonical_named_parameters
     from rayspeed.parallel.groups import ParallelGroups
     from rayspeed.train.dpo_objective import DpoObjective
 

@@ -62,7 +62,7 @@ def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
     tp = groups.tp if par.tp > 1 else None
     mcfg = ModelShape.from_config(cfg.model)
     if par.pp > 1:
-        from rayspeed.model.pipeline import build_pipeline_module
+        from rayspeed.engine.pipeline_module import build_pipeline_module
 
         return build_pipeline_module(
             mcfg,
@@ -103,7 +103,7 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
     apply_transforms(model, cfg, groups, on_gpu)  # in their declared order, after the weights are in
     if adapter_dir is not None:  # continue a PEFT adapter made elsewhere on model.pretrained's weights
         from rayspeed.adapters.peft_files import load_peft_dir
-        from rayspeed.model.pipeline import canonical_named_parameters
+        from rayspeed.model.decoder import canonical_named_parameters
 
         named = canonical_named_parameters(model) if cfg.parallel.pp > 1 else model.named_parameters()
         n = load_peft_dir(model, adapter_dir, ModelShape.from_config(cfg.model),

@@ -95,7 +95,7 @@ def deepspeed_config(cfg: JobConfig, plan: dict[str, Any] | None = None) -> dict
 
     ds: dict[str, Any] = {
         # Under ep DeepSpeed's data-parallel group is the experts' (dp / ep ranks), and under pp with cp the pipeline
-        # grid's data axis is dp x cp ranks (model/pipeline.py): its batch arithmetic with them.
+        # grid's data axis is dp x cp ranks (engine/pipeline_module.py): its batch arithmetic with them.
         "train_batch_size": train.global_batch_size // _ep(par) * _pipeline_cp(par),
         "train_micro_batch_size_per_gpu": int(par.micro_batch_size),
         "gradient_accumulation_steps": int(par.grad_accum),

@@ -1,5 +1,5 @@
-"""The decoder-only transformer. The DeepSpeed pipeline form lives in rayspeed.model.pipeline
-(imported on demand: it pulls in deepspeed)."""
+"""The decoder-only transformer: its pieces (rayspeed.model.decoder), run in one process by the Transformer or cut into
+DeepSpeed pipeline stages by rayspeed.engine.pipeline_module (imported on demand: it pulls in deepspeed)."""
 
 from rayspeed.model.transformer import (
     Block,

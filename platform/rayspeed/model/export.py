@@ -106,7 +106,7 @@ def _full_fp32(p: Any, tp: Any) -> Any:
 def _named_params(module: Any) -> tuple[list[tuple[str, Any]], bool]:
     """(canonical name, parameter) pairs of this rank's part of the model, and whether it is a pipeline stage."""
     if is_pipeline(module):
-        from rayspeed.model.pipeline import canonical_named_parameters
+        from rayspeed.model.decoder import canonical_named_parameters
 
         seen, out = set(), []
         for name, p in canonical_named_parameters(module):

@@ -54,7 +54,7 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     from rayspeed.model.export import is_pipeline
 
     if is_pipeline(model):
-        from rayspeed.model.pipeline import canonical_named_parameters
+        from rayspeed.model.decoder import canonical_named_parameters
 
         pairs: Iterable = canonical_named_parameters(model)
     else:

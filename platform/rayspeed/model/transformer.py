@@ -1,6 +1,7 @@
-"""The decoder: embedding, the family's blocks, its final norm and the output head, composed as the family's model
-module says (rayspeed.model.families; the parts are rayspeed.model.parts). The same function as transformers'
-ForCausalLM class of each family rayspeed.config.hf_config accepts.
+"""The decoder in one process: the pieces of rayspeed.model.decoder (the input stage, the family's blocks, its final
+norm and the output head, composed as the family's model module says), run one after the other. The same function as
+transformers' ForCausalLM class of each family rayspeed.config.hf_config accepts; a pipeline runs the same pieces
+cut into stages (rayspeed.engine.pipeline_module).
 
 One model for every layout: pass a TensorParallel handle to split heads, the MLP and the
 vocabulary over a tp group, and sequence_parallel=True to also split the norm / residual
@@ -18,9 +19,9 @@ import torch.nn as nn
 
 from rayspeed.config.shape import ModelShape
 from rayspeed.config.validate import shape_split_problems
+from rayspeed.model.decoder import attach_routing, decoder_pieces
 from rayspeed.model.families import composition_of
-from rayspeed.model.moe import MoE, RouterStats
-from rayspeed.model.output import ModelOutput, Routing
+from rayspeed.model.output import ModelOutput
 from rayspeed.model.parts.blocks import CHECKPOINTING_MODES, Block, check_mode
 from rayspeed.model.parts.head import OutputHead
 from rayspeed.model.parts.mlp import MLP, MLP_TILE_BYTES
@@ -78,23 +79,15 @@ class Transformer(nn.Module):
         self.cp = cp or NO_CP
         self.activation_checkpointing = check_mode(activation_checkpointing)
 
-        model = composition_of(dims.family)
-        self.embed = model.input_stage.build(dims, tp, sp, seed, model.embedding_scale(dims.hidden_size))
-        self.layers = nn.ModuleList(
-            block_class(dims)(dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed)
-            for i in range(dims.num_layers)
-        )
+        embed, *blocks, norm, head = decoder_pieces(dims, tp, sp, activation_checkpointing, preserve_rng_state, seed,
+                                                    loss_chunk_tokens)
+        self.embed = embed.build()
+        self.layers = nn.ModuleList(block.build() for block in blocks)
         # Every MoE layer reports its routing to one collector: the balance loss pools them all.
-        self.router_stats = RouterStats(dims.num_experts, self.cp) if dims.num_experts else None
-        for layer in self.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.stats = self.router_stats
-        self.routing: Optional[Routing] = None if self.router_stats is None else Routing(
-            self.router_stats, [i for i in range(dims.num_layers) if dims.is_moe(i)])
+        self.router_stats, self.routing = attach_routing(list(self.layers), dims, self.cp)
         self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), unweighted
-        self.norm = model.norm(dims.hidden_size, dims.norm_eps, tp, sp)
-        self.head = OutputHead(dims, tp, sp, seed, tied_weight=self.embed.weight if dims.tie_embeddings else None,
-                               loss_chunk_tokens=loss_chunk_tokens)
+        self.norm = norm.build()
+        self.head = head.build(tied_weight=self.embed.weight if head.ties_input else None)
         if dims.tie_embeddings:
             self.register_state_dict_post_hook(_frozen_tied_head_once)
 
@@ -122,7 +115,7 @@ class Transformer(nn.Module):
         aux = self.router_stats.aux_loss() if self.router_stats is not None else None
         self.aux_loss = aux.detach() if aux is not None else None  # kept for metrics, without the graph
         if labels is None:
-            return self.head(x)
+            return self.head.logits(x)
         if reduction == "none":
             if self.cp.enabled:
                 raise ValueError("per-token losses under context parallelism are not built")

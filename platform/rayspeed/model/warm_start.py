@@ -121,7 +121,7 @@ def _named_params(model: Any) -> tuple[list[tuple[str, Any]], bool]:
     from rayspeed.model.export import is_pipeline
 
     if is_pipeline(model):
-        from rayspeed.model.pipeline import canonical_named_parameters
+        from rayspeed.model.decoder import canonical_named_parameters
 
         seen, out = set(), []
         for name, p in canonical_named_parameters(model):

@@ -40,7 +40,7 @@ def imbalance(counts: torch.Tensor) -> tuple[float, int]:
 class ExpertLoad(Callback):
     """Under a pipeline (`rows`, `pooled`), each stage's stats hold its MoE layers only: `rows` are their places in
     moe_layers, `pooled` the last stage's loss function, which adds up the balance loss pooled over every stage
-    (model.pipeline.PipelineLoss); the counts and that sum are then added up over the pipeline group too."""
+    (model.stage_loss.PipelineLoss); the counts and that sum are then added up over the pipeline group too."""
 
     def __init__(self, stats: Any, moe_layers: list[int], groups: Any, device: torch.device, tracker: Any,
                  every: int = 0, rows: Optional[list[int]] = None, pooled: Any = None):

@@ -20,8 +20,11 @@ class OutputHead(nn.Module):
     """Logits over the (tp-split) vocabulary, optionally reusing the embedding matrix.
 
     The loss path never builds full logits: tp=1 runs the chunked CE, tp>1 keeps this
-    rank's vocab slice and uses the vocab-parallel CE.
+    rank's vocab slice and uses the vocab-parallel CE. As the decoder's last piece (rayspeed.model.decoder) it
+    returns (its input in the tp region, its matrix), what a pipeline's last stage hands its loss.
     """
+
+    canonical_prefix = "head"
 
     def __init__(
         self,
@@ -50,7 +53,15 @@ class OutputHead(nn.Module):
         """Full-sequence, tp-region input for the vocab-split matmul."""
         return enter_tp_region(x, self.tp, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.prepare(x), self.weight
+
+    @staticmethod
+    def tied_output(embedding: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a tied head returns when the stage holds only the embedding (a pipeline's last stage)."""
+        return enter_tp_region(x, embedding.tp, embedding.sequence_parallel), embedding.weight
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Full logits [batch, seq, vocab] (gathered over tp): for inference and tests, not training."""
         return softcap(gather_from_tp(F.linear(self.prepare(x), self.weight), self.tp), self.cap)
 
