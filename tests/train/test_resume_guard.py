@@ -51,3 +51,15 @@ def test_resubmission_with_other_settings_is_refused_unless_said(tmp_path):
     assert any(p.name.startswith("guard.superseded-") for p in (tmp_path / "runs").iterdir())
     summary = json.loads((tmp_path / "runs" / "guard" / "summary.json").read_text())
     assert summary["steps"] == 2
+
+
+def test_resubmitting_a_finished_job_reports_its_losses(tmp_path):
+    """The same command again after the job finished resumes its last checkpoint, at max_steps: no step runs, and the
+    summary says the losses the job ended with (it said NaN when the checkpoint did not carry them)."""
+    args = [*ARGS, "--set", "train.max_steps=2", "--set", "train.eval_every_steps=2"]
+    r, first = run_job(tmp_path, args, None)
+    assert r.returncode == 0 and first["steps"] == 2, r.stderr[-2000:]
+    r, again = run_job(tmp_path, args, None)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from checkpoint_step00000002 at step 2" in r.stderr
+    assert again["final_loss"] == first["final_loss"] and again["val_loss"] == first["val_loss"]

@@ -6,7 +6,8 @@
 
 `events` is anything with before_checkpoint(state), checkpoint_saved(state, stall_s) and
 checkpoint_committed(state, record) (rayspeed.train.events.Callbacks): before a save, every step logged so far must
-reach the tracker, so a crash just after the commit loses no step a resume would not re-run.
+reach the tracker, so a crash just after the commit loses no step a resume would not re-run. `client_state(state)`
+is what the checkpoint carries besides the engine's state.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Any, Callable
 
 
 class Cadence:
-    def __init__(self, manager: Any, engine: Any, client_state: Callable[[int], dict[str, Any]], events: Any):
+    def __init__(self, manager: Any, engine: Any, client_state: Callable[[Any], dict[str, Any]], events: Any):
         self.manager, self.engine, self.client_state, self.events = manager, engine, client_state, events
 
     def maybe_save(self, state: Any) -> None:
         step = state.step
         if self.manager.should_save(step):
             self.events.before_checkpoint(state)
-            stall = self.manager.save(step, self.engine, self.client_state(step))
+            stall = self.manager.save(step, self.engine, self.client_state(state))
             self.events.checkpoint_saved(state, stall)
         self._committed(state)
 

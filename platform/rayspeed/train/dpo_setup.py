@@ -51,14 +51,16 @@ class DpoData:
         schedule = GlobalBatchSchedule(self.train.num_pairs, c.train.global_batch_size, c.train.seed)
         self.batches = PairBatches(self.train, c.model.seq_len, schedule, groups.dp_rank, groups.dp,
                                    c.parallel.micro_batch_size, c.parallel.grad_accum)
+        self.validator_batches: list[Any] = []  # the loss landscape's; DPO's validator holds its own pairs
 
     def rebatched(self, schedule: Any, start_step: int) -> Any:
         """The batches of another global batch size (the playbook batch policy), with the same reference."""
         from rayspeed.data.pair_batches import PairBatches
 
         c, g = self.cfg, self.groups
-        return PairBatches(self.train, c.model.seq_len, schedule, g.dp_rank, g.dp, c.parallel.micro_batch_size,
-                           c.parallel.grad_accum, start_step=start_step, reference=self.batches.reference)
+        self.batches = PairBatches(self.train, c.model.seq_len, schedule, g.dp_rank, g.dp, c.parallel.micro_batch_size,
+                                   c.parallel.grad_accum, start_step=start_step, reference=self.batches.reference)
+        return self.batches
 
     def objective(self, engine: Any, device: Any, pipelined: bool = False) -> Any:
         """The DpoObjective with its DpoValidator, the reference ready: call with the engine at its initial

@@ -20,13 +20,12 @@ from rayspeed.logs import log_rank
 from rayspeed.parallel.groups import ParallelGroups
 from rayspeed.parallel.objects import gather_objects
 from rayspeed.train.chaos import ChaosDrills
-from rayspeed.train.evaluation import ValidationCallback, Validator, dp_mean
+from rayspeed.train.evaluation import ValidationCallback
 from rayspeed.train.events import Callbacks, TrainState, load_callback
 from rayspeed.train.features import FEATURES
 from rayspeed.train.loop import run_loop
 from rayspeed.train.metrics_callback import MetricsCallback
 from rayspeed.train.mlflow_callback import MlflowCallback
-from rayspeed.train.objective import LanguageModel, label_scale
 from rayspeed.train.outputs import OutputsCallback
 from rayspeed.train.payload import LaunchPayload, RunResult
 from rayspeed.train.recovery import RecoveryCallback
@@ -62,12 +61,11 @@ class Trainer:
         self.engine: Any = None
         self.pipelined = False
         self.clipper: Any = None
-        self.train_split: Any = None
         self.batches: Any = None
         self.validator_batches: list[Any] = []
         self.validator: Any = None
         self.data_inputs: list[dict[str, Any]] = []
-        self.dpo: Any = None  # a DPO job's data (rayspeed.train.dpo_setup.DpoData)
+        self.data: Any = None  # the objective's data (rayspeed.train.sft_setup.OBJECTIVE_DATA)
         self.objective: Any = None  # rayspeed.train.objective: the language model's, or a DPO job's
 
     # ------------------------------------------------------------------ setup
@@ -97,7 +95,7 @@ class Trainer:
         if client is not None:
             self._restore_data_position(client["data"])
             self.state = {"step": int(client["step"]), "restarts": int(client.get("restarts", 0)) + 1,
-                          "resumed_from": self.checkpointer.chosen}
+                          "resumed_from": self.checkpointer.chosen, "losses": client.get("losses", {})}
         phases["resume"] = time.time() - t
         t = time.time()
         if c.health.preflight:
@@ -110,13 +108,8 @@ class Trainer:
         return None
 
     def _objective(self) -> Any:
-        if self.dpo is not None:  # the reference from the initial weights: before any checkpoint is loaded
-            return self.dpo.objective(self.engine, self.device, self.pipelined)
-        c, g = self.cfg, self.groups
-        validator = Validator(c, self.validator_batches, self.device, self.pipelined,
-                              lambda t: dp_mean(t, g, self.device), weighted=self.batches.weighted, cp=g.cp)
-        return LanguageModel(validator, lambda index: label_scale(self.batches, g.dp, c.parallel.grad_accum, index),
-                             self.device, g.cp, c.parallel.zero_stage)
+        # A DPO reference comes from the initial weights: this runs before any checkpoint is loaded.
+        return self.data.objective(self.engine, self.device, self.pipelined)
 
     def _check_topology(self) -> None:
         """tp groups must sit on one node: Ray Train places a node's workers on consecutive ranks (verified here,
@@ -129,46 +122,26 @@ class Trainer:
         check_tp_within_nodes(self.node_ids, self.cfg.parallel.tp)
 
     def _build_data(self) -> None:
-        from rayspeed.data import RankBatches, make_schedule, val_batches
         from rayspeed.train import data_setup
+        from rayspeed.train.sft_setup import objective_data
 
-        c, g, dm = self.cfg, self.groups, self.cfg.data.document_masking
-        if c.train.objective == "dpo":
-            from rayspeed.train.dpo_setup import DpoData
-
-            self.dpo = DpoData(c, g, self.payload.storage_path)
-            self.batches, self.train_split = self.dpo.batches, self.dpo.train
-            self.data_inputs = data_setup.dataset_inputs(self.dpo.corpus, c) if self.ctx.is_rank0 else []
-            return
-        corpus = data_setup.load_corpus(c, self.payload.storage_path)  # the launcher tokenized it: a cache hit
-        train, val = data_setup.splits(corpus, c)
-        schedule = make_schedule(train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
-        self.train_split = train
-        self.batches = RankBatches(train, c.model.seq_len, schedule, g.dp_rank, g.dp, c.parallel.micro_batch_size,
-                                   c.parallel.grad_accum, document_masking=dm)
-        share = c.parallel.micro_batch_size * c.parallel.grad_accum
-        self.validator_batches = val_batches(val, c.model.seq_len, share, c.train.eval_batches, g.dp_rank, g.dp, dm)
-        self.data_inputs = data_setup.dataset_inputs(corpus, c) if self.ctx.is_rank0 else []
+        self.data = objective_data(self.cfg, self.groups, self.payload.storage_path)
+        self.batches, self.validator_batches = self.data.batches, self.data.validator_batches
+        self.data_inputs = data_setup.dataset_inputs(self.data.corpus, self.cfg) if self.ctx.is_rank0 else []
 
     def _restore_data_position(self, data_state: dict[str, Any]) -> None:
-        from rayspeed.data import GlobalBatchSchedule, RankBatches
+        from rayspeed.data import GlobalBatchSchedule
 
         step = int(data_state["step"])
         if int(data_state.get("global_batch_size", -1)) == self.cfg.train.global_batch_size:
             self.batches.load_state_dict(data_state)
             return
         # The global batch changed (playbook batch policy): the sample stream continues where it stopped.
-        c, g = self.cfg, self.groups
+        c = self.cfg
         old = self.batches.schedule
         schedule = GlobalBatchSchedule(old.num_sequences, c.train.global_batch_size, old.seed, start_step=step,
                                        start_sample=int(data_state["consumed_samples"]))
-        if self.dpo is not None:
-            self.batches = self.dpo.rebatched(schedule, step)
-            return
-        self.batches = RankBatches(self.train_split, c.model.seq_len, schedule, g.dp_rank, g.dp,
-                                   c.parallel.micro_batch_size, c.parallel.grad_accum, start_step=step,
-                                   document_masking=self.batches.document_masking,
-                                   label_counts=self.batches.label_counts)
+        self.batches = self.data.rebatched(schedule, step)
 
     def _preflight(self) -> Optional[RunResult]:
         """Bandwidth and environment checks on the job's own workers before step 0. A failure ends the job at once
@@ -221,6 +194,8 @@ class Trainer:
         state = TrainState(max_steps=c.train.max_steps, rank=self.ctx.rank, world_size=self.ctx.world_size,
                            step=start, start_step=start, restarts=self.state["restarts"],
                            resumed_from=self.state.get("resumed_from"))
+        losses = self.state.get("losses", {})  # a checkpoint from before they were kept has none
+        state.last_loss, state.val_loss = losses.get("last", state.last_loss), losses.get("val")
         readings = StepReadings(self.engine, self.pipelined, self.clipper, self.groups)
         events, metrics = self.callbacks(readings)
         step = TrainStep(self.engine, self.objective, readings, self._guard(readings), self.chaos, metrics,
@@ -241,9 +216,11 @@ class Trainer:
         return StepGuard(self.watchdog, self.engine, self.groups, readings.own_norm, self.checkpointer,
                          self.mlflow.set_tags)
 
-    def client_state(self, step: int) -> dict[str, Any]:
-        """What a checkpoint carries besides the engine's state: the step, the data position, the restarts."""
-        return {"step": step, "data": self.batches.state_dict(), "restarts": self.state["restarts"]}
+    def client_state(self, state: TrainState) -> dict[str, Any]:
+        """What a checkpoint carries besides the engine's state: the step, the data position, the restarts, and the
+        losses so far (a resubmission that finds the job done reports them, not NaN)."""
+        return {"step": state.step, "data": self.batches.state_dict(), "restarts": self.state["restarts"],
+                "losses": {"last": state.last_loss, "val": state.val_loss}}
 
     # ------------------------------------------------------------------ the end
     def result(self, state: TrainState) -> RunResult:
