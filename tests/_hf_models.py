@@ -24,6 +24,12 @@ QWEN3 = dict(arch="qwen3", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, 
 OLMO2 = dict(arch="olmo2", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=False, rope="default",
              max_positions=64)
 
+# Gemma 3 (text): four (1 + w) norms per block, per-head q/k norms, GeGLU, a scaled embedding, the attention scale
+# query_pre_attn_scalar^-0.5 (256, not head_dim 16), local layers (window 5, shorter than the tests' sequences) with
+# their own RoPE base around a global one with linear scaling, tied embeddings.
+GEMMA3 = dict(arch="gemma3_text", vocab=256, hidden=32, layers=3, heads=4, kv_heads=2, ffn=64, tied=True,
+              rope="linear", max_positions=64, head_dim=16, sliding_window=5,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"], local_rope_theta=100.0)
 # Sliding windows shorter than the tests' sequences: Mistral's on every layer, Qwen2's on the layers it names.
 MISTRAL_SWA = dict(arch="mistral", vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tied=False,
                    rope="default", max_positions=64, sliding_window=5)

@@ -48,7 +48,7 @@ def _chat_job(ray_head, tmp_path, arch, name, extra=()):
     return made, r.stdout + r.stderr, summary, model_dir, tok_dir
 
 
-@pytest.mark.parametrize("arch,architecture", [("qwen3", "Qwen3ForCausalLM")])
+@pytest.mark.parametrize("arch,architecture", [("qwen3", "Qwen3ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM")])
 def test_a_family_chat_finetune_learns_and_its_registered_version_answers(ray_head, tmp_path, arch, architecture):
     _, _, _, model_dir, tok_dir = _chat_job(ray_head, tmp_path, arch, f"chat-{arch}")
     config_json = json.loads(open(f"{model_dir}/config.json").read())

@@ -89,9 +89,11 @@ def test_seq_len_is_a_job_key_bounded_by_max_positions(tmp_path):
 
 @pytest.mark.parametrize("change,needle", [
     ({"architectures": ["GPT2LMHeadModel"]},
-     "architecture GPT2LMHeadModel is not supported; supported: Gemma2ForCausalLM, LlamaForCausalLM"),
+     "architecture GPT2LMHeadModel is not supported; supported: Gemma2ForCausalLM, Gemma3ForCausalLM"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope type 'dynamic' is not supported"),
     ({"sliding_window": 32}, "sliding_window 32 (sliding-window attention) is not supported for LlamaForCausalLM"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_act": None, "head_dim": 16,
+      "final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 (soft-capping) is not supported"),
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
       "layer_types": ["sliding_attention"]}, "layer_types must give one of"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -113,6 +115,16 @@ def test_sliding_windows_are_read_as_transformers_reads_each_family(tmp_path):
     assert _parse(_dir(tmp_path, "off", qwen2)).model.sliding_window is None  # without use_sliding_window: none
     m = _parse(_dir(tmp_path, "on", {**qwen2, "use_sliding_window": True})).model
     assert (m.sliding_window, m.layer_types) == (16, ["full_attention", "sliding_attention"])
+    # Gemma 3 without layer_types (transformers 4's files): every sliding_window_pattern-th layer is global; its
+    # local layers' RoPE base and the global one's scaling from the old keys.
+    gemma = {**V4, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 4,
+             "head_dim": 16, "hidden_act": None, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8,
+             "sliding_window_pattern": 2, "rope_local_base_freq": 10000.0, "rope_theta": 1e6,
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 168}
+    m = _parse(_dir(tmp_path, "gemma", gemma)).model
+    assert (m.sliding_window, m.layer_types) == (8, ["sliding_attention", "full_attention"] * 2)
+    assert (m.rope_local_theta, m.rope_theta, m.rope_scaling, m.query_pre_attn_scalar, m.hidden_act) == (
+        10000.0, 1e6, {"rope_type": "linear", "factor": 8.0}, 168.0, "gelu_pytorch_tanh")
 
 
 def test_missing_directory_and_config(tmp_path):

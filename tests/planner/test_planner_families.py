@@ -1,5 +1,5 @@
 """`rayspeed plan` on the published shapes of 2026's families, from hand-written config.json files
-(configs/models/: Qwen3-8B, Qwen3-32B, Phi-4, Mistral-7B-v0.1 with its 4096 window, and the
+(configs/models/: Qwen3-8B, Qwen3-32B, Gemma-3-27B's text model, Phi-4, Mistral-7B-v0.1 with its 4096 window, and the
 mixtures of experts Qwen3-30B-A3B and Mixtral-8x7B), seq 4096, on 8 and 64 H100s: the parameter counts (total and
 active) are the published ones, every family's plan answers (or says what would fit), the planner charges Gemma's
 local layers for their masks, not their windows' FLOPs, and it splits the experts over ep ranks where that is faster,
@@ -18,7 +18,7 @@ from rayspeed.config.shape import ModelShape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(ROOT, "configs", "llama-70b-64xh100.yaml")
-PUBLISHED_B = {"qwen3-8b": 8.19, "qwen3-32b": 32.76, "mistral-7b-v0.1": 7.24,
+PUBLISHED_B = {"qwen3-8b": 8.19, "qwen3-32b": 32.76, "gemma-3-27b-text": 27.01, "mistral-7b-v0.1": 7.24,
                "phi-4": 14.66, "qwen3-30b-a3b": 30.53, "mixtral-8x7b": 46.70}
 ACTIVE_B = {"qwen3-30b-a3b": 3.35, "mixtral-8x7b": 12.88}  # through the top-k experts of every layer
 
@@ -39,7 +39,10 @@ def test_the_shapes_have_the_published_sizes(model):
     assert _shape(model).params / 1e9 == pytest.approx(PUBLISHED_B[model], abs=0.01)
 
 
-def test_mistral_counts_its_window_at_the_sequence():
+def test_gemma3_counts_its_local_layers_windows_and_mistral_its_window_at_the_sequence():
+    gemma = _shape("gemma-3-27b-text")
+    assert [gemma.attention_span(i) for i in range(6)] == [1024] * 5 + [4096]
+    assert gemma.q_dim == 32 * 128 and gemma.hidden_size == 5376  # the query width is not hidden
     mistral = _shape("mistral-7b-v0.1")
     assert {mistral.attention_span(i) for i in range(mistral.num_layers)} == {4096}  # a window of s: plain causal
 
