@@ -406,7 +406,7 @@ class ChartPublisher:
     def _run(self, landscape: Optional[dict]) -> None:
         try:
             if self.tracker is not None:
-                self.tracker.flush(self.flush_timeout_s)
+                self.tracker.deliver(self.flush_timeout_s)
             # The folder only carries the files to MLflow (the logger deletes it once sent; the next publisher on
             # this host deletes it if this process is killed first).
             out = owned_scratch("rayspeed-charts-")

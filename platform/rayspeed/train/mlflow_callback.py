@@ -115,7 +115,7 @@ class MlflowCallback(Callback):
     def on_before_checkpoint(self, state: TrainState) -> None:
         """Every step up to a checkpoint reaches MLflow before the checkpoint can commit (an async one commits in
         the background): a crash just after it loses no step that a resume from it would not re-run."""
-        self.tracker.flush(5.0)
+        self.tracker.deliver(5.0)
 
     def on_checkpoint_saved(self, state: TrainState, stall_s: float) -> None:
         """A save returned: `stall_s` is how long training was blocked."""
@@ -140,7 +140,7 @@ class MlflowCallback(Callback):
         """A peer died or a collective timed out: the metrics of the steps done so far are still in the logger's
         queue (it coalesces them); deliver them before Ray tears the group down."""
         if self.ctx.is_rank0:
-            self.tracker.flush(5.0)
+            self.tracker.deliver(5.0)
 
     def close(self, status: str) -> None:
         if self.ctx.is_rank0:

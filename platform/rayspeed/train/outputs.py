@@ -35,7 +35,8 @@ class OutputsCallback(Callback):
         c, ctx, exp = self.cfg, self.ctx, self.checkpointer.exp
         landscape = self._landscape() if c.tracking.loss_landscape else None
         # The export is logged to MLflow from a local folder: on object storage it goes to node-local staging.
-        out_dir: Optional[str] = str((exp.local if exp.is_local else self.checkpointer.stage) / paths.MODEL_DIR)
+        out_dir: Optional[str]  # None once the export failed
+        out_dir = str((exp.local if exp.is_local else self.checkpointer.stage) / paths.MODEL_DIR)
         try:
             from rayspeed.engine.build import base_state
 
@@ -83,14 +84,14 @@ def register_outputs(c: Any, ctx: Any, payload: Any, mlflow: Any, out_dir: Optio
     from rayspeed.tracking.runs import registered_model_name
 
     if ctx.is_rank0 and payload.tracking_deferred and not payload.mlflow_run_id:
-        mlflow.tracker.flush(60)  # a server back by now gets the run (created on the logger's thread) first
+        mlflow.tracker.deliver(60)  # a server back by now gets the run (created on the logger's thread) first
     if not ctx.is_rank0 or not payload.mlflow_run_id:
         return None
     version = None
     if out_dir:
         from rayspeed.tracking.hf_model import job_tokenizer, log_and_register_hf
 
-        mlflow.tracker.flush(60)
+        mlflow.tracker.deliver(60)
         metrics = {"train/loss": last_loss}
         if val_loss is not None:
             metrics["val/loss"] = val_loss
