@@ -122,6 +122,7 @@ class CheckpointManager:
         if not self.chosen:
             return None
         path = self._local
+        assert path is not None, "load() after prepare(), which stages the chosen checkpoint"
         full = not self._module_only
         client = as_engine_state(engine).load(Path(path), universal=self._universal, module_only=not full)
         if client is None:

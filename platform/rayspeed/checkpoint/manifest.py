@@ -114,7 +114,7 @@ def commit_dir(saving: Path, final: Path) -> None:
 
 def clean_stale_saves(root: Path, keep: Path | None = None) -> list[Path]:
     """Delete what crashed saves left (hidden .saving / .replaced folders), except `keep`."""
-    removed = []
+    removed: list[Path] = []
     root = Path(root)
     if not root.is_dir():
         return removed
@@ -165,6 +165,7 @@ def verify(ckpt_dir: str | Path | Location, deep: bool = True, *, filesystem: An
     bad = _manifest_problem(m)
     if bad:
         return Verdict(False, bad)
+    assert m is not None  # _manifest_problem has a reason for a missing manifest
     if loc.size(REJECTED) is not None:
         return _rejected(lambda: loc.read_bytes(REJECTED))
     files = m["files"]
@@ -208,7 +209,7 @@ def candidates(root: str | Path | Location, *, filesystem: Any = None) -> list[A
 
 def latest_verified(root: str | Path, deep: bool = True, *, filesystem: Any = None) -> tuple[Path | None, list[str]]:
     """The newest checkpoint that verifies, and one line per newer one that was skipped and why."""
-    skipped = []
+    skipped: list[str] = []
     for p in candidates(root, filesystem=filesystem):
         v = verify(p, deep=deep, filesystem=filesystem)
         if v.ok:

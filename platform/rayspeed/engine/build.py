@@ -36,6 +36,7 @@ def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
         model = _build_model(cfg, groups)
     _shard_experts_before_load(model, groups)
     model_dir = local_model_dir(str(cfg.model.pretrained))
+    assert isinstance(cfg.parallel.tp, int)  # _build_model compared it with 1: not auto
     report = load_hf_weights(model, model_dir, ModelShape.from_config(cfg.model),
                              tp=groups.tp if cfg.parallel.tp > 1 else None)
     log.info("model.pretrained %s: %d parameters, %d elements (%.1f MB) read from %s", cfg.model.pretrained,
@@ -59,6 +60,7 @@ def _shard_experts_before_load(model: torch.nn.Module, groups: Any) -> None:
 
 def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
     par = cfg.parallel
+    assert isinstance(par.tp, int) and isinstance(par.pp, int)  # a resolved job: the planner left no auto
     tp = groups.tp if par.tp > 1 else None
     mcfg = ModelShape.from_config(cfg.model)
     if par.pp > 1:
@@ -93,6 +95,7 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
     from rayspeed.config.adapter import init_adapter_dir
 
     model = build_model(cfg, groups)
+    assert isinstance(cfg.parallel.tp, int) and isinstance(cfg.parallel.pp, int)  # build_model read them: not auto
     adapter_dir = init_adapter_dir(cfg)
     if cfg.train.init_from and adapter_dir is None:  # warm start: initial weights from an exported model
         warm_start(model, cfg, groups)
@@ -137,7 +140,10 @@ def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None) -> di
     from rayspeed.tracking.model_fetch import resolve_init_from
 
     spec = str(cfg.train.init_from)
-    tp = groups.tp if (groups is not None and cfg.parallel.tp > 1) else None
+    tp = None
+    if groups is not None:
+        assert isinstance(cfg.parallel.tp, int)  # a resolved job: the planner left no auto
+        tp = groups.tp if cfg.parallel.tp > 1 else None
     model_dir = resolve_init_from(spec, tracking_uri(cfg), model_cache_dir(storage_path(cfg)))
     if (Path(model_dir) / CONFIG).is_file():
         report = load_initial_weights(model, model_dir, tp=tp, model_cfg=cfg.model)

@@ -47,7 +47,8 @@ class GradClipper:
         if self.experts:
             held = self._sq(self.experts)
             held = torch.zeros((), device=self.params[0].device) if held is None else held
-            dist.all_reduce(held, group=self.experts[0].expert_group)
+            # torch's stubs do not know the tags rayspeed sets on Parameters (MoE.shard_experts)
+            dist.all_reduce(held, group=self.experts[0].expert_group)  # type: ignore[attr-defined]
         if self.tp_group is not None:
             shard = self._sq(self.sharded)
             if shard is None:
@@ -77,14 +78,15 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter], tp_group: Any = N
     sharded_tp = tp_group is not None and dist.get_world_size(tp_group) > 1
     shards = [p for p in params if sharded_tp and getattr(p, "tensor_model_parallel", False)]
     ids = {id(p) for p in shards}
-    device = params[0].grad.device if params else torch.device("cpu")
+    first_grad = params[0].grad if params else None  # params keeps those with a gradient
+    device = first_grad.device if first_grad is not None else torch.device("cpu")
     sq = GradClipper._sq([p for p in params if id(p) not in ids])
     sq = torch.zeros((), device=device) if sq is None else sq
     held = torch.zeros((), device=device)
     if experts:
-        held = GradClipper._sq(experts)
-        held = torch.zeros((), device=device) if held is None else held
-        dist.all_reduce(held, group=experts[0].expert_group)
+        expert_sq = GradClipper._sq(experts)
+        held = torch.zeros((), device=device) if expert_sq is None else expert_sq
+        dist.all_reduce(held, group=experts[0].expert_group)  # type: ignore[attr-defined]  # a rayspeed tag
     if sharded_tp:
         shard = GradClipper._sq(shards)
         shard = (torch.zeros((), device=device) if shard is None else shard) + held  # experts: tp shards too

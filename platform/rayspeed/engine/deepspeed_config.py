@@ -23,6 +23,8 @@ def batch_arithmetic_problems(cfg: JobConfig) -> list[str]:
     if unresolved:
         return [f"parallel.{k}: still auto when building the DeepSpeed config (the planner must resolve it)"
                 for k in unresolved]
+    # Returned above on auto: ints from here on.
+    assert isinstance(p.micro_batch_size, int) and isinstance(p.grad_accum, int) and isinstance(p.dp, int)
     g = cfg.train.global_batch_size
     if p.micro_batch_size * p.grad_accum * p.dp != g:
         return [
@@ -58,6 +60,7 @@ def deepspeed_config(cfg: JobConfig, plan: dict[str, Any] | None = None) -> dict
     if problems:
         raise ConfigError(problems)
     par, train = cfg.parallel, cfg.train
+    assert isinstance(par.zero_stage, int) and isinstance(par.pp, int)  # the problems above include auto
     precision = train.precision
     if precision == AUTO:
         raise ConfigError("train.precision: still auto when building the DeepSpeed config "

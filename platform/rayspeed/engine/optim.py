@@ -26,7 +26,9 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
 def param_groups(model: torch.nn.Module, weight_decay: float, lr: float, lora_plus_ratio: float = 0.0) -> list[dict]:
     """Weight decay on matrices only: norms and other 1-D parameters are not decayed. LoRA+: the adapters' B in a
     group of their own at lr x lora_plus_ratio (the schedule scales every group's lr by the same factor)."""
-    decay, no_decay, b = [], [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    b: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -50,7 +52,7 @@ class GuardedAdamW(torch.optim.AdamW):
 
     guard: Optional[Callable[[], bool]] = None
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if self.guard is not None and not self.guard():
             return None
         return super().step(closure)

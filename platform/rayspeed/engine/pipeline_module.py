@@ -208,6 +208,7 @@ def build_pipeline_module(
     specs = stage_specs(decoder_pieces(dims, tp, sp, activation_checkpointing, preserve_rng_state, seed))
     if stage_layers is not None:
         stages = topology.get_dim("pipe") if topology is not None else num_stages
+        assert stages is not None  # _grid refuses no topology without num_stages
         partition_method = _explicit_parts(stage_layers, stages, dims, len(specs))
 
     # PipelineModule broadcasts tied weights in place while it is built; under grad mode

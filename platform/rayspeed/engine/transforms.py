@@ -64,7 +64,8 @@ def _activation_checkpointing(model: torch.nn.Module, cfg: Any, groups: Any, on_
     if not blocks:
         raise ValueError(f"parallel.activation_checkpointing {mode}: the model has no block to recompute")
     for b in blocks:
-        b.activation_checkpointing = mode
+        # torch types Module.__setattr__'s value as Tensor | Module; a plain attribute is allowed at run time
+        b.activation_checkpointing = mode  # type: ignore[assignment]
     return f"{mode} on {len(blocks)} blocks"
 
 
@@ -87,7 +88,7 @@ def _expert_parallel(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool
         # Unsplit at tp 1, but built with their split dimension marked: DeepSpeed would count them in a gradient
         # norm on every ep rank (it counts marked weights on each piece of a replica), not once.
         for p in shared:
-            p.tensor_model_parallel = False
+            p.tensor_model_parallel = False  # type: ignore[attr-defined]  # a tag torch's stubs do not know
     elif ep.rank > 0:  # tp shards: counted on each tp rank, and once over the ep ranks that hold them alike
         from rayspeed.compat.deepspeed_internals import counted_once_in_norm
 

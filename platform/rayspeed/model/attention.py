@@ -58,6 +58,7 @@ class MaskRows:
             allowed = allowed & ((qi[:, None] - ki[None, :]) < self.window)
         allowed = allowed[None, None]
         if self.q_seg is not None:
+            assert self.k_seg is not None  # document ids come for both sides or neither
             allowed = allowed & (self.q_seg[:, None, i0:i1, None] == self.k_seg[:, None, None, k0:k1])
         return allowed
 

@@ -26,7 +26,9 @@ from rayspeed.model.families import composition_of
 from rayspeed.model.moe import MoE, RouterStats
 from rayspeed.model.output import Routing
 from rayspeed.model.parts.head import OutputHead
+from rayspeed.model.parts.norms import RMSNorm
 from rayspeed.parallel.groups import TensorParallel
+from rayspeed.parallel.layers import VocabParallelEmbedding
 
 
 class Piece(NamedTuple):
@@ -55,7 +57,7 @@ def decoder_pieces(dims: ModelShape, tp: TensorParallel, sequence_parallel: bool
 
 
 @functools.lru_cache(maxsize=None)
-def final_norm(norm: type) -> type:
+def final_norm(norm: type[RMSNorm]) -> type:
     """The family's norm class as the last norm: the `where` that rode beside the hidden states ends here."""
     def forward(self, x):
         return norm.forward(self, x[0] if isinstance(x, tuple) else x)
@@ -63,7 +65,7 @@ def final_norm(norm: type) -> type:
     return type(f"Final{norm.__name__}", (norm,), {"canonical_prefix": "norm", "forward": forward})
 
 
-def tied_head_forward(input_stage: nn.Module, x: Any) -> tuple:
+def tied_head_forward(input_stage: VocabParallelEmbedding, x: Any) -> tuple:
     """The head of a tied model under a pipeline: the last stage's copy of the input stage's matrix."""
     return OutputHead.tied_output(input_stage, x)
 

@@ -125,7 +125,7 @@ def is_pipeline(module: Any) -> bool:
     return isinstance(module, PipelineModule)
 
 
-def _layout(cfg: Any, groups: Any) -> dict[str, int]:
+def _layout(cfg: Any, groups: Any) -> dict[str, Any]:  # ints, or what an unresolved config holds (auto)
     par = getattr(cfg, "parallel", None)
     get = (lambda k, d=1: getattr(par, k, d) if par is not None else d)
     lay = {"dp": get("dp"), "tp": get("tp"), "pp": get("pp"), "zero_stage": get("zero_stage", 0)}
@@ -142,7 +142,7 @@ def _model_section(cfg: Any) -> dict[str, Any]:
     from rayspeed.config.shape import ModelShape
 
     m = cfg.model
-    d = dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(vars(m))
+    d = dataclasses.asdict(m) if dataclasses.is_dataclass(m) and not isinstance(m, type) else dict(vars(m))
     # Concrete sizes, so the reload never depends on schema defaults.
     shape = ModelShape.from_config(m)
     d.update(num_kv_heads=shape.num_kv_heads, ffn_hidden_size=shape.ffn_hidden_size)
@@ -178,7 +178,8 @@ def export_model(engine_or_module: Any, cfg: Any, out_dir: str, groups: Any = No
     total_bytes = 4 * count_parameters(SimpleNamespace(**_model_section(cfg)))
     too_big = total_bytes / 2**30 > max_host_gib
 
-    state: dict[str, Any] = {}
+    state: Optional[dict[str, Any]]  # None: rank 0 could not gather a pipeline's stages
+    state = {}
     complete = True
     if too_big:
         complete = False
@@ -209,7 +210,7 @@ def export_model(engine_or_module: Any, cfg: Any, out_dir: str, groups: Any = No
     return str(out)
 
 
-def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], precision: str, complete: bool,
+def _write(out: Path, cfg: Any, state: Optional[dict[str, Any]], layout: dict[str, Any], precision: str, complete: bool,
            limitations: list[str], t0: float, base: Optional[Callable[[], dict[str, Any]]] = None) -> None:
     import torch
 
@@ -231,7 +232,9 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
         torch.save(state, out / WEIGHTS)
     with open(out / CONFIG, "w") as fh:
         json.dump({"model": model_cfg, "seed": seed, "class": "rayspeed.model.transformer.Transformer"}, fh, indent=2)
-    meta = {
+    if state is None:  # a pipeline without groups: no weights, no export.json; export_model logs this message
+        raise ValueError("pipeline stages could not be gathered to rank 0 (no ParallelGroups given)")
+    meta: dict[str, Any] = {
         "format": "rayspeed-model/1",
         "complete": complete and bool(state),
         "layout": layout,
@@ -261,7 +264,7 @@ def _write(out: Path, cfg: Any, state: dict[str, Any], layout: dict[str, Any], p
              meta["seconds"])
 
 
-def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[str, Any],
+def _fold_adapter(cfg: Any, state: Optional[dict[str, Any]], out: Path, model_cfg: dict[str, Any],
                   base_weights: Optional[Callable[[], dict[str, Any]]] = None) -> Optional[dict[str, Any]]:
     """A job with adapters exports the merged model (self-contained: it loads without its base) and the adapter in
     PEFT's files beside it (ADAPTER_DIR); `state` and `model_cfg` become the merged model's. Returns what
@@ -281,6 +284,7 @@ def _fold_adapter(cfg: Any, state: dict[str, Any], out: Path, model_cfg: dict[st
     write_peft_dir(state, a, ModelShape.from_config(cfg.model), str(out / ADAPTER_DIR), base)
     record = {"section": dict(model_cfg["adapter"]), "merged_layers": len(adapted_layers(state)),
               "peft_dir": ADAPTER_DIR, "base": base}
+    assert a is not None  # spec.enabled(None) is False
     if a.base_precision == "nf4":
         if base_weights is None:
             raise ValueError("a QLoRA export needs the job's original base weights to merge into")

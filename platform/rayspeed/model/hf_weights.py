@@ -102,6 +102,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     names = shape.family.tensor_names
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     expert_dims: dict[str, int] = {}
+    p: torch.Tensor  # a parameter here, the tensor it is read into (a slice of an expert stack too) below
     for name, p in named_parameters(model):
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
@@ -111,7 +112,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
         if name in experts:
             first = getattr(p, "first_expert", 0)
             if getattr(p, "tensor_model_parallel", False):  # split over tp too: a row of the stack's dim - 1
-                expert_dims[name] = p.partition_dim - 1
+                expert_dims[name] = p.partition_dim - 1  # type: ignore[attr-defined]  # a tag torch's stubs lack
             parts = [(hf, p[e - first]) for e, hf in enumerate(experts[name]) if first <= e < first + p.shape[0]]
         else:
             parts = [(layout[name][0], p)]

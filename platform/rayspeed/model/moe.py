@@ -147,13 +147,14 @@ class MoE(nn.Module):
         self.ep = NO_EP
         self.tp = tp or NO_TP
         self.sequence_parallel = sequence_parallel and self.tp.enabled
-        init = dict(std=dims.init_std, seed=seed)
+        std = dims.init_std
         self.router = nn.Linear(h, e, bias=False)
-        self.router.weight = sharded_parameter((e, h), None, NO_TP, key=f"{name}.router.weight", **init)
+        self.router.weight = sharded_parameter((e, h), None, NO_TP, std=std, seed=seed, key=f"{name}.router.weight")
         tp_split = self.tp if self.tp.enabled else NO_TP
-        self.w_gate = sharded_parameter((e, f, h), 1 if self.tp.enabled else None, tp_split, key=f"{name}.w_gate",
-                                        **init)
-        self.w_up = sharded_parameter((e, f, h), 1 if self.tp.enabled else None, tp_split, key=f"{name}.w_up", **init)
+        self.w_gate = sharded_parameter((e, f, h), 1 if self.tp.enabled else None, tp_split, std=std, seed=seed,
+                                        key=f"{name}.w_gate")
+        self.w_up = sharded_parameter((e, f, h), 1 if self.tp.enabled else None, tp_split, std=std, seed=seed,
+                                      key=f"{name}.w_up")
         self.w_down = sharded_parameter((e, h, f), 2 if self.tp.enabled else None, tp_split,
                                         std=dims.residual_init_std, seed=seed, key=f"{name}.w_down")
 
@@ -167,11 +168,15 @@ class MoE(nn.Module):
         for name in ("w_gate", "w_up", "w_down"):
             full = getattr(self, name)
             local = nn.Parameter(full.detach()[held.start:held.stop].clone(), requires_grad=full.requires_grad)
+            # The ignores: these tags (rayspeed's and DeepSpeed's) are set at run time; torch's stubs declare none.
             if getattr(full, "tensor_model_parallel", False):  # the tp split, if any
-                local.tensor_model_parallel, local.partition_dim = True, full.partition_dim
-                local.partition_stride = full.partition_stride
-            local.expert_parallel, local.expert_group, local.model_parallel = True, ep.group, True
-            local.first_expert = held.start  # the global id of row 0 (a checkpoint load reads only these)
+                local.tensor_model_parallel = True  # type: ignore[attr-defined]
+                local.partition_dim = full.partition_dim  # type: ignore[attr-defined]
+                local.partition_stride = full.partition_stride  # type: ignore[attr-defined]
+            local.expert_parallel, local.expert_group = True, ep.group  # type: ignore[attr-defined]
+            local.model_parallel = True  # type: ignore[attr-defined]
+            # the global id of row 0 (a checkpoint load reads only these)
+            local.first_expert = held.start  # type: ignore[attr-defined]
             self.register_parameter(name, local)
         self.ep = ep
 

@@ -18,7 +18,9 @@ def rope_inv_freq(head_dim: int, theta: float, dims: Optional[ModelShape] = None
     longest position + 1 of the batch, which picks longrope's long factors beyond the original context."""
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / theta ** exponents
-    kind = dims.rope_type if dims is not None else "default"
+    if dims is None:  # no shape: no scaling
+        return inv_freq
+    kind = dims.rope_type
     if kind == "yarn":
         return yarn_inv_freq(head_dim, theta, dims, device)
     if kind == "longrope":

@@ -87,7 +87,9 @@ class Transformer(nn.Module):
         self.router_stats, self.routing = attach_routing(list(self.layers), dims, self.cp)
         self.aux_loss: Optional[torch.Tensor] = None  # the last forward's balance loss (moe/aux_loss), unweighted
         self.norm = norm.build()
-        self.head = head.build(tied_weight=self.embed.weight if head.ties_input else None)
+        output_head = head.build(tied_weight=self.embed.weight if head.ties_input else None)
+        assert isinstance(output_head, OutputHead)  # decoder_pieces' last piece
+        self.head = output_head
         if dims.tie_embeddings:
             self.register_state_dict_post_hook(_frozen_tied_head_once)
 
@@ -145,6 +147,7 @@ class Transformer(nn.Module):
 def _frozen_tied_head_once(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     """A frozen tied head is the frozen embedding: a checkpoint that leaves frozen parameters out (an adapter
     job's) must not keep the matrix under its second name."""
+    assert isinstance(module, Transformer)  # the hook Transformer registers on itself
     if not module.embed.weight.requires_grad:
         state.pop(prefix + "head.weight", None)
 

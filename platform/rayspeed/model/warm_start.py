@@ -65,7 +65,7 @@ def find_model_dir(root: Path) -> Optional[Path]:
 
 def _model_dict(model_cfg: Any) -> dict[str, Any]:
     """A model section (ModelConfig, a namespace or a mapping) with the optional sizes made concrete."""
-    if dataclasses.is_dataclass(model_cfg):
+    if dataclasses.is_dataclass(model_cfg) and not isinstance(model_cfg, type):
         d = dataclasses.asdict(model_cfg)
     elif isinstance(model_cfg, Mapping):
         d = dict(model_cfg)

@@ -90,7 +90,9 @@ def plan_attempt(job: JobConfig, meta: Optional[dict[str, Any]], world: int) -> 
         # The batch policy sizes the batch by dp: take tp and pp from the plan at the original batch.
         try:
             first, made = resolve(pin_model_parallel(pinned, meta), world_size=world), 1
-            tp_pp = (first[0].parallel.tp, first[0].parallel.pp)
+            resolved = first[0].parallel
+            assert isinstance(resolved.tp, int) and isinstance(resolved.pp, int)  # resolve() fills every auto
+            tp_pp = (resolved.tp, resolved.pp)
         except ConfigError:  # nothing fits at the original batch: plain data parallel is the best guess
             tp_pp = (1, 1)
     policy_job, line = apply_batch_policy(pinned, world, tp_pp=tp_pp)

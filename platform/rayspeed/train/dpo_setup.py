@@ -49,6 +49,7 @@ class DpoData:
         self.train, self.val = data_setup.pair_splits(self.corpus, cfg)
         c = cfg
         schedule = GlobalBatchSchedule(self.train.num_pairs, c.train.global_batch_size, c.train.seed)
+        assert isinstance(c.parallel.micro_batch_size, int) and isinstance(c.parallel.grad_accum, int)  # resolved
         self.batches = PairBatches(self.train, c.model.seq_len, schedule, groups.dp_rank, groups.dp,
                                    c.parallel.micro_batch_size, c.parallel.grad_accum)
         self.validator_batches: list[Any] = []  # the loss landscape's; DPO's validator holds its own pairs
@@ -58,6 +59,7 @@ class DpoData:
         from rayspeed.data.pair_batches import PairBatches
 
         c, g = self.cfg, self.groups
+        assert isinstance(c.parallel.micro_batch_size, int) and isinstance(c.parallel.grad_accum, int)  # resolved
         self.batches = PairBatches(self.train, c.model.seq_len, schedule, g.dp_rank, g.dp, c.parallel.micro_batch_size,
                                    c.parallel.grad_accum, start_step=start_step, reference=self.batches.reference)
         return self.batches
@@ -79,6 +81,7 @@ class DpoData:
         if c.train.dpo.reference == "precomputed":
             refs = [self.precomputed(objective, engine, split) for split in (self.train, self.val)]
         self.batches.reference = refs[0]
+        assert isinstance(c.parallel.micro_batch_size, int) and isinstance(c.parallel.grad_accum, int)  # resolved
         rounds = c.train.eval_batches * c.parallel.grad_accum  # eval_batches global batches of pairs
         val = pair_val_batches(self.val, c.parallel.micro_batch_size, rounds, g.dp_rank, g.dp, refs[1])
         objective.validator = DpoValidator(c, objective, val)
@@ -97,6 +100,7 @@ class DpoData:
             return found
         t = time.time()
         b = c.parallel.micro_batch_size
+        assert isinstance(b, int) and isinstance(c.parallel.grad_accum, int)  # resolved
         per_call = b * c.parallel.grad_accum if objective.pipelined else b  # a pipeline reads grad_accum at once
         engine.eval()
         logps = reference.compute(lambda positions: objective.score(engine, split, positions, b), split.num_pairs,

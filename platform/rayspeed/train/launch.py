@@ -139,8 +139,9 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
     trainer = compat.lean_trainer_class(embedded, stop.abort_with)(
         train_loop_per_worker=train_loop,
         train_loop_config=payload,
-        scaling_config=ScalingConfig(
-            num_workers=workers,
+        # Ray Train v2's configs at run time; mypy reads ray.train's v1 (ray.air) stubs, without these fields.
+        scaling_config=ScalingConfig(  # type: ignore[call-arg]
+            num_workers=workers,  # type: ignore[arg-type]
             use_gpu=c.use_gpu,
             resources_per_worker={"CPU": c.cpus_per_worker, **c.resources_per_worker},
             placement_strategy=c.placement_strategy,
@@ -148,7 +149,7 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
         ),
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo",
                                  timeout_s=int(cfg.resilience.collective_timeout_s)),
-        run_config=RunConfig(
+        run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
             storage_path=payload.storage_path,
             failure_config=FailureConfig(max_failures=cfg.resilience.max_failures),
@@ -207,9 +208,10 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
                             tracking_deferred=bool(down), run_identity=identity, start_phases=dict(clock.phases),
                             handed_at=time.time())
     error: Exception | None = None
-    stop = Interruption(lambda sig: _record_interruption(cfg, exp, launcher, run_id, down, sig))
+    stop = Interruption(lambda sig: _record_interruption(cfg, exp, launcher, run_id, bool(down), sig))
     try:
         # One result under both launchers: rank 0's RunResult, returned (through Ray Train's Result under Ray).
+        returned: Optional[dict]
         with stop:
             if launcher == "local":
                 returned = _run_local(cfg, payload)
@@ -219,7 +221,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     except KeyboardInterrupt:
         if stop.signal is None:  # raised before the handlers were in place
             stop.signal = "SIGINT"
-            _record_interruption(cfg, exp, launcher, run_id, down, stop.signal)
+            _record_interruption(cfg, exp, launcher, run_id, bool(down), stop.signal)
         result = RunResult(status="interrupted")
     except Exception as e:
         error, result = e, RunResult(status="failed")

@@ -182,7 +182,7 @@ def harness_problems(cfg: JobConfig) -> list[str]:
 def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> list[str]:
     """Every problem a launch would stop at before the cluster starts (see the module doc). `job` is the job as
     written, `cfg` the resolved one (its layout from the plan)."""
-    checks: list[Callable[[], object]] = [
+    checks: list[Callable[[], str | list[str] | None]] = [
         lambda: gpu_problem(cfg, launcher),
         lambda: tracking_uri_problem(job),
         lambda: None if tracking_uri_problem(job) else tracking_access_problem(job, cfg),
@@ -202,5 +202,5 @@ def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> li
         if isinstance(found, str):
             problems.append(found)
         elif found:
-            problems += list(found)  # type: ignore[arg-type]
+            problems += list(found)
     return problems

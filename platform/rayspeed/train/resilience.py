@@ -33,7 +33,8 @@ def resilience_dir(experiment_dir: str | Path | Location) -> Location:
 _ControllerCallback, _WorkerGroupCallback = compat.controller_callback_bases()
 
 
-class ResilienceCallback(_ControllerCallback, _WorkerGroupCallback):
+# Ray Train's internal callback classes, resolved at run time through compat: mypy takes no variable as a base.
+class ResilienceCallback(_ControllerCallback, _WorkerGroupCallback):  # type: ignore[misc, valid-type]
     """Runs in the Ray Train controller: timestamps failures and resize decisions as they happen."""
 
     def after_controller_start(self, train_run_context) -> None:

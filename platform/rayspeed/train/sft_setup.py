@@ -36,6 +36,7 @@ class SftData:
         self.corpus = data_setup.load_corpus(c, storage)  # the launcher tokenized it: a cache hit
         self.train, val = data_setup.splits(self.corpus, c)
         schedule = make_schedule(self.train, c.model.seq_len, c.train.global_batch_size, c.train.seed)
+        assert isinstance(c.parallel.micro_batch_size, int) and isinstance(c.parallel.grad_accum, int)  # resolved
         self.batches = RankBatches(self.train, c.model.seq_len, schedule, g.dp_rank, g.dp,
                                    c.parallel.micro_batch_size, c.parallel.grad_accum, document_masking=dm)
         share = c.parallel.micro_batch_size * c.parallel.grad_accum
@@ -58,7 +59,9 @@ class SftData:
         from rayspeed.train.objective import LanguageModel, label_scale
 
         c, g = self.cfg, self.groups
+        grad_accum = c.parallel.grad_accum  # a local: the lambda below keeps its narrowed type
+        assert isinstance(grad_accum, int) and isinstance(c.parallel.zero_stage, int)  # resolved
         validator = Validator(c, self.validator_batches, device, pipelined, lambda t: dp_mean(t, g, device),
                               weighted=self.batches.weighted, cp=g.cp)
-        return LanguageModel(validator, lambda index: label_scale(self.batches, g.dp, c.parallel.grad_accum, index),
+        return LanguageModel(validator, lambda index: label_scale(self.batches, g.dp, grad_accum, index),
                              device, g.cp, c.parallel.zero_stage)

@@ -58,7 +58,7 @@ class StepGuard:
         self._skipped: Optional[int] = None
         opt = engine.optimizer  # the client optimizer itself (ZeRO-0 fp32) or DeepSpeed's wrapper around it
         client = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
-        if not hasattr(client, "guard"):
+        if client is None or not hasattr(client, "guard"):
             raise TypeError(f"the client optimizer {type(client).__name__} takes no guard (rayspeed builds "
                             "GuardedAdamW)")
         client.guard = self
@@ -86,6 +86,7 @@ class StepGuard:
     def settle(self) -> Any:
         """After the step: the decision (None when no step was armed)."""
         if self.decision is None and self._armed():
+            assert self._skipped is not None  # what _armed() checks
             if int(getattr(self.engine, "skipped_steps", 0)) > self._skipped:  # DeepSpeed dropped it (overflow)
                 loss = None if self._loss_tensor is None else float(self._loss_tensor)
                 self.decision = self.watchdog.check(self.step, loss, float("inf"))

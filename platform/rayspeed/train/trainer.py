@@ -44,8 +44,10 @@ class Trainer:
         self.phases = phases
         self.device = torch.device("cuda", torch.cuda.current_device()) if c.cluster.use_gpu else torch.device("cpu")
         # Process groups are built once and passed explicitly to everything that communicates.
-        self.groups = ParallelGroups(c.parallel.dp, c.parallel.tp, c.parallel.pp, cp=c.parallel.cp,
-                                     cp_scheme=c.parallel.cp_scheme, ep=c.parallel.ep)
+        par = c.parallel  # the attempt's resolved layout: the planner left no auto
+        assert isinstance(par.dp, int) and isinstance(par.tp, int) and isinstance(par.pp, int)
+        assert isinstance(par.cp, int) and isinstance(par.ep, int)
+        self.groups = ParallelGroups(par.dp, par.tp, par.pp, cp=par.cp, cp_scheme=par.cp_scheme, ep=par.ep)
         self.chaos = ChaosDrills(c.chaos, ctx.rank, ctx.experiment_dir)
         self.checkpointer = CheckpointManager(c, ctx, chosen, meta, payload.mlflow_run_id, self.chaos,
                                               identity=payload.run_identity or run_identity(parse(payload.job)),
@@ -115,6 +117,7 @@ class Trainer:
         """tp groups must sit on one node: Ray Train places a node's workers on consecutive ranks (verified here,
         not assumed)."""
         self.node_ids = gather_objects(self.ctx.node_id)
+        assert isinstance(self.cfg.parallel.tp, int)  # resolved: the groups were built with it
         if self.cfg.parallel.tp <= 1 or not self.ctx.under_ray:
             return
         from rayspeed.parallel.groups import check_tp_within_nodes

@@ -30,7 +30,7 @@ class Composition:
     """The final norm's class (the blocks' own are the block's)."""
     embed_scale: bool = False
     """The embedding's output is multiplied by sqrt(hidden) (Gemma)."""
-    input_stage: type = TokenInput
+    input_stage: type[TokenInput] = TokenInput
     """What makes the first hidden states (`embed.*`): token embeddings, or a family's own stage (images)."""
 
     def embedding_scale(self, hidden_size: int) -> Optional[float]:

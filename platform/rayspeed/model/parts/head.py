@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rayspeed.config.shape import ModelShape
 from rayspeed.parallel.comm import gather_from_tp
 from rayspeed.parallel.groups import TensorParallel
-from rayspeed.parallel.layers import NO_TP, enter_tp_region, sharded_parameter
+from rayspeed.parallel.layers import NO_TP, VocabParallelEmbedding, enter_tp_region, sharded_parameter
 from rayspeed.parallel.loss import linear_cross_entropy, softcap
 
 
@@ -42,7 +42,7 @@ class OutputHead(nn.Module):
         self.chunk_tokens = loss_chunk_tokens
         self.cap = dims.final_logit_softcapping
         self.tied = tied_weight is not None
-        if self.tied:
+        if tied_weight is not None:
             self.weight = tied_weight  # same Parameter object as the embedding's: shared storage
         else:
             self.weight = sharded_parameter(
@@ -57,7 +57,7 @@ class OutputHead(nn.Module):
         return self.prepare(x), self.weight
 
     @staticmethod
-    def tied_output(embedding: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tied_output(embedding: VocabParallelEmbedding, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a tied head returns when the stage holds only the embedding (a pipeline's last stage)."""
         return enter_tp_region(x, embedding.tp, embedding.sequence_parallel), embedding.weight
 

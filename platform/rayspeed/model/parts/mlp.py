@@ -3,6 +3,7 @@ tiles selective recomputation runs a long sequence's MLP in."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -23,9 +24,9 @@ class MLP(nn.Module):
         self.tp, self.sequence_parallel = tp, sequence_parallel
         h, f = dims.hidden_size, dims.ffn_hidden_size
         self.gelu = dims.hidden_act == "gelu_pytorch_tanh"
-        col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed)
-        self.w_gate = ColumnParallelLinear(h, f, name=f"{name}.w_gate", **col)
-        self.w_up = ColumnParallelLinear(h, f, name=f"{name}.w_up", **col)
+        col = functools.partial(ColumnParallelLinear, tp=tp, shared_input=True, init_std=dims.init_std, seed=seed)
+        self.w_gate = col(h, f, name=f"{name}.w_gate")
+        self.w_up = col(h, f, name=f"{name}.w_up")
         self.w_down = RowParallelLinear(
             f, h, tp, input_is_parallel=True, sequence_parallel=sequence_parallel,
             init_std=dims.residual_init_std, seed=seed, name=f"{name}.w_down",

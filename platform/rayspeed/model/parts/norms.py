@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         self.sequence_parallel = sequence_parallel and self.tp.enabled
         self.weight = nn.Parameter(torch.full((dim,), self.initial))
         if self.sequence_parallel:
-            self.weight.sequence_parallel = True
+            self.weight.sequence_parallel = True  # type: ignore[attr-defined]  # a tag torch's stubs do not declare
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tp(self.weight, self.tp) if self.sequence_parallel else self.weight
@@ -69,10 +69,11 @@ class ProjectionNorm(nn.Module):
         self.tp, self.eps, self.width = tp, eps, width
         self.weight = nn.Parameter(torch.ones(width // tp.world_size))
         # A tp shard like a column-parallel projection's rows: export gathers it, clipping and the gradient norm
-        # count it once per shard (parallel/layers.py sharded_parameter marks its own the same way).
-        self.weight.tensor_model_parallel = True
-        self.weight.partition_dim = 0
-        self.weight.partition_stride = 1
+        # count it once per shard (parallel/layers.py sharded_parameter marks its own the same way). The ignores: tags
+        # set at run time, which torch's stubs do not declare.
+        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        self.weight.partition_dim = 0  # type: ignore[attr-defined]
+        self.weight.partition_stride = 1  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -4,6 +4,7 @@ projections (OLMo 2)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,10 +42,11 @@ class Attention(nn.Module):
         # A local layer with its own base has plain RoPE (rope_dims None); every other one the shape's scaling.
         self.rope_theta, scaled = dims.rope_of(layer_idx)
         self.rope_dims: Optional[ModelShape] = dims if scaled else None
-        col = dict(tp=tp, shared_input=True, init_std=dims.init_std, seed=seed, bias=dims.qkv_bias)
-        self.wq = ColumnParallelLinear(h, dims.num_heads * hd, name=f"{name}.wq", **col)
-        self.wk = ColumnParallelLinear(h, dims.num_kv_heads * hd, name=f"{name}.wk", **col)
-        self.wv = ColumnParallelLinear(h, dims.num_kv_heads * hd, name=f"{name}.wv", **col)
+        col = functools.partial(ColumnParallelLinear, tp=tp, shared_input=True, init_std=dims.init_std, seed=seed,
+                                bias=dims.qkv_bias)
+        self.wq = col(h, dims.num_heads * hd, name=f"{name}.wq")
+        self.wk = col(h, dims.num_kv_heads * hd, name=f"{name}.wk")
+        self.wv = col(h, dims.num_kv_heads * hd, name=f"{name}.wv")
         self.wo = RowParallelLinear(
             dims.num_heads * hd, h, tp, input_is_parallel=True, sequence_parallel=sequence_parallel,
             init_std=dims.residual_init_std, seed=seed, name=f"{name}.wo",
