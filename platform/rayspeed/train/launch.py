@@ -211,7 +211,6 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
     stop = Interruption(lambda sig: _record_interruption(cfg, exp, launcher, run_id, bool(down), sig))
     try:
         # One result under both launchers: rank 0's RunResult, returned (through Ray Train's Result under Ray).
-        returned: Optional[dict]
         with stop:
             if launcher == "local":
                 returned = _run_local(cfg, payload)
@@ -285,7 +284,7 @@ def _record_interruption(cfg: JobConfig, exp: Any, launcher: str, run_id: Option
                 "" if newest else " (it starts again from step 0)")
 
 
-def _run_local(cfg: JobConfig, payload: LaunchPayload) -> dict:
+def _run_local(cfg: JobConfig, payload: LaunchPayload) -> Optional[dict]:
     from rayspeed.health.envprofile import log_profile
     from rayspeed.train.context import local_context
     from rayspeed.train.worker import run_worker
