@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -23,22 +23,22 @@ def loads_pretrained(cfg: JobConfig) -> bool:
             and (not cfg.train.init_from or init_adapter_dir(cfg) is not None))
 
 
-def build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
+def build_model(cfg: JobConfig, groups: Any, shape: Optional[ModelShape] = None) -> torch.nn.Module:
     """The model for this rank as built: the whole Transformer (sharded over tp), or this stage of the pipeline,
     before any transform (rayspeed.engine.transforms). With model.pretrained (init: pretrained) its weights are
-    this rank's slices of the checkpoint."""
+    this rank's slices of the checkpoint. shape: the attempt's (built once by the trainer), else cfg.model's."""
+    shape = shape or ModelShape.from_config(cfg.model)
     if not loads_pretrained(cfg):
-        return _build_model(cfg, groups)
+        return _build_model(cfg, groups, shape)
     from rayspeed.model.hf_weights import load_hf_weights, local_model_dir
     from rayspeed.parallel.layers import deferred_init
 
     with deferred_init():  # every value is overwritten by the load: no seeded full tensors
-        model = _build_model(cfg, groups)
+        model = _build_model(cfg, groups, shape)
     _shard_experts_before_load(model, groups)
     model_dir = local_model_dir(str(cfg.model.pretrained))
     assert isinstance(cfg.parallel.tp, int)  # _build_model compared it with 1: not auto
-    report = load_hf_weights(model, model_dir, ModelShape.from_config(cfg.model),
-                             tp=groups.tp if cfg.parallel.tp > 1 else None)
+    report = load_hf_weights(model, model_dir, shape, tp=groups.tp if cfg.parallel.tp > 1 else None)
     log.info("model.pretrained %s: %d parameters, %d elements (%.1f MB) read from %s", cfg.model.pretrained,
              report["parameters"], report["elements"], report["bytes_read"] / 1e6, model_dir)
     return model
@@ -58,11 +58,10 @@ def _shard_experts_before_load(model: torch.nn.Module, groups: Any) -> None:
             m.shard_experts(ep)
 
 
-def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
+def _build_model(cfg: JobConfig, groups: Any, mcfg: ModelShape) -> torch.nn.Module:
     par = cfg.parallel
     assert isinstance(par.tp, int) and isinstance(par.pp, int)  # a resolved job: the planner left no auto
     tp = groups.tp if par.tp > 1 else None
-    mcfg = ModelShape.from_config(cfg.model)
     if par.pp > 1:
         from rayspeed.engine.pipeline_module import build_pipeline_module
 
@@ -82,9 +81,11 @@ def _build_model(cfg: JobConfig, groups: Any) -> torch.nn.Module:
                        cp=getattr(groups, "cp", None))
 
 
-def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.device) -> tuple[Any, bool]:
+def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.device,
+                 shape: Optional[ModelShape] = None) -> tuple[Any, bool]:
     """(engine, pipelined). deepspeed.initialize runs on the process group Ray (or the local launcher) set up;
-    the ParallelGroups object is DeepSpeed's mpu so ZeRO partitions over the data-parallel group only."""
+    the ParallelGroups object is DeepSpeed's mpu so ZeRO partitions over the data-parallel group only. shape: the
+    attempt's ModelShape (built once by the trainer), else cfg.model's."""
     import deepspeed
 
     on_gpu = device.type == "cuda"
@@ -94,11 +95,12 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         torch.backends.cudnn.allow_tf32 = True
     from rayspeed.config.adapter import init_adapter_dir
 
-    model = build_model(cfg, groups)
+    shape = shape or ModelShape.from_config(cfg.model)
+    model = build_model(cfg, groups, shape)
     assert isinstance(cfg.parallel.tp, int) and isinstance(cfg.parallel.pp, int)  # build_model read them: not auto
     adapter_dir = init_adapter_dir(cfg)
     if cfg.train.init_from and adapter_dir is None:  # warm start: initial weights from an exported model
-        warm_start(model, cfg, groups)
+        warm_start(model, cfg, groups, shape)
     if not on_gpu:
         model = model.to(device)
     from rayspeed.engine.transforms import apply_transforms
@@ -109,8 +111,8 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
         from rayspeed.model.decoder import canonical_named_parameters
 
         named = canonical_named_parameters(model) if cfg.parallel.pp > 1 else model.named_parameters()
-        n = load_peft_dir(model, adapter_dir, ModelShape.from_config(cfg.model),
-                          groups.tp if cfg.parallel.tp > 1 else None, full_params=dict(named))
+        n = load_peft_dir(model, adapter_dir, shape, groups.tp if cfg.parallel.tp > 1 else None,
+                          full_params=dict(named))
         log.info("adapter warm start from the PEFT adapter %s: %d tensors; optimizer starts fresh", adapter_dir, n)
     optimizer = build_optimizer(model, cfg, on_gpu)
     scheduler = build_scheduler(optimizer, cfg)
@@ -130,7 +132,8 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
     return engine, pipelined
 
 
-def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None) -> dict[str, Any]:
+def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None,
+               shape: Optional[ModelShape] = None) -> dict[str, Any]:
     """Resolve train.init_from (downloaded once per machine into <storage>/.cache/models) and load it into the
     freshly built model; the optimizer starts fresh."""
     from pathlib import Path
@@ -150,7 +153,7 @@ def warm_start(model: torch.nn.Module, cfg: JobConfig, groups: Any = None) -> di
     else:  # a Hugging Face directory: same shape required, weights only
         from rayspeed.model.hf_weights import hf_dir_mismatches, load_hf_weights
 
-        shape = ModelShape.from_config(cfg.model)
+        shape = shape or ModelShape.from_config(cfg.model)
         bad = hf_dir_mismatches(model_dir, shape)
         if bad:
             raise WarmStartError(f"train.init_from: {spec} is a different model than this job's ({'; '.join(bad)})")

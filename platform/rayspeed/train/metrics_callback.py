@@ -32,7 +32,7 @@ log = logging.getLogger("rayspeed.worker")
 COMM_SAMPLE_EVERY = 10
 
 
-def mfu_terms(cfg: JobConfig) -> tuple[float, Optional[float]]:
+def mfu_terms(cfg: JobConfig, shape: Any = None) -> tuple[float, Optional[float]]:
     """(model FLOPs per token: ModelShape.flops_per_token, PaLM's 6 N non-embedding + 12 L h s, the one definition,
     an adapter job's frozen weights without their weight gradient (config.adapter.flops_per_token); peak FLOP/s of
     one GPU from the planner's tables); no MFU on CPU."""
@@ -41,7 +41,7 @@ def mfu_terms(cfg: JobConfig) -> tuple[float, Optional[float]]:
         from rayspeed.config.shape import ModelShape
         from rayspeed.planner.hardware import get as hardware
 
-        flops = adapter.flops_per_token(ModelShape.from_config(cfg.model), cfg.model.adapter)
+        flops = adapter.flops_per_token(shape or ModelShape.from_config(cfg.model), cfg.model.adapter)
         if not cfg.cluster.use_gpu:
             return float(flops), None
         return float(flops), float(hardware(cfg.cluster.gpu, cfg.cluster.hardware).peak(cfg.train.precision))
@@ -91,7 +91,8 @@ class StepWindow:
 
 class MetricsCallback(Callback):
     def __init__(self, cfg: JobConfig, plan: Any, ctx: Any, groups: Any, device: torch.device, events: Any,
-                 tracker: Any, lr: Callable[[], float], grad_norm: Callable[[], Optional[float]], engine: Any = None):
+                 tracker: Any, lr: Callable[[], float], grad_norm: Callable[[], Optional[float]], engine: Any = None,
+                 shape: Any = None):
         from rayspeed.monitoring.comm_timer import CommTimer
 
         self.cfg, self.plan, self.ctx, self.groups, self.device = cfg, plan, ctx, groups, device
@@ -101,7 +102,7 @@ class MetricsCallback(Callback):
         self.window = StepWindow(device)
         self.measuring = False
         self.sampler: Any = None
-        self.flops_per_token, self.peak_flops = mfu_terms(cfg)
+        self.flops_per_token, self.peak_flops = mfu_terms(cfg, shape)
         self.first_step_done = False
         # (last step of the window counted from this attempt's start, steps in it, seconds per step): the planner's
         # feedback compares its prediction with the steady-state windows (rayspeed.planner.feedback).

@@ -16,6 +16,7 @@ from rayspeed.checkpoint.manager import CheckpointManager
 from rayspeed.config.layout import Layout
 from rayspeed.config.load import parse
 from rayspeed.config.schema import JobConfig
+from rayspeed.config.shape import ModelShape
 from rayspeed.logs import log_rank
 from rayspeed.parallel.groups import ParallelGroups
 from rayspeed.parallel.objects import gather_objects
@@ -48,6 +49,7 @@ class Trainer:
         assert isinstance(par.dp, int) and isinstance(par.tp, int) and isinstance(par.pp, int)
         assert isinstance(par.cp, int) and isinstance(par.ep, int)
         self.groups = ParallelGroups(par.dp, par.tp, par.pp, cp=par.cp, cp_scheme=par.cp_scheme, ep=par.ep)
+        self.shape = ModelShape.from_config(c.model)  # the attempt's, once: the engine and the metrics read it
         self.chaos = ChaosDrills(c.chaos, ctx.rank, ctx.experiment_dir)
         self.checkpointer = CheckpointManager(c, ctx, chosen, meta, payload.mlflow_run_id, self.chaos,
                                               identity=payload.run_identity or run_identity(parse(payload.job)),
@@ -84,7 +86,7 @@ class Trainer:
         phases["groups_and_data"] = time.time() - t
         t = time.time()
         self.ds_config = self.checkpointer.prepare(deepspeed_config(c, self.plan.best))
-        self.engine, self.pipelined = build_engine(c, self.ds_config, self.groups, self.device)
+        self.engine, self.pipelined = build_engine(c, self.ds_config, self.groups, self.device, self.shape)
         if rayspeed_clips(c):
             from rayspeed.engine.clip import GradClipper
 
@@ -179,7 +181,7 @@ class Trainer:
         c, ctx, events = self.cfg, self.ctx, Callbacks()
         tracker = self.mlflow.tracker
         metrics = MetricsCallback(c, self.plan, ctx, self.groups, self.device, events, tracker, readings.lr,
-                                  readings.global_grad_norm, engine=self.engine)
+                                  readings.global_grad_norm, engine=self.engine, shape=self.shape)
         added = [self.objective.listeners(tracker, lambda: self.mlflow.logged_until),
                  *(feature(self, tracker) for feature in FEATURES)]
         metrics.sources += [source for listeners in added for source in listeners.metrics]
