@@ -70,6 +70,11 @@ class NullLogger:
 # keeps the records and delivers them when the server answers). Waiting for it instead cost a job with the tracking
 # server down 5 s at each checkpoint and 75 s at its end (94 s from command to exit for a 2-step job).
 AWAY_POLL_S = 0.1
+# A job whose server never answered gives a late one this long at its end (rayspeed.train.outputs), retrying at least
+# every WAITED_RETRY_S while it waits: a server that comes up by then gets the run and every record (the old wait
+# was 60 + 15 s, and a retry could sleep 30 s of backoff through a server that was already up).
+LATE_SERVER_S = 30.0
+WAITED_RETRY_S = 1.0
 
 
 class MlflowLogger(NullLogger):
@@ -106,6 +111,8 @@ class MlflowLogger(NullLogger):
         self._idle = threading.Event()
         self._idle.set()
         self._flush_now = threading.Event()  # cuts the metrics coalescing wait short
+        self._wake = threading.Event()  # cuts a retry's backoff short when someone starts waiting
+        self._waiters = 0
         self._metrics_every_s = metrics_every_s
         self._stop = False
         self._thread = threading.Thread(target=self._drain, name="rayspeed-mlflow", daemon=True)
@@ -143,20 +150,30 @@ class MlflowLogger(NullLogger):
         self._put("dir", (path, artifact_path, remove))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait until everything queued so far reached the server (or the timeout passed), however long it is away."""
-        self._flush_now.set()
-        return self._idle.wait(timeout_s)
+        """Wait until everything queued so far reached the server (or the timeout passed), however long it is away;
+        while it waits, a failing send is retried at least every WAITED_RETRY_S."""
+        return self._wait_idle(timeout_s, give_up_when_away=False)
 
     def deliver(self, timeout_s: float = 60.0) -> bool:
         """Wait until everything queued so far reached the server, but not for a server that is away: False at once
         when a send failed (the queue keeps the records and sends them when it answers) or the timeout passed.
         What training waits on: tracking never delays it."""
+        return self._wait_idle(timeout_s, give_up_when_away=True)
+
+    def _wait_idle(self, timeout_s: float, give_up_when_away: bool) -> bool:
         self._flush_now.set()
-        deadline = time.monotonic() + timeout_s
-        while not self._idle.wait(min(AWAY_POLL_S, max(deadline - time.monotonic(), 0))):
-            if self._warned or time.monotonic() >= deadline:
-                return self._idle.is_set()
-        return True
+        with self._lock:
+            self._waiters += 1
+        self._wake.set()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not self._idle.wait(min(AWAY_POLL_S, max(deadline - time.monotonic(), 0))):
+                if (give_up_when_away and self._warned) or time.monotonic() >= deadline:
+                    return self._idle.is_set()
+            return True
+        finally:
+            with self._lock:
+                self._waiters -= 1
 
     def close(self, timeout_s: float = 60.0) -> None:
         ok = self.deliver(timeout_s)
@@ -242,7 +259,8 @@ class MlflowLogger(NullLogger):
                         self._warned = True
                     if self._stop:
                         break
-                    time.sleep(delay)
+                    self._wake.clear()
+                    self._wake.wait(min(delay, WAITED_RETRY_S) if self._waiters else delay)
                     delay = min(delay * 2, self._retry_max_s)
             if kind == "dir" and payload[2]:
                 shutil.rmtree(payload[0], ignore_errors=True)

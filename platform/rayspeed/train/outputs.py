@@ -81,10 +81,12 @@ class OutputsCallback(Callback):
 def register_outputs(c: Any, ctx: Any, payload: Any, mlflow: Any, out_dir: Optional[str], val_loss: Optional[float],
                      last_loss: float, landscape: Any) -> Optional[str]:
     """The exported model logged and registered in the job's run, and the final charts (rank 0)."""
+    from rayspeed.tracking.logger import LATE_SERVER_S
     from rayspeed.tracking.runs import registered_model_name
 
     if ctx.is_rank0 and payload.tracking_deferred and not payload.mlflow_run_id:
-        mlflow.tracker.deliver(60)  # a server back by now gets the run (created on the logger's thread) first
+        # The server never answered: a late one still gets the run and every record, if it comes up by then.
+        mlflow.tracker.flush(LATE_SERVER_S)
     if not ctx.is_rank0 or not payload.mlflow_run_id:
         return None
     version = None
