@@ -167,13 +167,17 @@ def test_logger_survives_server_outage(tmp_path):
 
 
 def test_training_waits_for_a_server_only_while_it_answers():
-    """deliver() (what training waits on: before a checkpoint, at the end) returns once a send failed, where flush()
-    waits out its timeout; close() does not wait for a server that is away. A 2-step job with the tracking server
-    down took 94 s from command to exit, 75 of them waiting here."""
+    """deliver() (what training waits on: before a checkpoint, on a failure) returns once a send failed, where flush()
+    waits out its timeout; close() waits (bounded) for the server of a run that exists, not for one that never
+    answered. A 2-step job with the tracking server down took 94 s from command to exit, 75 of them waiting."""
     with socket.socket() as s:  # a port nothing listens on: connection refused at once
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    lg = MlflowLogger(f"http://127.0.0.1:{port}", "no-such-run", retry_max_s=1.0)
+
+    def no_server() -> str:
+        raise ConnectionError("connection refused")
+
+    lg = MlflowLogger(f"http://127.0.0.1:{port}", None, retry_max_s=1.0, run_factory=no_server)
     lg.log_metrics({"m": 1.0}, step=1)
     t0 = time.perf_counter()
     assert not lg.deliver(30)
@@ -183,4 +187,9 @@ def test_training_waits_for_a_server_only_while_it_answers():
     assert time.perf_counter() - t0 >= 2  # flush waits its timeout, however long the server is away
     t0 = time.perf_counter()
     lg.close(timeout_s=60)
-    assert time.perf_counter() - t0 < 1
+    assert time.perf_counter() - t0 < 1  # no run: the server never answered
+    existing = MlflowLogger(f"http://127.0.0.1:{port}", "a-run", retry_max_s=1.0)
+    existing.log_metrics({"m": 1.0}, step=1)
+    t0 = time.perf_counter()
+    existing.close(timeout_s=2)
+    assert time.perf_counter() - t0 >= 2  # a run's server is waited for, as long as close is told

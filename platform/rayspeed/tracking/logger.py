@@ -176,7 +176,9 @@ class MlflowLogger(NullLogger):
                 self._waiters -= 1
 
     def close(self, timeout_s: float = 60.0) -> None:
-        ok = self.deliver(timeout_s)
+        # A run that exists waits (bounded) for its server to come back: the records are its history. A server that
+        # never answered had its last chance already (LATE_SERVER_S, rayspeed.train.outputs).
+        ok = self.flush(timeout_s) if self.run_id is not None else self.deliver(timeout_s)
         self._stop = True
         self._q.put(("stop", None))
         if not ok:
