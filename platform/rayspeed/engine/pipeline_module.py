@@ -32,7 +32,8 @@ import torch
 
 from rayspeed.compat import ExplicitPipelineParts
 from rayspeed.config.shape import ModelShape
-from rayspeed.model.decoder import Piece, attach_routing, decoder_pieces, tied_head_forward
+from rayspeed.model.decoder import Piece, attach_routing, decoder_pieces
+from rayspeed.model.parts.head import OutputHead
 from rayspeed.model.stage_loss import PipelineLoss
 from rayspeed.model.transformer import check_mode, check_split
 from rayspeed.parallel.comm import gather_sequence_to_replicated, split_to_sequence
@@ -72,7 +73,7 @@ def stage_specs(pieces: list[Piece]) -> list:
     embed, head = pieces[0], pieces[-1]
     if not head.ties_input:
         return [piece_spec(p) for p in pieces]
-    return [tied_spec(embed), *(piece_spec(p) for p in pieces[1:-1]), tied_spec(embed, tied_head_forward)]
+    return [tied_spec(embed), *(piece_spec(p) for p in pieces[1:-1]), tied_spec(embed, OutputHead.tied_output)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,7 +28,6 @@ from rayspeed.model.output import Routing
 from rayspeed.model.parts.head import OutputHead
 from rayspeed.model.parts.norms import RMSNorm
 from rayspeed.parallel.groups import TensorParallel
-from rayspeed.parallel.layers import VocabParallelEmbedding
 
 
 class Piece(NamedTuple):
@@ -63,11 +62,6 @@ def final_norm(norm: type[RMSNorm]) -> type:
         return norm.forward(self, x[0] if isinstance(x, tuple) else x)
 
     return type(f"Final{norm.__name__}", (norm,), {"canonical_prefix": "norm", "forward": forward})
-
-
-def tied_head_forward(input_stage: VocabParallelEmbedding, x: Any) -> tuple:
-    """The head of a tied model under a pipeline: the last stage's copy of the input stage's matrix."""
-    return OutputHead.tied_output(input_stage, x)
 
 
 def attach_routing(modules: list[nn.Module], dims: ModelShape, cp: Any = None,

@@ -66,7 +66,7 @@ class NullLogger:
         return 0
 
 
-# A flush waits for the queue to empty, but not for a server that is away: it returns once a send failed (the queue
+# deliver() waits for the queue to empty, but not for a server that is away: it returns once a send failed (the queue
 # keeps the records and delivers them when the server answers). Waiting for it instead cost a job with the tracking
 # server down 5 s at each checkpoint and 75 s at its end (94 s from command to exit for a 2-step job).
 AWAY_POLL_S = 0.1
