@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+PRELOAD = ["torch", "ray.train.torch", "ray.train.v2._internal.execution.controller"]
 SETTINGS = {
     "default": {},
     "poll0.5": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"},
@@ -24,6 +25,11 @@ SETTINGS = {
     "nostate": {"RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0"},
     "all": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
             "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0", "RAY_USAGE_STATS_ENABLED": "0"},
+    # Ray's own worker pool: processes started before they are asked for, with modules imported before work comes.
+    "prestart": {"RAYSPEED_HANDOFF_SYSTEM": json.dumps({"enable_worker_prestart": True})},
+    "preload": {"RAYSPEED_HANDOFF_SYSTEM": json.dumps({"preload_python_modules": PRELOAD})},
+    "prestart+preload": {"RAYSPEED_HANDOFF_SYSTEM": json.dumps({"enable_worker_prestart": True,
+                                                                 "preload_python_modules": PRELOAD})},
 }
 FITS = 3
 
@@ -43,7 +49,9 @@ def _fits() -> None:
 
     from rayspeed.compat import lean_trainer_class
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    system = json.loads(os.environ.get("RAYSPEED_HANDOFF_SYSTEM", "{}"))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system)
+    time.sleep(float(os.environ.get("RAYSPEED_HANDOFF_IDLE_S", "5")))  # a joined cluster has been up a while
     store = tempfile.mkdtemp(prefix="rayspeed-handoff-")
     for i in range(FITS):
         t0 = time.time()

@@ -21,15 +21,19 @@ def local_cpus(cfg: JobConfig) -> int:
     return max(os.cpu_count() or 1, need)
 
 
+# Every job, on any cluster: no preemption watcher. Ray Train's watcher is an actor (a process: 1.5 s of CPU at
+# every start on the 2-core demo, docs/BENCHMARKS.md "What a start costs") that stores a node's drain notice for
+# the train function to read; rayspeed's loop does not read it (a preempted node is a lost node: resume from the
+# newest verified checkpoint). Ray Train passes the variable from this driver to its controller.
+JOB_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
 # The cluster this driver starts for itself lives and dies with the job, on one machine: what a shared
 # cluster needs is overhead here. Measured on the 2-core CPU demo, every idle Ray actor's core worker costs
 # ~0.009 cores (its main thread wakes every 10 ms) and the dashboard with its module processes ~0.035, all
 # taken from the training processes (docs/BENCHMARKS.md). So: no dashboard (nothing to browse on a random
-# port; the job's record is MLflow), no preemption watcher (a local machine is not a spot instance), no
-# Prometheus metrics from Ray Train (the job's metrics go to MLflow); and (rayspeed.compat.lean_trainer_class) no
-# placement-group cleaner (the placement group dies with the cluster) and no dataset manager (no Ray Data).
+# port; the job's record is MLflow), no Prometheus metrics from Ray Train (the job's metrics go to MLflow); and
+# (rayspeed.compat.lean_trainer_class) no dataset manager (no Ray Data).
 EMBEDDED_RAY_ENV = {
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_enable_metrics_collection": "0",
     # The worker Ray prestarts for the driver sat idle through the run (the controller got its own).
@@ -57,6 +61,8 @@ def connect_ray(cfg: JobConfig) -> dict[str, Any]:
     # the credentials/endpoint this driver reached the bucket with go with the job.
     job_env = forwarded_env(remote=bool(address)) if is_uri(storage_path(cfg)) else {}
     runtime_env = {"env_vars": job_env} if job_env else None
+    for k, v in JOB_RAY_ENV.items():  # an operator's own setting wins
+        os.environ.setdefault(k, v)
     if ray.is_initialized():  # embedded in a process that already joined a cluster (tests, notebooks)
         address, started = "existing", False
     elif address:

@@ -18,6 +18,7 @@ from rayspeed.compat.deepspeed_internals import (
     cp_loss_scale,
     deepspeed_comm_backend,
     group_decays,
+    import_deepspeed_without_mlflow,
     methods_replaced,
     pipeline_explicit_parts,
     repair_universal_optimizer_load,
@@ -44,10 +45,11 @@ RAY_VERSION = "2.60.0"
 DEEPSPEED_VERSION = "0.19.8"
 
 __all__ = ["DEEPSPEED_VERSION", "ExplicitPipelineParts", "MLFLOW_PROCESS_ENV", "PARTS_PREFIX", "RAY_VERSION",
-           "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer", "cp_loss_scale",
+           "async_checkpoint_problem", "capture_checkpoint_writes", "check", "checkpoint_writer",
            "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
-           "dataset_fingerprint", "deepspeed_comm_backend", "fail_after_capacity_wait", "forget_reported_checkpoints",
-           "fused_optimizer_devices", "group_decays", "lean_trainer_class", "methods_replaced", "mlflow_process_state",
+           "cp_loss_scale", "dataset_fingerprint", "deepspeed_comm_backend", "fail_after_capacity_wait",
+           "forget_reported_checkpoints", "fused_optimizer_devices", "group_decays",
+           "import_deepspeed_without_mlflow", "lean_trainer_class", "methods_replaced", "mlflow_process_state",
            "mlflow_process_store", "pipeline_explicit_parts", "repair_universal_optimizer_load",
            "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm", "storage_identity",
            "zero3_partition_over"]

@@ -102,6 +102,28 @@ def step_grad_norm(engine: Any) -> Any:
     return None if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "_global_grad_norm", None)
 
 
+def import_deepspeed_without_mlflow() -> Any:
+    """`import deepspeed`, without the mlflow import it makes (deepspeed.autotuning.autotuner's `try: import mlflow`,
+    for the autotuner's own logging, which rayspeed never runs): 1.1 s of a worker's 1.3 s DeepSpeed import on the
+    2-core demo (`python -X importtime`), paid by every rank although only rank 0 logs. mlflow is absent while
+    DeepSpeed imports (the autotuner records has_mlflow False) and importable again after: rank 0 loads it when its
+    logger starts, the other ranks never do. (A lazily loaded module does not help: torch's op registration walks
+    sys.modules through `inspect.getmodule`, which loads it.)"""
+    import sys
+
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def skip_deepspeed_shm_comm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (used by its inference all-reduce, not
     by training's gloo collectives) at init_distributed: a C++ build on every fresh machine (measured ~60 s) and

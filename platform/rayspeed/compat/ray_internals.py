@@ -83,10 +83,14 @@ def fail_after_capacity_wait(wait_s: float, message: str) -> None:
 
 
 def lean_trainer_class(embedded: bool, on_controller: Optional[Callable[[Callable[[], None]], None]] = None) -> Any:
-    """TorchTrainer without DatasetsCallback (no Ray Dataset: a DatasetManager actor per attempt) and, on the
-    cluster the launcher starts for itself, PlacementGroupCleanerCallback. Why: that cleaner's actor finds any other
-    Ray instance on the machine, dies, and the controller waits ~20 s for it at every attempt (docs/BENCHMARKS.md;
-    the seeded kill drill of make test-slow: 191 s with this class, 272 s without). Built in
+    """TorchTrainer without DatasetsCallback (no Ray Dataset: a DatasetManager actor per attempt) and without
+    PlacementGroupCleanerCallback. Why the cleaner goes: it is a detached actor (a process: 2.1 s of CPU at every
+    start on the 2-core demo, docs/BENCHMARKS.md "What a start costs") that removes the run's placement group if
+    the controller dies while the driver lives on. Ray keeps such a group while the driver lives, but the launcher's
+    fit() fails when the controller dies and its process exits, and Ray removes an ended job's placement groups
+    (they are not detached; tests/train/test_launch_embedded.py kills a controller). On the cluster the launcher
+    starts for itself it also found any other Ray instance on the machine, died, and the controller waited ~20 s for
+    it at every attempt (the seeded kill drill of make test-slow: 191 s without it, 272 s with). Built in
     `TorchTrainer._create_default_callbacks` (2.60.0). Remove when Ray Train skips both.
 
     on_controller(abort): called instead of Ray Train's own SIGINT handler, which aborts the run and then exits the
@@ -95,7 +99,7 @@ def lean_trainer_class(embedded: bool, on_controller: Optional[Callable[[Callabl
     import ray
     from ray.train.torch import TorchTrainer
 
-    skip = {"DatasetsCallback", *(("PlacementGroupCleanerCallback",) if embedded else ())}
+    skip = {"DatasetsCallback", "PlacementGroupCleanerCallback"}
 
     class RayspeedTrainer(TorchTrainer):
         def _create_default_callbacks(self):

@@ -39,7 +39,7 @@ def run_worker(payload: LaunchPayload, ctx: WorkerContext) -> RunResult:
     from rayspeed.logs import quiet_benign
 
     quiet_benign(bool(payload.job.get("cluster", {}).get("use_gpu")))
-    import deepspeed
+    deepspeed = compat.import_deepspeed_without_mlflow()
 
     from rayspeed.logs import setup
     from rayspeed.train.trainer import Trainer
