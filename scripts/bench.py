@@ -246,9 +246,10 @@ def steady_state(windows: list[float], skip: int) -> Optional[float]:
 
 
 def run_platform(home: Path, config: str, name: str, overrides: list[str], timeout_s: float,
-                 options: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+                 options: tuple[str, ...] | list[str] = (),
+                 env_extra: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Run jobs/train.py in its own process; return the summary, the output's first-step lines and timings."""
-    env = dict(os.environ, RAYSPEED_HOME=str(home))
+    env = dict(os.environ, RAYSPEED_HOME=str(home), **(env_extra or {}))
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [PY, str(ROOT / "jobs" / "train.py"), "--config", config, "--set", f"name={name}", *options]
     for o in overrides:
@@ -489,6 +490,82 @@ def bench_resilience(args, home: Path) -> dict[str, Any]:
     return out
 
 
+START_LINE = re.compile(r"start: ([0-9.]+) s from the command to the first step \((.*)\)")
+
+
+class JoinedHead:
+    """A Ray head started like `make up` (`ray start --head`, token auth) that the jobs join through RAY_ADDRESS,
+    as `make submit`'s do; stopped with its process group."""
+
+    def __init__(self, home: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.env = dict(os.environ, RAY_AUTH_MODE="token")
+        ray_bin = str(Path(PY).parent / "ray")
+        subprocess.run([ray_bin, "get-auth-token", "--generate"], check=True, stdout=subprocess.DEVNULL, env=self.env)
+        self.log = open(home / "ray-head.log", "w")
+        self.proc = subprocess.Popen([ray_bin, "start", "--head", "--block", "--port", str(self.port), "--num-cpus",
+                                      "8", "--include-dashboard=false", "--disable-usage-stats"],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        from ray._private.services import get_node_ip_address
+
+        self.address = f"{get_node_ip_address()}:{self.port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    time.sleep(3)  # the raylet comes up right after the GCS
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"ray head did not start: {home / 'ray-head.log'}")
+
+    def stop(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def bench_startup(args, home: Path) -> dict[str, Any]:
+    """Command to first step, 2-step jobs: the platform joined to a running cluster (`make submit`'s case) and the
+    bare torchrun-style loop, alternated, `--reps` each; the platform's phases from its `start:` line (medians)."""
+    head = JoinedHead(home)
+    plat, bare, phases, loads = [], [], [], []
+    try:
+        for rep in range(args.reps):
+            for what in (["bare", "platform"] if rep % 2 == 0 else ["platform", "bare"]):
+                loads.append(os.getloadavg()[0])
+                _note(f"startup rep {rep + 1}/{args.reps}: {what}")
+                if what == "bare":
+                    b = run_bare(home, args.config, 2, 1, args.timeout)
+                    bare.append(b["first_step_at"] - b["t_start"])
+                    continue
+                r = run_platform(home, args.config, f"bench-start-r{rep}-{args.tag}",
+                                 ["train.max_steps=2", "tracking.log_every_steps=1", "train.eval_every_steps=0",
+                                  "resilience.checkpoint_every_steps=0"], args.timeout,
+                                 env_extra={"RAY_ADDRESS": head.address, "RAY_AUTH_MODE": "token"})
+                plat.append((platform_first_step_at(r) or float("nan")) - r["t_start"])
+                m = next((START_LINE.search(ln) for ln in open(r["log"]) if START_LINE.search(ln)), None)
+                if m:
+                    phases.append({k: float(v.rstrip(" s")) for k, v in
+                                   (p.strip().rsplit(" ", 2)[0:2] for p in m.group(2).split(","))})
+    finally:
+        head.stop()
+    med = {k: _r(_median([p[k] for p in phases if k in p]), 2) for k in (phases[0] if phases else {})}
+    return {"bench": "startup_joined", "config": args.config, "reps": args.reps,
+            "startup_s": _r(_median(plat), 2), "bare_startup_s": _r(_median(bare), 2),
+            "startup_ratio": _r((_median(plat) or 0) / (_median(bare) or 1), 2),
+            "startup_s_runs": [_r(x, 2) for x in plat], "bare_startup_s_runs": [_r(x, 2) for x in bare],
+            "phases_s": med, "load_1m_at_starts": [_r(x, 2) for x in loads]}
+
+
 def bench_planner(args) -> dict[str, Any]:
     from rayspeed.config.load import load
     from rayspeed.planner import plan_job
@@ -662,9 +739,10 @@ def main(argv: list[str] | None = None) -> int:
                     "first is the headline, the others are reported as zero<N> in the same line")
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
-    ap.add_argument("--only", default="cpu,resilience,planner,gpu,checkpoint,adapters,pipeline_memory,"
+    ap.add_argument("--only", default="cpu,resilience,startup,planner,gpu,checkpoint,adapters,pipeline_memory,"
                     "context_parallel,moe,dpo",
-                    help="comma-separated: cpu, resilience, planner, gpu, checkpoint, adapters, pipeline_memory, "
+                    help="comma-separated: cpu, resilience, startup, planner, gpu, checkpoint, adapters, "
+                    "pipeline_memory, "
                     "context_parallel, moe, dpo, plan_accuracy, activation_memory, pipeline_overhead (the last three "
                     "not in the default)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
@@ -682,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
         lines: list[dict] = []
         if "planner" in only:
             lines.append(bench_planner(args))
+        if "startup" in only:
+            lines.append(bench_startup(args, home))
         cpu = bench_cpu(args, home) if "cpu" in only else None
         resil = bench_resilience(args, home) if "resilience" in only else None
         if cpu is not None:

@@ -56,8 +56,9 @@ def test_a_killed_controller_s_placement_group_goes_when_its_driver_exits(ray_he
         pgs = _reserved()
         assert pgs, "the worker group's placement group was never created"
         job = ray.get_runtime_context().get_job_id()
-        controller = [a for a in list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
-                      if a.job_id == job]
+        alive = list_actors(address=ray_head.address,
+                            filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
+        controller = [a for a in alive if a.job_id == job]
         assert len(controller) == 1
         os.kill(controller[0].pid, signal.SIGKILL)  # ungraceful: no teardown of its own runs
         fit.join(60)
