@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from rayspeed.config import describe_keys, flatten, load, parse, to_dict
-from rayspeed.config.schema import JobConfig, KillAt
+from rayspeed.config.chaos_keys import KillAt, OomAt
+from rayspeed.config.schema import JobConfig
 from rayspeed.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +110,16 @@ def test_checkpoint_kill_drills_take_one_or_a_list_with_distinct_steps():
     assert p == "chaos.kill_rank_in_checkpoint: each drill of the list needs its own step, got steps [8, 8]"
     (p,) = problems({"chaos": {"kill_rank_in_checkpoint": [{"rank": 1, "step": 8}, {"rank": 7, "step": 9}]}})
     assert p.startswith("chaos.kill_rank_in_checkpoint: rank 7 does not exist")
+
+
+def test_the_out_of_memory_drill_and_its_budget():
+    cfg = parse({}, ["chaos.oom_at_step={rank: 1, step: 3, attempts: all}"])
+    assert cfg.chaos.oom_at_step == OomAt(rank=1, step=3, attempts="all") and cfg.resilience.oom_replans == 2
+    assert parse({}, ["chaos.oom_at_step={rank: 0, step: 3}"]).chaos.oom_at_step.attempts == 1
+    (p,) = problems({"resilience": {"oom_replans": -1}})
+    assert p.startswith("resilience.oom_replans: must be >= 0")
+    (p,) = problems({"chaos": {"oom_at_step": {"rank": 9, "step": 3}}})
+    assert p.startswith("chaos.oom_at_step: rank 9 does not exist")
 
 
 def test_yaml_11_exponent_floats_are_numbers():

@@ -21,9 +21,9 @@ def plans(monkeypatch):
     calls = []
     real = rayspeed.planner.resolve
 
-    def counted(job, world_size):
+    def counted(job, world_size, oom=None):
         calls.append(world_size)
-        return real(job, world_size=world_size)
+        return real(job, world_size=world_size, oom=oom)
 
     monkeypatch.setattr(rayspeed.planner, "resolve", counted)
     monkeypatch.setattr(rayspeed.planner, "plan_job", lambda *a, **k: pytest.fail("a second search"))

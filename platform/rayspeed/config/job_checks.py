@@ -125,6 +125,9 @@ def resilience_problems(cfg: JobConfig) -> list[str]:
                  "must verify before an older one goes")
     if r.max_failures < 0:
         p.append(f"resilience.max_failures: must be >= 0, got {r.max_failures}")
+    if r.oom_replans < 0:
+        p.append(f"resilience.oom_replans: must be >= 0 (0: an out-of-memory error fails the job), got "
+                 f"{r.oom_replans}")
     if r.checkpoint_every_steps < 0:
         p.append(f"resilience.checkpoint_every_steps: must be >= 0, got {r.checkpoint_every_steps}")
     if not 0.0 <= r.stability_threshold <= 1.0:
@@ -161,14 +164,15 @@ def chaos_problems(cfg: JobConfig) -> list[str]:
     """chaos drills: ranks that exist, steps from 1, one drill per step."""
     p: list[str] = []
     c = cfg.cluster
-    for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step", "nan_loss_at_step"):
+    for key in ("kill_rank_at_step", "kill_rank_in_checkpoint", "hang_rank_at_step", "nan_loss_at_step",
+                "oom_at_step"):
         drills = chaos_drills(getattr(cfg.chaos, key))
         for k in drills:
             if k.rank < 0 or k.step < 1:
                 p.append(f"chaos.{key}: rank must be >= 0 and step >= 1, got {{rank: {k.rank}, step: {k.step}}}")
             elif k.rank >= c.max_workers:
                 p.append(f"chaos.{key}: rank {k.rank} does not exist with cluster.num_workers {c.num_workers}")
-            if k.point is not None and key != "kill_rank_in_checkpoint":
+            if getattr(k, "point", None) is not None and key != "kill_rank_in_checkpoint":
                 p.append(f"chaos.{key}.point: only chaos.kill_rank_in_checkpoint has a point (where in the save)")
         steps = [k.step for k in drills]
         if len(set(steps)) < len(steps):

@@ -12,6 +12,7 @@ from typing import Final, Literal, Optional, Union
 
 from rayspeed import families
 from rayspeed.config.adapter_keys import AdapterConfig
+from rayspeed.config.chaos_keys import ChaosConfig
 from rayspeed.config.eval_keys import EvalConfig
 from rayspeed.config.objective_keys import DpoConfig
 
@@ -312,6 +313,10 @@ class ResilienceConfig:
     """keep_global: same global batch via accumulation; playbook: bsz * (1 - lost/total) ** 0.8, lr rescaled."""
     collective_timeout_s: float = 600.0
     """Process-group timeout: a collective blocked longer than this fails the step instead of hanging."""
+    oom_replans: int = 2
+    """A step that runs out of device memory re-plans the job onto another layout (that one refused, the memory
+    model corrected by what was measured) and resumes from the newest verified checkpoint: at most this many times
+    per submission, counted apart from max_failures; then the job fails (exit 1) listing the layouts tried."""
     stability_threshold: float = 0.7
     """Elastic jobs: a job does not (re)start below this fraction of cluster.num_workers' max; the effective
     minimum is max(min, ceil(stability_threshold x max)) workers (`rayspeed plan --explain` shows it). Lower it to
@@ -389,37 +394,6 @@ class HealthConfig:
     """Accepted steps the grad-norm median is taken over."""
     watchdog_max_skips: int = 5
     """Consecutive skipped steps after which the watchdog rolls back instead (0: never escalate)."""
-
-
-@dataclass
-class KillAt:
-    rank: int = 0
-    """Rank whose process dies."""
-    step: int = 1
-    """Step at which it dies (once per job)."""
-    point: Optional[Literal["before_shards", "between_shards", "after_shards", "before_manifest",
-                            "after_manifest"]] = None
-    """Only for chaos.kill_rank_in_checkpoint: where in the save it dies (null: before_manifest, i.e. after its
-    shards are durable and before the manifest commits)."""
-
-
-@dataclass
-class ChaosConfig:
-    kill_rank_at_step: Optional[KillAt] = None
-    """{rank: 1, step: 12}: that rank's process dies once, at that step."""
-    kill_rank_in_checkpoint: Union[KillAt, list[KillAt], None] = None
-    """{rank: 0, step: 10, point: before_manifest}: that rank dies once while writing the checkpoint of that step,
-    at `point` (before_shards | between_shards | after_shards | before_manifest | after_manifest): the drill for
-    torn checkpoints. With resilience.checkpoint_mode async every point after before_shards is in the background
-    writer, while training goes on. A list of them (distinct steps): one kill each, the restarts in turn (raise
-    resilience.max_failures to their number)."""
-    hang_rank_at_step: Optional[KillAt] = None
-    """{rank: 1, step: 12}: that rank stops answering once, at that step (the others' collectives must time
-    out after resilience.collective_timeout_s and the job restart)."""
-    nan_loss_at_step: Optional[KillAt] = None
-    """{rank: 0, step: 5}: that rank's loss is NaN once, at that step (the drill for health.watchdog: skip withholds
-    the update, rollback restores the last verified checkpoint, off lets it through). With a pipeline, name a rank
-    of the last stage (where the loss is computed)."""
 
 
 @dataclass

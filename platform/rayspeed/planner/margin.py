@@ -28,6 +28,9 @@ UNCERTAINTY = {
     "cuda_context": 0.35,
     # Fragmentation is the least known term: as large again as it is estimated.
     "allocator_slack": 1.0,
+    # What a step that ran out of memory showed the model missing (planner/oom_feedback.py), spread over the
+    # layouts of its kind in proportion to their activations: as sure as the activations it is spread by.
+    "measured_oom": 0.15,
 }
 FEATURE_TERM = 0.25  # a feature's registered term (planner/terms.py) until it has a measurement of its own
 

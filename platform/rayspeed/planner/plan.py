@@ -94,10 +94,11 @@ def _search(cfg: JobConfig, ctx: Ctx, fixed: dict):
     return en, estimates, ranked, list(ctx.notes), cap
 
 
-def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, profile=None) -> PlanResult:
+def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, profile=None, oom=None) -> PlanResult:
     """Search every valid layout for this job and cluster; raise ConfigError when none is possible.
-    `profile`: a hardware-profile path or dict (default: the job's cluster.profile)."""
-    ctx = build_ctx(cfg, world_size, profile=profile)
+    `profile`: a hardware-profile path or dict (default: the job's cluster.profile); `oom`: layouts that ran out
+    of memory (planner.oom_feedback)."""
+    ctx = build_ctx(cfg, world_size, profile=profile, oom=oom)
     fixed = fixed_keys(cfg)
     en, estimates, ranked, notes, cap = _search(cfg, ctx, fixed)
     if not ranked:
@@ -238,10 +239,10 @@ def _what_would_fit(ctx: Ctx, fixed: dict) -> str | None:
 # ---------------------------------------------------------------- resolve / evaluate
 
 
-def resolve(cfg: JobConfig, world_size: int | None = None, profile=None) -> tuple[JobConfig, PlanResult]:
+def resolve(cfg: JobConfig, world_size: int | None = None, profile=None, oom=None) -> tuple[JobConfig, PlanResult]:
     """A new JobConfig with every auto in parallel and train filled (and cluster.gpu, and the pipeline's
-    stage split parallel.stage_layers), plus the plan."""
-    res = plan_job(cfg, world_size, profile=profile)
+    stage split parallel.stage_layers), plus the plan. `oom`: layouts that ran out of memory (planner.oom_feedback)."""
+    res = plan_job(cfg, world_size, profile=profile, oom=oom)
     lay, ctx = res.layout, res.ctx
     assert lay is not None and ctx is not None  # plan_job always sets both
     fill = {k: getattr(lay, k) for k in LAYOUT_KEYS}

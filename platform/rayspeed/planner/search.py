@@ -7,6 +7,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from rayspeed.config.context_split import auto_degrees, cp_problem, scheme_for
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
@@ -34,8 +35,8 @@ DEFAULT_MODEL_ERROR = 0.10
 
 
 def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides: dict | None = None,
-              profile=None) -> Ctx:
-    """The planning context. `profile`: a hardware-profile path or dict (else `cluster.profile`)."""
+              profile=None, oom: Any = None) -> Ctx:
+    """The planning context. `profile`: a hardware-profile path or dict (else `cluster.profile`); `oom`: OomFeedback."""
     c, t = cfg.cluster, cfg.train
     notes: list[str] = []
     world = int(world_size) if world_size else c.max_workers
@@ -90,7 +91,7 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
                notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)),
                cp_scheme=str(getattr(cfg.parallel, "cp_scheme", AUTO)),
                adapter=AdapterPlan.of(cfg.model.adapter, shape), dpo=DpoPlan.of(cfg),
-               rows_per_sample=2 if getattr(t, "objective", "sft") == "dpo" else 1, **extra)
+               rows_per_sample=2 if getattr(t, "objective", "sft") == "dpo" else 1, oom=oom, **extra)
 
 
 # ---------------------------------------------------------------- constraints
@@ -291,6 +292,7 @@ class Estimate:
     memory: dict  # bytes by component, worst stage
     worst_stage: int
     ctx: Ctx
+    refused: Any = None  # the planner.oom_feedback.MeasuredOom of a layout that ran out of memory
 
     @functools.cached_property
     def time(self) -> StepTime:
@@ -358,7 +360,11 @@ class Estimate:
         )
         if self.ctx.dpo is not None and self.ctx.dpo.reference == "precomputed":
             d["dpo_reference_pass_s_per_1000_pairs"] = round(reference_pass_s(self.ctx, self.layout), 3)
-        if not self.fits:
+        if self.refused is not None:
+            m = self.refused
+            d["reason"] = (f"ran out of memory at step {m.step} on rank {m.rank} (needed at least "
+                           f"{m.need_bytes / GIB:.2f} GiB; predicted {m.predicted_bytes / GIB:.2f} GiB)")
+        elif not self.fits:
             k, v = self.biggest_part()
             d["reason"] = (f"needs {self.memory_gib:.2f} GiB on the worst rank (stage {self.worst_stage}) but "
                            f"{self.ctx.usable_gib:.2f} GiB are usable (over by {self.overshoot_gib():.2f} GiB; "
@@ -379,8 +385,14 @@ def evaluate(ctx: Ctx, lay: Layout, cache: dict | None = None) -> Estimate:
                 cache[key] = split
         lay = dataclasses.replace(lay, stage_layers=split)
     stage, mem = worst_stage(ctx, lay)
+    refused = None
+    if ctx.oom:
+        extra, refused = ctx.oom.extra_bytes(lay, mem), ctx.oom.refused(lay)
+        if extra:
+            mem = {**mem, "measured_oom": extra}
     tot = sum(mem.values()) / GIB
-    return Estimate(layout=lay, fits=tot <= ctx.usable_gib, memory=mem, worst_stage=stage, ctx=ctx)
+    return Estimate(layout=lay, fits=tot <= ctx.usable_gib and refused is None, memory=mem, worst_stage=stage,
+                    ctx=ctx, refused=refused)
 
 
 def preference(e: Estimate) -> tuple:

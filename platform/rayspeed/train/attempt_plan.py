@@ -56,28 +56,33 @@ def pin_model_parallel(job: JobConfig, meta: Optional[dict[str, Any]],
     return dataclasses.replace(job, parallel=dataclasses.replace(par, **pinned)) if pinned else job
 
 
-def _plan_pinned(job: JobConfig, meta: Optional[dict[str, Any]], world: int, notes: list[str]) -> tuple[Any, ...]:
+def _plan_pinned(job: JobConfig, meta: Optional[dict[str, Any]], world: int, notes: list[str],
+                 oom: Any = None) -> tuple[Any, ...]:
     """(cfg, plan, plans made): tp, pp and the ZeRO stage pinned to the checkpoint; when its ZeRO stage no longer
     fits, the planner chooses one (the checkpoint is then converted or, from ZeRO-0, its weights carried over)."""
     from rayspeed.planner import resolve
 
     try:
-        cfg, plan = resolve(pin_model_parallel(job, meta), world_size=world)
+        cfg, plan = resolve(pin_model_parallel(job, meta), world_size=world, oom=oom)
         return cfg, plan, 1
     except ConfigError:
         if not meta or job.parallel.zero_stage != AUTO:
             raise
-    cfg, plan = resolve(pin_model_parallel(job, meta, keys=("tp", "pp")), world_size=world)
+    cfg, plan = resolve(pin_model_parallel(job, meta, keys=("tp", "pp")), world_size=world, oom=oom)
     old = (meta.get("layout") or {}).get("zero_stage")
     notes.append(f"resume: ZeRO-{old} of the checkpoint does not fit {world} workers; re-planned to "
                  f"ZeRO-{cfg.parallel.zero_stage}")
     return cfg, plan, 2
 
 
-def plan_attempt(job: JobConfig, meta: Optional[dict[str, Any]], world: int) -> AttemptPlan:
-    """The plan of one attempt (see the module doc)."""
+def plan_attempt(job: JobConfig, meta: Optional[dict[str, Any]], world: int,
+                 ooms: Optional[list[dict[str, Any]]] = None) -> AttemptPlan:
+    """The plan of one attempt (see the module doc). `ooms`: this submission's out-of-memory records
+    (rayspeed.train.oom): their layouts are refused and the memory model corrected (rayspeed.planner.oom_feedback)."""
     from rayspeed.planner import resolve
+    from rayspeed.planner.oom_feedback import OomFeedback
 
+    oom = OomFeedback.of(ooms or [])
     notes: list[str] = []
     pinned = pin_model_parallel(job, meta, keys=("tp", "pp"))
     if pinned is not job:
@@ -89,7 +94,7 @@ def plan_attempt(job: JobConfig, meta: Optional[dict[str, Any]], world: int) -> 
     if shrunk and not (isinstance(pinned.parallel.tp, int) and isinstance(pinned.parallel.pp, int)):
         # The batch policy sizes the batch by dp: take tp and pp from the plan at the original batch.
         try:
-            first, made = resolve(pin_model_parallel(pinned, meta), world_size=world), 1
+            first, made = resolve(pin_model_parallel(pinned, meta), world_size=world, oom=oom), 1
             resolved = first[0].parallel
             assert isinstance(resolved.tp, int) and isinstance(resolved.pp, int)  # resolve() fills every auto
             tp_pp = (resolved.tp, resolved.pp)
@@ -102,7 +107,27 @@ def plan_attempt(job: JobConfig, meta: Optional[dict[str, Any]], world: int) -> 
     else:
         if first is not None:
             notes.append("re-planned for the new global batch (the first plan sized it)")
-        cfg, plan, n = _plan_pinned(policy_job, meta, world, notes)
+        cfg, plan, n = _plan_pinned(policy_job, meta, world, notes, oom)
         made += n
+    if oom:
+        notes.append(replan_line(job, ooms or [], cfg, plan))
     return AttemptPlan(cfg=cfg, plan=plan, layout=Layout.from_parallel(cfg.parallel), notes=tuple(notes),
                        plans_made=made)
+
+
+def replan_line(job: JobConfig, ooms: list[dict[str, Any]], cfg: JobConfig, plan: Any) -> str:
+    """The one line that says why this attempt's layout is not the planner's first: what ran out of memory, what
+    the model now adds, what was chosen, and the keys the job fixed (never changed)."""
+    from rayspeed.planner.search import fixed_keys
+    from rayspeed.train.oom import describe
+
+    lay = Layout.from_parallel(cfg.parallel)
+    added = (plan.best.get("memory_breakdown_gib") or {}).get("measured_oom")
+    fixed = sorted(k for k in fixed_keys(job) if k in ("dp", "tp", "pp", "zero_stage", "micro_batch_size",
+                                                         "grad_accum", "activation_checkpointing", "cp", "ep"))
+    return (f"re-planned after running out of memory ({len(ooms)} of resilience.oom_replans "
+            f"{job.resilience.oom_replans}): {'; '.join(describe(r) for r in ooms)} refused"
+            + (f"; the memory model adds {added:.2f} GiB measured to layouts of that kind" if added else "")
+            + f"; now dp {lay.dp} tp {lay.tp} pp {lay.pp} ZeRO-{lay.zero_stage} micro-batch {lay.micro_batch_size}"
+            f" x {lay.grad_accum}, activation checkpointing {lay.activation_checkpointing}"
+            + (f"; kept as the job fixes them: {', '.join(fixed)}" if fixed else ""))

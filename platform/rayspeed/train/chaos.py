@@ -1,6 +1,6 @@
 """Fault-injection drills (`chaos.*` job keys): a rank dies or hangs once, at a given step or inside a checkpoint
-write, or its loss is NaN once. Each drill fires once per job: its marker lives in the experiment's storage, since
-the restarted rank may run on another node."""
+write, its loss is NaN once, or its step runs out of memory (once, or in every attempt). Each once-drill fires once
+per job: its marker lives in the experiment's storage, since the restarted rank may run on another node."""
 
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ class ChaosDrills:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def at_step(self, step: int) -> None:
+        oom = self.cfg.oom_at_step
+        if oom is not None and (self._once("oom", oom, step) if oom.attempts != "all"
+                                else (oom.rank, oom.step) == (self.rank, step)):
+            import torch
+
+            log.warning("chaos: rank %d runs out of memory at step %d", self.rank, step)
+            # CUDA's own wording, so the error takes the path a real one does (rayspeed.train.oom).
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 MiB. (chaos.oom_at_step: "
+                                         f"rank {self.rank} at step {step})")
         if self._once("kill", self.cfg.kill_rank_at_step, step):
             self._die(f"killing rank {self.rank} at step {step}")
         if self._once("hang", self.cfg.hang_rank_at_step, step):

@@ -1,7 +1,7 @@
 """What the model's features and the job's evaluation add to a run, each a function of the trainer and the tracker
 returning its Listeners (empty where it does not apply): the trainer composes them and does not ask which.
 
-    FEATURES = (expert_load, harness)
+    FEATURES = (expert_load, harness, out_of_memory)
 """
 
 from __future__ import annotations
@@ -32,4 +32,12 @@ def harness(trainer: Any, tracker: Any) -> Listeners:
     return Listeners([HarnessCallback(trainer.cfg, trainer.ctx, tracker)])
 
 
-FEATURES = (expert_load, harness)
+
+def out_of_memory(trainer: Any, tracker: Any) -> Listeners:
+    """Every job: a step that runs out of device memory is recorded for the next attempt's plan."""
+    from rayspeed.train.oom import OomRecorder
+
+    return Listeners([OomRecorder(trainer, tracker)])
+
+
+FEATURES = (expert_load, harness, out_of_memory)

@@ -152,7 +152,9 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
         run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
             storage_path=payload.storage_path,
-            failure_config=FailureConfig(max_failures=cfg.resilience.max_failures),
+            # An out-of-memory re-plan is a restart too: Ray Train gets both budgets, and one more for the attempt
+            # that ends the job after the last re-plan (its workers return the layouts tried: rayspeed.train.oom).
+            failure_config=FailureConfig(max_failures=r.max_failures + r.oom_replans + 1),
             # Retention is the manifest protocol's job (rayspeed.checkpoint.manifest.prune).
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             callbacks=[ResilienceCallback(payload.experiment_dir, r.capacity_wait_s, capacity)],

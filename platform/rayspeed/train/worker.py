@@ -16,6 +16,7 @@ from rayspeed import compat, paths
 from rayspeed.checkpoint.manager import choose
 from rayspeed.config.load import parse
 from rayspeed.logs import log_rank
+from rayspeed.train import oom
 from rayspeed.train.attempt_plan import plan_attempt
 from rayspeed.train.context import WorkerContext
 from rayspeed.train.payload import LaunchPayload, RunResult
@@ -56,8 +57,13 @@ def run_worker(payload: LaunchPayload, ctx: WorkerContext) -> RunResult:
         # Ray hands workers the path inside its filesystem (bucket/prefix/name); rayspeed keeps the URI form.
         ctx = dataclasses.replace(ctx, experiment_dir=payload.experiment_dir)
     chosen, meta = choose(ctx)
+    ooms = oom.submission_records(ctx.experiment_dir, payload.launched_at)
+    gave_up = oom.give_up_reason(ooms, job.resilience.oom_replans)
+    if gave_up:
+        log_rank(log, gave_up, level=logging.ERROR)
+        return RunResult(status="out_of_memory", error=gave_up, world_size=ctx.world_size)
     # The user's job (with its "auto"s) is planned here, once, for the world this attempt actually got.
-    attempt = plan_attempt(job, meta, ctx.world_size)
+    attempt = plan_attempt(job, meta, ctx.world_size, ooms)
     lay = attempt.layout
     log_rank(log, "attempt plan for %d workers: dp %d, tp %d, pp %d, ZeRO-%d, micro-batch %d x %d; %s",
              ctx.world_size, lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.micro_batch_size, lay.grad_accum,
