@@ -17,6 +17,7 @@ from rayspeed.planner.claims import build_claims
 from rayspeed.planner.ep_terms import ep_problem
 from rayspeed.planner.explain import render
 from rayspeed.planner.hardware import GIB
+from rayspeed.planner.headline import edge_headline
 from rayspeed.planner.hypotheses import CAP_RULE, RuleTest, check_accumulation_cap
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import bytes_per_param, cp_scheme
@@ -122,6 +123,9 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, prof
     counts = {"evaluated": len(estimates), "fitting": sum(1 for e in estimates if e.fits),
               "ranked": len(ranked), "excluded_by_cap": len(cap.excluded)}
     text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts, claims)
+    headline = edge_headline(cfg, best, lambda job, world: _best_fitting(build_ctx(job, world, profile=profile), fixed))
+    if headline:
+        text = headline + "\n\n" + text
     plan = _plan_dict(cfg, ctx, best, rules)
     plan["notes"] = notes
     plan["near_ties"] = near_ties(ranked)
@@ -208,7 +212,10 @@ def _why_nothing(cfg: JobConfig, ctx: Ctx, fixed: dict, en, estimates: list[Esti
 
 
 def _best_fitting(ctx: Ctx, fixed: dict) -> Estimate | None:
-    en = enumerate_layouts(ctx, fixed)
+    try:
+        en = enumerate_layouts(ctx, fixed)
+    except ConfigError:  # no valid layout for this world at all
+        return None
     ranked = rank([evaluate(ctx, lay) for lay in en.layouts])
     return ranked[0] if ranked else None
 
