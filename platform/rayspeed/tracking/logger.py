@@ -49,6 +49,11 @@ class NullLogger:
     def log_artifact_file(self, path: str, artifact_path: str | None = None) -> None:
         pass
 
+    def resend(self, kind: str, payload: Any) -> None:
+        """A record as the queue holds it (metrics, params, tags, text): what the spool kept of an earlier logger."""
+        self._put(kind, [tuple(m) for m in payload] if kind == "metrics" else
+                  tuple(payload) if kind == "text" else payload)
+
     def log_artifact_dir(self, path: str, artifact_path: str | None = None, remove: bool = False) -> None:
         if remove:
             shutil.rmtree(path, ignore_errors=True)
@@ -75,6 +80,9 @@ AWAY_POLL_S = 0.1
 # was 60 + 15 s, and a retry could sleep 30 s of backoff through a server that was already up).
 LATE_SERVER_S = 30.0
 WAITED_RETRY_S = 1.0
+# At close, with records undelivered: how long the send in flight may take to fail (MLFLOW_HTTP_REQUEST_TIMEOUT is
+# 10 s here) before the rest are written to the spool.
+SPOOL_JOIN_S = 15.0
 
 
 class MlflowLogger(NullLogger):
@@ -90,10 +98,13 @@ class MlflowLogger(NullLogger):
 
     def __init__(self, tracking_uri: str, run_id: Optional[str], retry_max_s: float = 30.0,
                  metrics_every_s: float = METRICS_EVERY_S, run_factory: Optional[Callable[[], str]] = None,
-                 on_run: Optional[Callable[[str], None]] = None):
+                 on_run: Optional[Callable[[str], None]] = None,
+                 spool: Optional[Callable[[Optional[str], list[tuple[str, Any]]], tuple[str, int]]] = None):
         """run_id None with a run_factory: the run does not exist yet (the server did not answer at launch);
         the queue's thread calls run_factory, retrying like any record, before it sends the first one, then
-        on_run(run_id). Everything logged meanwhile waits in the queue."""
+        on_run(run_id). Everything logged meanwhile waits in the queue. spool(run_id, records) -> (where, kept):
+        what keeps the records still undelivered at close (rayspeed.tracking.spool.write_spool, bound to the
+        experiment folder) for the job's next launch to deliver."""
         # Short HTTP retries inside mlflow: our own loop retries forever without blocking the caller.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -114,6 +125,8 @@ class MlflowLogger(NullLogger):
         self._wake = threading.Event()  # cuts a retry's backoff short when someone starts waiting
         self._waiters = 0
         self._metrics_every_s = metrics_every_s
+        self._spool = spool
+        self._unsent: list[tuple[str, Any]] = []  # given up at close: what the spool keeps
         self._stop = False
         self._thread = threading.Thread(target=self._drain, name="rayspeed-mlflow", daemon=True)
         self._thread.start()
@@ -181,8 +194,17 @@ class MlflowLogger(NullLogger):
         ok = self.flush(timeout_s) if self.run_id is not None else self.deliver(timeout_s)
         self._stop = True
         self._q.put(("stop", None))
-        if not ok:
-            log.warning("MLflow: %d queued records were not delivered before shutdown", self._pending)
+        if ok:
+            return
+        pending = self._pending
+        if self._spool is not None:
+            self._thread.join(SPOOL_JOIN_S)  # the send in flight fails (or lands); the rest go to the spool
+            if not self._thread.is_alive():
+                where, spooled = self._spool(self.run_id, self._unsent)
+                log.warning("MLflow: %d queued records were not delivered before shutdown; %d kept in %s for the "
+                            "job's next launch to deliver to its run", pending, spooled, where)
+                return
+        log.warning("MLflow: %d queued records were not delivered before shutdown", pending)
 
     # ------------------------------------------------------------- consumer side
     def _send(self, kind: str, payload: Any) -> None:
@@ -230,6 +252,9 @@ class MlflowLogger(NullLogger):
             carry = None
             if kind == "stop":
                 return
+            if self._stop and self._unsent:  # closing with the server away: straight to the spool
+                self._give_up(kind, payload, 1)
+                continue
             taken = 1
             if kind == "metrics":
                 wait = last_metrics + self._metrics_every_s - time.monotonic()
@@ -247,30 +272,43 @@ class MlflowLogger(NullLogger):
                     payload.extend(nxt[1])
                     taken += 1
                 last_metrics = time.monotonic()
-            delay = 0.5
-            while True:
-                try:
-                    self._send(kind, payload)
-                    if self._warned:
-                        log.warning("MLflow: tracking server reachable again; queued records delivered")
-                        self._warned = False
-                    break
-                except Exception as e:  # server away, network, store locked: retry, never raise
-                    if not self._warned:
-                        log.warning("MLflow: logging failed (%s); queueing and retrying, training continues", _short(e))
-                        self._warned = True
-                    if self._stop:
-                        break
-                    self._wake.clear()
-                    self._wake.wait(min(delay, WAITED_RETRY_S) if self._waiters else delay)
-                    delay = min(delay * 2, self._retry_max_s)
-            if kind == "dir" and payload[2]:
-                shutil.rmtree(payload[0], ignore_errors=True)
-            with self._lock:
-                self._pending -= taken
-                if self._pending == 0:
-                    self._flush_now.clear()
-                    self._idle.set()
+            if self._send_retrying(kind, payload):
+                self._done(kind, payload, taken)
+            else:
+                self._give_up(kind, payload, taken)
+
+    def _send_retrying(self, kind: str, payload: Any) -> bool:
+        """Sent (True), or given up because the logger is closing with the server away (False)."""
+        delay = 0.5
+        while True:
+            try:
+                self._send(kind, payload)
+                if self._warned:
+                    log.warning("MLflow: tracking server reachable again; queued records delivered")
+                    self._warned = False
+                return True
+            except Exception as e:  # server away, network, store locked: retry, never raise
+                if not self._warned:
+                    log.warning("MLflow: logging failed (%s); queueing and retrying, training continues", _short(e))
+                    self._warned = True
+                if self._stop:
+                    return False
+                self._wake.clear()
+                self._wake.wait(min(delay, WAITED_RETRY_S) if self._waiters else delay)
+                delay = min(delay * 2, self._retry_max_s)
+
+    def _give_up(self, kind: str, payload: Any, taken: int) -> None:
+        self._unsent.append((kind, payload))  # the spool's, at close
+        self._done(kind, payload, taken)
+
+    def _done(self, kind: str, payload: Any, taken: int) -> None:
+        if kind == "dir" and payload[2]:
+            shutil.rmtree(payload[0], ignore_errors=True)
+        with self._lock:
+            self._pending -= taken
+            if self._pending == 0:
+                self._flush_now.clear()
+                self._idle.set()
 
 
 def _param_value(v: Any) -> str:

@@ -169,8 +169,8 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
 
 def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any] | None, resume: str,
          clock: Any) -> int:
-    from rayspeed.tracking.client import PROBE_TIMEOUT_S, unreachable
-    from rayspeed.tracking.runs import find_or_create_run, finish_run, supersede_run
+    from rayspeed.tracking.client import unreachable
+    from rayspeed.tracking.runs import finish_run, supersede_run
     from rayspeed.train import resilience, resume_guard
 
     storage = storage_path(cfg)
@@ -191,18 +191,7 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
                  "choose where this submission resumes")
     # A new submission: an earlier incident (say, a job that ran out of restarts) is not recovered by this start.
     resilience.close_incidents(str(exp), "a new submission")
-    run_id = None
-    if down:
-        log.warning("MLflow: the tracking server at %s does not answer (%s, after one try of at most %.0f s): "
-                    "training starts now; rank 0 creates or finds the job's run when the server answers, and "
-                    "logs what it queued meanwhile", redact_uri(tracking_uri(cfg)), down, PROBE_TIMEOUT_S)
-    else:
-        try:
-            run_id, resumed = find_or_create_run(cfg)
-            log.info("MLflow run %s (%s) at %s", run_id, "continued" if resumed else "new",
-                     redact_uri(tracking_uri(cfg)))
-        except Exception as e:  # tracking must never stop training
-            log.warning("MLflow unavailable (%s): training without tracking", redact_text(str(e).splitlines()[0]))
+    run_id = _open_run(cfg, str(exp), down)
     identity = resume_guard.run_identity(job)
     clock.mark("mlflow")
     payload = LaunchPayload(job=to_dict(job), tracking_uri=tracking_uri(cfg), storage_path=storage,
@@ -244,6 +233,29 @@ def _run(job: JobConfig, cfg: JobConfig, launcher: str, ray_info: dict[str, Any]
         log.error("training failed: %s", summary["error"].splitlines()[0])
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _open_run(cfg: JobConfig, experiment_dir: str, down: Optional[str]) -> Optional[str]:
+    """The job's MLflow run, found or created (None: the server is down, rank 0 makes it later; or tracking is
+    unavailable), with what an earlier launch could not send delivered to it (rayspeed.tracking.spool)."""
+    from rayspeed.tracking.client import PROBE_TIMEOUT_S
+    from rayspeed.tracking.runs import find_or_create_run
+    from rayspeed.tracking.spool import deliver_spool, spooled
+
+    if down:
+        log.warning("MLflow: the tracking server at %s does not answer (%s, after one try of at most %.0f s): "
+                    "training starts now; rank 0 creates or finds the job's run when the server answers, and "
+                    "logs what it queued meanwhile", redact_uri(tracking_uri(cfg)), down, PROBE_TIMEOUT_S)
+        return None
+    try:
+        run_id, resumed = find_or_create_run(cfg)
+        log.info("MLflow run %s (%s) at %s", run_id, "continued" if resumed else "new", redact_uri(tracking_uri(cfg)))
+    except Exception as e:  # tracking must never stop training
+        log.warning("MLflow unavailable (%s): training without tracking", redact_text(str(e).splitlines()[0]))
+        return None
+    if spooled(experiment_dir):
+        deliver_spool(experiment_dir, tracking_uri(cfg), run_id)
+    return run_id
 
 
 def _settle_interruption(cfg: JobConfig, exp: Any, launcher: str, run_id: Optional[str], deferred: Optional[str],

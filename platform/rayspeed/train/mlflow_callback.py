@@ -6,6 +6,7 @@ history (replayed after a restart, or a resubmission) is not logged twice.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Any, Optional
@@ -14,6 +15,7 @@ import torch
 
 from rayspeed.config.load import flatten, to_dict, to_yaml
 from rayspeed.config.schema import JobConfig
+from rayspeed.tracking.spool import write_spool
 from rayspeed.train import resilience
 from rayspeed.train.deferred_run import DeferredRun, record_deferred_run
 from rayspeed.train.events import Callback, TrainState
@@ -61,7 +63,8 @@ class MlflowCallback(Callback):
                 # logged meanwhile waits in the logger's queue.
                 deferred = None if payload.mlflow_run_id else DeferredRun(cfg, payload, ctx.experiment_dir)
                 self.tracker = MlflowLogger(payload.tracking_uri, payload.mlflow_run_id, run_factory=deferred,
-                                            on_run=self._run_found)
+                                            on_run=self._run_found,
+                                            spool=functools.partial(write_spool, ctx.experiment_dir))
             except Exception as e:  # tracking must never kill training
                 log.warning("MLflow unavailable (%s): training continues without tracking", e)
         self.charts: Any = None
