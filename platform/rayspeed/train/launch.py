@@ -152,9 +152,10 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
         run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
             storage_path=payload.storage_path,
-            # An out-of-memory re-plan is a restart too: Ray Train gets both budgets, and one more for the attempt
-            # that ends the job after the last re-plan (its workers return the layouts tried: rayspeed.train.oom).
-            failure_config=FailureConfig(max_failures=r.max_failures + r.oom_replans + 1),
+            # An out-of-memory re-plan is a restart too, counted here with the others (not yet apart: a wider
+            # budget would let max_failures: 0 restart): the attempt that ends the job after the last re-plan
+            # needs oom_replans + 1 of them (rayspeed.train.oom).
+            failure_config=FailureConfig(max_failures=r.max_failures),
             # Retention is the manifest protocol's job (rayspeed.checkpoint.manifest.prune).
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             callbacks=[ResilienceCallback(payload.experiment_dir, r.capacity_wait_s, capacity)],
