@@ -13,8 +13,6 @@ from typing import Any, Callable, Optional
 
 from rayspeed.config.schema import JobConfig
 
-GIB = 1 << 30
-
 
 def at_the_edge(best: Any) -> bool:
     return best.memory_gib + 2 * best.margin_gib > best.ctx.usable_gib

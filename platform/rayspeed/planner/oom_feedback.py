@@ -7,14 +7,17 @@ and the logits' loss): every layout of the same kind (tp, pp, cp, ep, ZeRO stage
 parallelism) gets it added in proportion to its own per-micro-batch bytes. A correction only ever adds memory: a
 measurement never lowers another layout's prediction.
 
-    feedback = OomFeedback.of(records)          # the attempt's records of this submission
-    refused, extra_bytes = feedback.judge(layout, memory_by_component)
+    feedback = OomFeedback.of(records)          # this submission's records (rayspeed.train.oom)
+    feedback.refused(layout)                    # the measurement that refuses it, or None
+    feedback.extra_bytes(layout, memory)        # bytes added to its prediction
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from rayspeed.config.layout import RECORD_DEFAULTS
 
 PER_MICRO_BATCH = ("activations", "logits_loss")
 KIND = ("tp", "pp", "cp", "ep", "zero_stage", "activation_checkpointing", "sequence_parallel")
@@ -23,7 +26,7 @@ SAME = ("dp", *KIND, "micro_batch_size")
 
 def _key(layout: Any, names: tuple[str, ...]) -> tuple:
     get = layout.get if isinstance(layout, dict) else (lambda k, d=None: getattr(layout, k, d))
-    defaults = {"cp": 1, "ep": 1, "activation_checkpointing": "none", "sequence_parallel": False}
+    defaults = {**RECORD_DEFAULTS, "activation_checkpointing": "none", "sequence_parallel": False}
     return tuple(get(k, defaults.get(k)) for k in names)
 
 

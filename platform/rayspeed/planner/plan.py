@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rayspeed.config.context_split import cp_problem, scheme_for
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
@@ -43,10 +45,19 @@ from rayspeed.planner.search import (
 class PlanResult:
     best: dict
     alternatives: list = field(default_factory=list)
-    explain: str = ""
+    body: str = ""
+    """The explanation below its headline."""
     rules: dict = field(default_factory=dict)
     layout: Layout | None = None
     ctx: Ctx | None = None
+    headline: Callable[[], str | None] | None = None
+    """The first line at the memory edge (planner/headline.py): planned only when the explanation is read, since
+    it searches twice more and most plans (every attempt's, on every worker) never show it."""
+
+    @functools.cached_property
+    def explain(self) -> str:
+        first = self.headline() if self.headline is not None else None
+        return f"{first}\n\n{self.body}" if first else self.body
 
     def to_json(self) -> dict:
         """The `--json` object: plan, alternatives, explain (+ the rules, in full)."""
@@ -123,9 +134,8 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, prof
     counts = {"evaluated": len(estimates), "fitting": sum(1 for e in estimates if e.fits),
               "ranked": len(ranked), "excluded_by_cap": len(cap.excluded)}
     text = render(ctx, best, alts, estimates, rules, fixed, notes, cfg.name, counts, claims)
-    headline = edge_headline(cfg, best, lambda job, world: _best_fitting(build_ctx(job, world, profile=profile), fixed))
-    if headline:
-        text = headline + "\n\n" + text
+    headline = functools.partial(edge_headline, cfg, best,
+                                 lambda job, world: _best_fitting(build_ctx(job, world, profile=profile), fixed))
     plan = _plan_dict(cfg, ctx, best, rules)
     plan["notes"] = notes
     plan["near_ties"] = near_ties(ranked)
@@ -133,7 +143,7 @@ def plan_job(cfg: JobConfig, world_size: int | None = None, top_k: int = 5, prof
     # Host memory of an async checkpoint's snapshot, and the checkpoint mode it allows.
     plan["checkpoint"] = checkpoint_plan(ctx, best.layout, sum(best.memory.values()), r.checkpoint_mode)
     text += "\n" + "\n".join(checkpoint_explain(plan["checkpoint"])) + "\n"
-    return PlanResult(best=plan, alternatives=[e.to_plan() for e in alts], explain=text, rules=rules,
+    return PlanResult(best=plan, alternatives=[e.to_plan() for e in alts], body=text, headline=headline, rules=rules,
                       layout=best.layout, ctx=ctx)
 
 

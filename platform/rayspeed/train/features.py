@@ -32,7 +32,6 @@ def harness(trainer: Any, tracker: Any) -> Listeners:
     return Listeners([HarnessCallback(trainer.cfg, trainer.ctx, tracker)])
 
 
-
 def out_of_memory(trainer: Any, tracker: Any) -> Listeners:
     """Every job: a step that runs out of device memory is recorded for the next attempt's plan."""
     from rayspeed.train.oom import OomRecorder

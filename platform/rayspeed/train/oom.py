@@ -17,12 +17,12 @@ import time
 from typing import Any, Optional
 
 from rayspeed import paths, storage
+from rayspeed.planner.hardware import GIB
 from rayspeed.train.events import Callback, TrainState
 
 log = logging.getLogger("rayspeed")
 
 OOM_LOG = f"{paths.RESILIENCE_DIR}/oom.jsonl"
-GIB = 1 << 30
 _TRIED = re.compile(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)", re.IGNORECASE)
 _UNIT = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
