@@ -4,7 +4,8 @@ its MLflow run KILLED and summary.json `interrupted`, naming the checkpoint to r
 committed after the line); the same command then resumes that newest verified checkpoint
 and every loss it logs, replayed steps included, equals the session's uninterrupted run (conftest's
 zero2_reference) bit for bit, in the same MLflow run, FINISHED. Sync and async checkpoints. A rank hangs at step 12
-(chaos, once per job) so the signal always lands mid-run, whatever the machine's speed."""
+(chaos, once per job) and the signal is sent once it has, so it always lands mid-run whatever the machine's speed,
+and the resubmission never meets the hang (it would wait out resilience.collective_timeout_s)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ STEPS = 30
 RESUMED = re.compile(r"resumed from (checkpoint_step\d+) at step (\d+)")
 INTERRUPTED = re.compile(r"interrupted \(SIGINT\) after step (\d+); newest verified checkpoint (checkpoint_step\d+); "
                          r"run the same command to resume")
+HANG = "chaos: rank 1 hangs at step 12"
 
 
 def _args(mode: str) -> list[str]:
@@ -40,11 +42,13 @@ def _interrupt_after_fourth_save(home, args, address) -> tuple[int, str]:
     name = next(a.split("=", 1)[1] for a in args if a.startswith("name="))
     fourth = home / "runs" / name / "checkpoint_step00000008" / "manifest.json"
     rotated = home / "runs" / name / "checkpoint_step00000004"  # deleted by retention after the fourth save
-    with open(home / "interrupted.log", "w+") as out:
+    log = home / "interrupted.log"  # read by its own handle: a seek on `out` would move the job's writes
+    with open(log, "w+") as out:
         p = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train.py"), *args], env=env, stdout=out,
                              stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 300
-        while not (fourth.exists() and not rotated.exists()) and p.poll() is None and time.time() < deadline:
+        while not (fourth.exists() and not rotated.exists() and HANG in log.read_text()) and p.poll() is None \
+                and time.time() < deadline:
             time.sleep(0.05)
         p.send_signal(signal.SIGINT)
         rc = p.wait(timeout=120)
