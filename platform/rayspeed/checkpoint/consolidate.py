@@ -25,6 +25,7 @@ from rayspeed.checkpoint import manifest
 from rayspeed.config import adapter
 from rayspeed.engine import deepspeed_state
 from rayspeed.families import TensorNames
+from rayspeed.families.family import is_expert_stack
 
 
 class ConsolidateError(ValueError):
@@ -86,7 +87,8 @@ def _module_states(ds: Path, tp: int, names: TensorNames) -> dict[str, Any]:
 
 def _expert_states(ds: Path, ep: int) -> dict[str, Any]:
     """The module states of each ep rank (DeepSpeed's model-parallel files under expert parallelism, tp 1): the
-    expert stacks (layers.i.mlp.w_gate / w_up / w_down) concatenated in rank order, the rest from rank 0."""
+    expert stacks (layers.i.mlp.w_gate, w_up, w_down and a family's own) concatenated in rank order, the rest from
+    rank 0."""
     import torch
 
     parts = []
@@ -95,8 +97,7 @@ def _expert_states(ds: Path, ep: int) -> dict[str, Any]:
         if not f.is_file():
             raise ConsolidateError(f"{ds}: {f.name} is missing")
         parts.append(dict(_load(f)["module"]))
-    experts = (".mlp.w_gate", ".mlp.w_up", ".mlp.w_down")
-    return {name: torch.cat([p[name].float() for p in parts]) if name.endswith(experts) else value.float()
+    return {name: torch.cat([p[name].float() for p in parts]) if is_expert_stack(name) else value.float()
             for name, value in parts[0].items()}
 
 

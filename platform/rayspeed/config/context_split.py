@@ -7,7 +7,9 @@ attention work. A plain contiguous split would leave rank 0 waiting on rank cp-1
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+from rayspeed import families
 
 SCHEMES = ("ulysses", "ring")
 # Below this many tokens per rank the block's GEMMs get thin and the exchange costs more than it saves: `cp: auto`
@@ -53,6 +55,12 @@ def auto_degrees(seq_len: int, room: int) -> list[int]:
     return out
 
 
+def cp_candidates(shape: Any, room: int) -> list[int]:
+    """The cp degrees `cp: auto` weighs for a ModelShape: none but 1 for a family whose attention has no
+    context-parallel form (sinks)."""
+    return [1] if shape.family.sinks else auto_degrees(shape.seq_len, room)
+
+
 def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> list[str]:
     """The job's parallel.cp and parallel.cp_scheme against its model, the other degrees set (auto ones are the
     planner's to choose) and the world size (None: elastic, checked per attempt)."""
@@ -66,6 +74,10 @@ def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> 
     if world and world % cp:  # said alone: no seq_len makes it divide
         return [f"parallel.cp ({cp}) does not divide the world size ({world} workers, cluster.num_workers); use a "
                 f"cp that divides {world} (or auto)"]
+    family = families.find(getattr(m, "architecture", None))
+    if family is not None and family.sinks:
+        return [f"parallel.cp ({cp}): {family.architecture}'s attention sinks have no context-parallel form yet (the "
+                "sink logit would have to join ring attention's merge); use parallel.cp: 1"]
     out = []
     why = cp_problem(m.seq_len, m.num_heads, num_kv_heads, tp if isinstance(tp, int) and tp >= 1 else 1, cp,
                      par.cp_scheme)

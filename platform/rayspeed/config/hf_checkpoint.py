@@ -65,6 +65,7 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
             out.update({p + "attn_post_norm.weight": (h,), p + "mlp_post_norm.weight": (h,)})
         if shape.qkv_bias:
             out.update({p + "attn.wq.bias": (q,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
+        out.update({p + suffix: dims for suffix, dims in shape.family.layer_params(shape, i).items()})
         if names.qk_norm is not None:
             whole = names.qk_norm == QK_NORM_PER_PROJECTION  # OLMo 2: over the projection, else one head
             out.update({p + "attn.q_norm.weight": (q if whole else shape.head_dim,),
@@ -76,10 +77,11 @@ def checkpoint_layout(shape: ModelShape) -> dict[str, tuple[str, int]]:
     """rayspeed parameter -> (checkpoint tensor, first row of the parameter in it): 0 except for the parts of a
     fused tensor (Phi-3's qkv_proj, gate_up_proj), stacked along rows in the family's order."""
     names, shapes = shape.family.tensor_names, param_shapes(shape)
+    converted = converted_params(shape)
     out: dict[str, tuple[str, int]] = {}
     for name in shapes:
-        if names.expert_names(name, 1):
-            continue  # one tensor per expert: expert_layout
+        if names.expert_names(name, 1) or name in converted:
+            continue  # one tensor per expert (expert_layout), or held in another form (stored_forms)
         hf = names.hf_name(name)
         parts = names.fused_parts(hf)
         offset = sum(shapes[p][0] for p in parts[:parts.index(name)]) if parts else 0
@@ -90,17 +92,39 @@ def checkpoint_layout(shape: ModelShape) -> dict[str, tuple[str, int]]:
 def expert_layout(shape: ModelShape) -> dict[str, list[str]]:
     """Stacked expert parameter -> the checkpoint's tensor of each expert, expert 0 first (empty for a dense
     model)."""
-    names = shape.family.tensor_names
+    names, converted = shape.family.tensor_names, converted_params(shape)
     out = {}
     for name in param_shapes(shape):
-        per_expert = names.expert_names(name, shape.num_experts)
+        per_expert = [] if name in converted else names.expert_names(name, shape.num_experts)
         if per_expert:
             out[name] = per_expert
     return out
 
 
+def converted_params(shape: ModelShape) -> frozenset[str]:
+    """The parameters the family's checkpoints hold in another form than one tensor each (Family.stored)."""
+    stored = shape.family.stored
+    return frozenset(stored.converted(shape)) if stored is not None else frozenset()
+
+
+def stored_forms(shape: ModelShape) -> tuple[dict[str, tuple[int, ...]], ...]:
+    """The checkpoint tensors of each form the converted parameters may be held in (the export's first)."""
+    stored = shape.family.stored
+    return tuple(dict(form) for form in stored.forms(shape)) if stored is not None else ()
+
+
+def held_form(stored: Any, shape: ModelShape) -> Optional[dict[str, tuple[int, ...]]]:
+    """The form (stored_forms) a checkpoint holding the tensor names `stored` is in; None when it holds none
+    whole ({} for a family without converted parameters)."""
+    forms = stored_forms(shape)
+    if not forms:
+        return {}
+    return next((form for form in forms if all(name in stored for name in form)), None)
+
+
 def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor the shape implies, with its shape (a fused tensor: its parts' rows added)."""
+    """Every checkpoint tensor the shape implies, with its shape (a fused tensor: its parts' rows added); the
+    converted parameters' tensors are stored_forms'."""
     shapes = param_shapes(shape)
     out: dict[str, tuple[int, ...]] = {}
     for name, (hf, _) in checkpoint_layout(shape).items():
@@ -193,7 +217,12 @@ def weight_problems(model_dir: str | Path, shape: ModelShape) -> list[str]:
         return problems
     missing, wrong = [], []
     stored = stored_names(files)
-    for hname, want in checkpoint_shapes(shape).items():
+    form = held_form(stored, shape)
+    if form is None:
+        names = " | ".join(", ".join(sorted(f)[:3]) + " ..." for f in stored_forms(shape))
+        missing.append(f"one of the stored forms ({names})")
+        form = {}
+    for hname, want in {**checkpoint_shapes(shape), **form}.items():
         f = files.get(stored.get(hname, hname))
         if f is None or (entry := headers[f].get(stored.get(hname, hname))) is None:
             missing.append(hname)

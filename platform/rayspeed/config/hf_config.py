@@ -5,8 +5,7 @@
     problems = apply_pretrained(raw_model_section, cfg.model)  # parse(): fills what the job left unset
     to_hf_config(ModelShape.from_config(cfg.model))            # the export's config.json
 
-Both forms of RoPE settings are read: `rope_theta` + `rope_scaling` (transformers 4's; `type` or `rope_type`) and
-`rope_parameters` (transformers 5)."""
+Both forms of RoPE settings are read (config/hf_rope.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from typing import Any, Optional
 
 from rayspeed import families
 from rayspeed.config.examples import prepare_hint
+from rayspeed.config.hf_rope import local_rope, partial_rotary, rope_from_hf
 from rayspeed.config.moe_keys import MOE_SHAPE_KEYS, aux_coef_from_hf, moe_keys_from_hf, unsupported_reason
 from rayspeed.config.shape import ModelShape, rope_fields
 from rayspeed.families import Family
@@ -25,7 +25,6 @@ from rayspeed.families.family import (
     FULL_ATTENTION,
     HEAD_DIM_KEY,
     LAYER_TYPES,
-    LOCAL_ROPE_KEY,
     PARTIAL_ROTARY_KEY,
     QUERY_SCALE_KEY,
     SLIDING_ALL_LAYERS,
@@ -41,7 +40,7 @@ SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_
               "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
               "max_position_embeddings", "hidden_act", "sliding_window", "layer_types", "rope_local_theta",
               "query_pre_attn_scalar", "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping",
-              *MOE_SHAPE_KEYS)
+              "family_keys", *MOE_SHAPE_KEYS)
 
 # transformers' Qwen2Config / Qwen3Config default.
 MAX_WINDOW_LAYERS_DEFAULT = 28
@@ -153,92 +152,6 @@ def _architecture(hf: dict[str, Any]) -> Optional[str]:
         return f"model_type {hf.get('model_type')!r}"
 
 
-def _local_rope(hf: dict[str, Any], family: Family, where: str, problems: list[str]) -> Optional[float]:
-    """The sliding-window layers' RoPE base of a family that has one (plain RoPE only), from either form."""
-    if not family.keys.reads(LOCAL_ROPE_KEY):
-        return None
-    params = hf.get("rope_parameters")
-    local = params.get(SLIDING_ATTENTION) if isinstance(params, dict) else None
-    if isinstance(local, dict):
-        kind = str(local.get("rope_type", local.get("type", "default")))
-        if kind != "default":
-            problems.append(f"{where}: rope_parameters.{SLIDING_ATTENTION} has rope type {kind!r}; the local layers "
-                            "are supported with plain RoPE only")
-        return float(local.get("rope_theta", family.defaults["rope_local_base_freq"]))
-    return float(hf.get("rope_local_base_freq", family.defaults["rope_local_base_freq"]))
-
-
-def _partial_rotary(hf: dict[str, Any]) -> Optional[float]:
-    """The share of each head RoPE rotates, from rope_parameters (transformers 5) or the top level; None: all."""
-    params = hf.get("rope_parameters")
-    params = params.get(FULL_ATTENTION, params) if isinstance(params, dict) else {}
-    value = (params or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    return None if value in (None, 1, 1.0) else float(value)
-
-
-def _rope(hf: dict[str, Any], family: Family, where: str,
-          problems: list[str]) -> tuple[float, Optional[dict[str, Any]]]:
-    """(rope_theta, rope_scaling or None) from either form; per layer type, those of the full-attention layers
-    (the family's local RoPE is _local_rope's)."""
-    rope_types, default_theta = family.keys.rope_types, float(family.defaults.get("rope_theta", 10000.0))
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        if not family.keys.reads(LOCAL_ROPE_KEY) or FULL_ATTENTION not in params:
-            problems.append(f"{where}: rope_parameters per layer type ({', '.join(params)}) are not supported for "
-                            f"{family.architecture}; one RoPE for all layers is")
-            return default_theta, None
-        params = params[FULL_ATTENTION]
-    if isinstance(params, dict) and params:
-        scaling = dict(params)
-        theta = float(scaling.pop("rope_theta", hf.get("rope_theta", default_theta)))
-    else:
-        scaling = dict(hf.get("rope_scaling") or {})
-        theta = float(hf.get("rope_theta", default_theta))
-    kind = str(scaling.get("rope_type", scaling.get("type", "default")))
-    partial = scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0) and not family.keys.reads(PARTIAL_ROTARY_KEY):
-        problems.append(f"{where}: partial_rotary_factor {partial} is not supported for {family.architecture} (RoPE "
-                        "over the whole head only)")
-    if kind not in rope_types:
-        problems.append(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
-        return theta, None
-    if kind == "default":
-        return theta, None
-    if kind in ("yarn", "longrope"):
-        return theta, _extended_rope(hf, kind, scaling, where, problems)
-    out: dict[str, Any] = {"rope_type": kind, "factor": float(scaling.get("factor", 1.0))}
-    if kind == "llama3":
-        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in scaling]
-        if missing:
-            problems.append(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
-        out.update(low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                   high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                   # transformers falls back to max_position_embeddings; so does this.
-                   original_max_position_embeddings=int(scaling.get("original_max_position_embeddings")
-                                                        or hf.get("max_position_embeddings") or 0))
-    return theta, out
-
-
-def _extended_rope(hf: dict[str, Any], kind: str, scaling: dict[str, Any], where: str,
-                   problems: list[str]) -> dict[str, Any]:
-    """yarn's or longrope's settings in config.json's form, with transformers' fallbacks: the original context
-    from the top level (Phi-3) or max_position_embeddings, longrope's factor from the two lengths."""
-    max_pos = hf.get("max_position_embeddings")
-    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos
-    if not original:
-        problems.append(f"{where}: {kind} rope scaling needs original_max_position_embeddings")
-        original = 1
-    factor = scaling.get("factor")
-    if factor is None:
-        factor = float(max_pos) / float(original) if max_pos else 1.0
-    out: dict[str, Any] = {"rope_type": kind, "factor": float(factor),
-                           "original_max_position_embeddings": int(original)}
-    keep = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate") if kind == "yarn" \
-        else ("attention_factor", "long_factor", "short_factor")
-    out.update({k: scaling[k] for k in keep if scaling.get(k) is not None})
-    return out  # the job checks (config/validate.py) count longrope's factors
-
-
 def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = None
                        ) -> tuple[dict[str, Any], list[str]]:
     """The job's model keys a config.json decides, and what in it rayspeed cannot run (each naming the file)."""
@@ -268,15 +181,11 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         problems.append(f"{where}: attention_bias true (biases on q, k, v and o) is not supported for {arch}")
     if hf.get("mlp_bias"):
         problems.append(f"{where}: mlp_bias true is not supported")
-    caps = {key: hf.get(key, family.defaults.get(key)) if family.keys.reads(key) else None
-            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
-    for key in caps:
-        if not family.keys.reads(key) and hf.get(key) is not None:
-            problems.append(f"{where}: {key} {hf[key]} (soft-capping) is not supported for {arch}")
+    caps = softcaps(family, hf, where, problems)
     if hf.get("use_bidirectional_attention"):
         problems.append(f"{where}: use_bidirectional_attention true is not supported (causal language models only)")
     window, layer_types = sliding_window(family, hf, where, problems)
-    theta, scaling = _rope(hf, family, where, problems)
+    theta, scaling = rope_from_hf(hf, family, where, problems)
     scalar = hf.get(QUERY_SCALE_KEY, family.defaults.get(QUERY_SCALE_KEY)) \
         if family.keys.reads(QUERY_SCALE_KEY) else None
     max_pos = hf.get("max_position_embeddings")
@@ -298,13 +207,25 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "hidden_act": str(act),
         "sliding_window": window,
         "layer_types": layer_types,
-        "rope_local_theta": _local_rope(hf, family, where, problems),
+        "rope_local_theta": local_rope(hf, family, where, problems),
         "query_pre_attn_scalar": float(scalar) if scalar else None,
-        "partial_rotary_factor": _partial_rotary(hf) if family.keys.reads(PARTIAL_ROTARY_KEY) else None,
-        **{key: float(value) if value else None for key, value in caps.items()},
+        "partial_rotary_factor": partial_rotary(hf) if family.keys.reads(PARTIAL_ROTARY_KEY) else None,
+        **caps,
+        "family_keys": {key: hf.get(key, default) for key, default in family.own_keys.items()} or None,
         **moe_keys_from_hf(family, hf, where, problems),
     }
     return keys, problems
+
+
+def softcaps(family: Family, hf: dict[str, Any], where: str, problems: list[str]) -> dict[str, Optional[float]]:
+    """The soft-capping keys of a family that reads them (None: none); a cap given to another family is a problem."""
+    caps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = hf.get(key, family.defaults.get(key)) if family.keys.reads(key) else None
+        if not family.keys.reads(key) and hf.get(key) is not None:
+            problems.append(f"{where}: {key} {hf[key]} (soft-capping) is not supported for {family.architecture}")
+        caps[key] = float(value) if value else None
+    return caps
 
 
 def sliding_window(family: Family, hf: dict[str, Any], where: str, problems: list[str]
@@ -428,6 +349,7 @@ def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_toke
         "use_cache": True,
         "dtype": dtype,
     }
+    cfg.update({key: shape.family_key(key) for key in family.own_keys})
     cfg.update(family.export_extras(shape))
     return cfg
 

@@ -86,6 +86,9 @@ class ModelConfig:
     and tokens of each forward, one micro-batch of one rank, as transformers computes it for its batch; moe/aux_loss
     is its mean over the step's forwards, train/loss stays the language-model loss); null: config.json's
     router_aux_loss_coef (0.001 by default); 0: none."""
+    family_keys: Optional[dict[str, Union[str, float, bool, list[float]]]] = None
+    """config.json keys only the architecture's family reads, by their config.json names (gpt-oss's swiglu_alpha
+    and swiglu_limit: docs/MODELS.md); model.pretrained fills them. null or a key left out: the family's default."""
     attention_kernel: str = "auto"
     """The kernel of masked and soft-capped attention (sliding windows, packed documents, Gemma 2's cap): auto =
     sdpa; sdpa = PyTorch's SDPA with a dense mask (every tile computed) and the math path for soft-capped scores

@@ -113,6 +113,15 @@ class ModelShape:
     """The layers whose MLP is a mixture of experts (resolved: every layer of a model with experts unless given)."""
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss in the training loss (a training setting, not part of the function)."""
+    family_keys: tuple[tuple[str, Any], ...] = ()
+    """The family's own config.json keys (Family.own_keys) that differ from its defaults, sorted: family_key()."""
+
+    def family_key(self, key: str) -> Any:
+        """The value of one of the family's own config.json keys: the model's, else the family's default."""
+        own = self.family.own_keys
+        if key not in own:
+            raise KeyError(f"{key!r} is not a config.json key of {self.architecture} (its own: {sorted(own)})")
+        return dict(self.family_keys).get(key, own[key])
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -121,41 +130,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, m: Any) -> "ModelShape":
         """From a `model` config section (or anything with its field names)."""
-        if isinstance(m, cls):
-            return m
-        heads = int(m.num_heads)
-        kv = getattr(m, "num_kv_heads", None)
-        ffn = getattr(m, "ffn_hidden_size", None)
-        arch = getattr(m, "architecture", None) or families.DEFAULT.architecture
-        family = families.find(str(arch)) or families.DEFAULT
-        max_pos = getattr(m, "max_position_embeddings", None)
-        rope = rope_fields(getattr(m, "rope_scaling", None), max_pos)
-        # A shape-like object (a namespace rebuilt from asdict) carries the resolved fields themselves.
-        for key in rope:
-            if getattr(m, key, None) is not None:
-                rope[key] = type(rope[key])(getattr(m, key))
-        window = getattr(m, "sliding_window", None)
-        local_theta, scalar = getattr(m, "rope_local_theta", None), getattr(m, "query_pre_attn_scalar", None)
-        return cls(hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=heads,
-                   num_kv_heads=int(kv) if kv is not None else heads,
-                   ffn_hidden_size=int(ffn) if ffn is not None else default_ffn(int(m.hidden_size)),
-                   vocab_size=int(m.vocab_size), seq_len=int(m.seq_len), tie_embeddings=bool(m.tie_embeddings),
-                   rope_theta=float(getattr(m, "rope_theta", 10000.0)), norm_eps=float(getattr(m, "norm_eps", 1e-5)),
-                   init_std=float(getattr(m, "init_std", 0.02)), architecture=str(arch),
-                   qkv_bias=family.qkv_bias,
-                   max_position_embeddings=int(max_pos) if max_pos else None,
-                   head_dim=family.head_dim(int(m.hidden_size), heads, getattr(m, "head_dim", None)),
-                   hidden_act=str(getattr(m, "hidden_act", None) or family.keys.activations[0]),
-                   attention_kernel=str(getattr(m, "attention_kernel", None) or "auto"),
-                   sliding_window=int(window) if window else None,
-                   layer_types=tuple(str(t) for t in (getattr(m, "layer_types", None) or ())),
-                   rope_local_theta=float(local_theta) if local_theta else None,
-                   query_pre_attn_scalar=float(scalar) if scalar else None,
-                   attn_logit_softcapping=_optional_float(getattr(m, "attn_logit_softcapping", None)),
-                   final_logit_softcapping=_optional_float(getattr(m, "final_logit_softcapping", None)),
-                   partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0),
-                   **expert_fields(m, int(m.num_layers),
-                                   int(ffn) if ffn is not None else default_ffn(int(m.hidden_size))), **rope)
+        return m if isinstance(m, cls) else cls(**shape_fields(m))
 
     @property
     def family(self) -> Family:
@@ -302,7 +277,18 @@ class ModelShape:
     def params(self) -> int:
         """Total parameters N (final norm included)."""
         blocks = self.num_layers * (self.attention_matrix_params + self.layer_norm_params) + self.mlp_params
-        return blocks + self.embedding_params + self.head_params + self.hidden_size
+        return blocks + self.family_params + self.embedding_params + self.head_params + self.hidden_size
+
+    @property
+    def math_attention(self) -> bool:
+        """Its attention materialises every score (soft-capped scores, a sink logit): no fused kernel takes it."""
+        return bool(self.attn_logit_softcapping) or self.family.sinks
+
+    @functools.cached_property
+    def family_params(self) -> int:
+        """The family's own parameters of every block (Family.layer_params: gpt-oss's biases and sinks)."""
+        return sum(math.prod(dims) for i in range(self.num_layers)
+                   for dims in self.family.layer_params(self, i).values())
 
     @property
     def non_embedding_params(self) -> int:
@@ -326,6 +312,44 @@ class ModelShape:
         return 6.0 * (self.non_embedding_params - self.inactive_params) + 12.0 * self.q_dim * spans
 
 
+def shape_fields(m: Any) -> dict[str, Any]:
+    """ModelShape's fields from a `model` config section (or anything with its field names)."""
+    heads = int(m.num_heads)
+    kv = getattr(m, "num_kv_heads", None)
+    ffn = getattr(m, "ffn_hidden_size", None)
+    arch = getattr(m, "architecture", None) or families.DEFAULT.architecture
+    family = families.find(str(arch)) or families.DEFAULT
+    max_pos = getattr(m, "max_position_embeddings", None)
+    rope = rope_fields(getattr(m, "rope_scaling", None), max_pos)
+    # A shape-like object (a namespace rebuilt from asdict) carries the resolved fields themselves.
+    for key in rope:
+        if getattr(m, key, None) is not None:
+            rope[key] = type(rope[key])(getattr(m, key))
+    window = getattr(m, "sliding_window", None)
+    local_theta, scalar = getattr(m, "rope_local_theta", None), getattr(m, "query_pre_attn_scalar", None)
+    return dict(hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=heads,
+              num_kv_heads=int(kv) if kv is not None else heads,
+              ffn_hidden_size=int(ffn) if ffn is not None else default_ffn(int(m.hidden_size)),
+              vocab_size=int(m.vocab_size), seq_len=int(m.seq_len), tie_embeddings=bool(m.tie_embeddings),
+              rope_theta=float(getattr(m, "rope_theta", 10000.0)), norm_eps=float(getattr(m, "norm_eps", 1e-5)),
+              init_std=float(getattr(m, "init_std", 0.02)), architecture=str(arch),
+              qkv_bias=family.qkv_bias,
+              max_position_embeddings=int(max_pos) if max_pos else None,
+              head_dim=family.head_dim(int(m.hidden_size), heads, getattr(m, "head_dim", None)),
+              hidden_act=str(getattr(m, "hidden_act", None) or family.keys.activations[0]),
+              attention_kernel=str(getattr(m, "attention_kernel", None) or "auto"),
+              sliding_window=int(window) if window else None,
+              layer_types=tuple(str(t) for t in (getattr(m, "layer_types", None) or ())),
+              rope_local_theta=float(local_theta) if local_theta else None,
+              query_pre_attn_scalar=float(scalar) if scalar else None,
+              attn_logit_softcapping=_optional_float(getattr(m, "attn_logit_softcapping", None)),
+              final_logit_softcapping=_optional_float(getattr(m, "final_logit_softcapping", None)),
+              partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0),
+              family_keys=own_keys(family, getattr(m, "family_keys", None)),
+              **expert_fields(m, int(m.num_layers),
+                              int(ffn) if ffn is not None else default_ffn(int(m.hidden_size))), **rope)
+
+
 def expert_fields(m: Any, num_layers: int, ffn: int) -> dict[str, Any]:
     """ModelShape's expert fields from a model section (nothing for a dense model)."""
     experts = int(getattr(m, "num_experts", 0) or 0)
@@ -338,6 +362,14 @@ def expert_fields(m: Any, num_layers: int, ffn: int) -> dict[str, Any]:
             "norm_topk_prob": bool(getattr(m, "norm_topk_prob", True)),
             "moe_layers": tuple(int(i) for i in layers) if layers is not None else tuple(range(num_layers)),
             "router_aux_loss_coef": float(coef) if coef is not None else 0.001}
+
+
+def own_keys(family: Family, given: Any) -> tuple[tuple[str, Any], ...]:
+    """The family's own keys of a model section's family_keys (a mapping, or the shape's pairs) that differ from
+    the family's defaults; a key the family does not read is dropped here (the config checks refuse it)."""
+    pairs = dict(given.items() if hasattr(given, "items") else (given or ()))
+    return tuple(sorted((k, v) for k, v in pairs.items()
+                        if k in family.own_keys and v != family.own_keys[k]))
 
 
 def _optional_float(value: Any) -> Optional[float]:

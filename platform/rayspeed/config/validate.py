@@ -19,6 +19,7 @@ from rayspeed.config.schema import JobConfig
 from rayspeed.config.shape import ModelShape
 from rayspeed.families.family import (
     FULL_ATTENTION,
+    HEAD_DIM_KEY,
     LAYER_TYPES,
     LOCAL_ROPE_KEY,
     PARTIAL_ROTARY_KEY,
@@ -112,7 +113,7 @@ def shape_split_problems(shape: ModelShape, tp: int, sequence_parallel: bool) ->
     """What stops this model shape from being split over tp ranks: the one divisibility check that the config,
     the planner and the model builder share."""
     problems = []
-    if shape.hidden_size % shape.num_heads:
+    if shape.hidden_size % shape.num_heads and not shape.family.keys.reads(HEAD_DIM_KEY):  # else head_dim is given
         problems.append(f"hidden_size={shape.hidden_size} must divide by num_heads={shape.num_heads}")
     if shape.head_dim % 2:
         problems.append(f"head dim {shape.head_dim} must be even for RoPE")
@@ -153,7 +154,10 @@ def model_problems(cfg: JobConfig) -> list[str]:
     for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "seq_len"):
         if getattr(m, key) < 1:
             p.append(f"model.{key}: must be >= 1, got {getattr(m, key)}")
-    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+    if m.head_dim is not None:  # a family that reads it (family_problems): the head width is the given one
+        if m.head_dim % 2:
+            p.append(f"model.head_dim ({m.head_dim}) must be even for RoPE")
+    elif m.num_heads >= 1 and m.hidden_size % m.num_heads:
         p.append(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
     elif m.num_heads >= 1 and (m.hidden_size // m.num_heads) % 2:
         p.append(f"model: head dim hidden_size/num_heads = {m.hidden_size // m.num_heads} must be even for RoPE")
@@ -190,6 +194,10 @@ def family_problems(m: Any) -> list[str]:
         if kind not in rope_types:
             p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
         p += extended_rope_problems(m, kind)
+    own = (family or families.DEFAULT).own_keys
+    p += [f"model.family_keys: {key!r} is not a key {m.architecture} reads; "
+          + (f"its own keys: {', '.join(own)}" if own else "it has none: drop model.family_keys")
+          for key in (m.family_keys or {}) if key not in own]
     return p
 
 

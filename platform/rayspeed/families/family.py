@@ -47,6 +47,12 @@ REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "int
 
 
 LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+EXPERT_STACK = re.compile(r"^layers\.\d+\.mlp\.[a-z_]+$")  # layers.i.mlp.w_gate: no .weight, one row per expert
+
+
+def is_expert_stack(name: str) -> bool:
+    """A MoE layer's per-expert stack (experts first: what expert parallelism shards), by its name."""
+    return bool(EXPERT_STACK.match(name))
 
 
 def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -183,6 +189,23 @@ def no_extras(shape: Any) -> dict[str, Any]:
     return {}
 
 
+def no_layer_params(shape: Any, layer: int) -> dict[str, tuple[int, ...]]:
+    return {}
+
+
+@dataclass(frozen=True)
+class StoredForms:
+    """Parameters a checkpoint does not hold one tensor each: every expert's matrices in one tensor with two of
+    them interleaved (gpt-oss's gate_up_proj), or packed in 4 bits with their scales (MXFP4). The record says which
+    parameters and what a checkpoint may hold (torch-free: the header check and `rayspeed plan` read it); the
+    family's model module reads and writes the tensors (its Composition's `weights`)."""
+    converted: Callable[[Any], tuple[str, ...]]
+    """The rayspeed parameters (full names) held this way, given the ModelShape."""
+    forms: Callable[[Any], tuple[Mapping[str, tuple[int, ...]], ...]]
+    """The checkpoint tensors (name -> shape) of each form the family's checkpoints come in, the one an export
+    writes first; a checkpoint holds all of one form."""
+
+
 @dataclass(frozen=True)
 class ConfigKeys:
     """What a family's config.json may hold beyond the keys every family has, and what rayspeed accepts of it."""
@@ -225,6 +248,17 @@ class Family:
     """Architectures whose config.json nests this family's text model under `text_config` (Gemma 3's
     Gemma3ForConditionalGeneration): rayspeed reads and trains that text model and keeps the vision weights out;
     an export is this family's text-only architecture."""
+    own_keys: Mapping[str, Any] = field(default_factory=lambda: frozen({}))
+    """config.json keys only this family reads, with their defaults (gpt-oss's swiglu_limit): model.pretrained
+    fills them into model.family_keys, the shape carries them (ModelShape.family_key), an export writes them."""
+    layer_params: Callable[[Any, int], dict[str, tuple[int, ...]]] = no_layer_params
+    """Block i's parameters beyond the shared ones (suffix after `layers.<i>.` -> full shape), given the shape:
+    the checkpoint's tensors (their names in tensor_names) and the parameter count follow from it."""
+    sinks: bool = False
+    """Each head's softmax has a learned sink logit (gpt-oss): math attention (every score materialised, as the
+    planner counts), and no context parallelism (the sink would have to join ring attention's merge: not built)."""
+    stored: Optional[StoredForms] = None
+    """Parameters the checkpoint holds otherwise than one tensor each (None: all one tensor each)."""
     norms_keep_fp32: bool = False
     """For the planner's activation memory only: the family's norms apply their weight to the fp32 normalised
     tensor, which backward then keeps (Gemma's (1 + w), OLMo 2's order). The model's norms are its module's parts;

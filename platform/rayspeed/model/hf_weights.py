@@ -20,7 +20,9 @@ import torch
 
 from rayspeed.config.hf_checkpoint import (
     checkpoint_layout,
+    converted_params,
     expert_layout,
+    held_form,
     param_shapes,
     stored_names,
     weight_files,
@@ -99,14 +101,19 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     stored = stored_names(files)
     expected = param_shapes(shape)
     layout, experts = checkpoint_layout(shape), expert_layout(shape)
-    names = shape.family.tensor_names
+    names, converted = shape.family.tensor_names, converted_params(shape)
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     expert_dims: dict[str, int] = {}
+    elements = nbytes = 0
     p: torch.Tensor  # a parameter here, the tensor it is read into (a slice of an expert stack too) below
     for name, p in named_parameters(model):
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
+        if name in converted:
+            n = _read_converted(p, name, files, stored, shape, tp)
+            elements, nbytes = elements + n, nbytes + n * p.element_size()
+            continue
         # A stacked expert parameter is read expert by expert, each into its own row of the stack; sharded over ep,
         # a rank reads only the experts it holds.
         if name in experts:
@@ -119,7 +126,6 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
         for hf, target in parts:
             hname = stored.get(hf, hf)
             by_file.setdefault(files[hname], []).append((name, hname, target))
-    elements = nbytes = 0
     with torch.no_grad():
         for f, entries in sorted(by_file.items()):
             with safe_open(str(f), framework="pt") as fh:
@@ -143,6 +149,52 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
             "elements": elements, "bytes_read": nbytes}
 
 
+class _Fetch:
+    """Checkpoint tensors by name, each file opened once (the converted parameters' reads)."""
+
+    def __init__(self, files: dict[str, Path], stored: dict[str, str]):
+        self.files, self.stored = files, stored
+        self.open: dict[Path, Any] = {}
+
+    def __call__(self, hf: str) -> Any:
+        from safetensors import safe_open
+
+        name = self.stored.get(hf, hf)
+        f = self.files[name]
+        if f not in self.open:
+            self.open[f] = safe_open(str(f), framework="pt")
+        return self.open[f].get_slice(name)
+
+
+def _converted(files: dict[str, Path], stored: dict[str, str], shape: ModelShape, name: str,
+               experts: range) -> torch.Tensor:
+    """Parameter `name` (whole over tp; of the experts in `experts` for an expert stack) from the form the
+    checkpoint holds it in, by the family's model module (Composition.weights)."""
+    from rayspeed.model.families import composition_of
+
+    codec = composition_of(shape.family).weights
+    form = held_form(stored, shape)
+    if codec is None or not form:
+        raise HFWeightsError(f"{shape.architecture}: no reader for {name}'s stored form")
+    return codec.read(name, form, _Fetch(files, stored), experts, shape)
+
+
+def _read_converted(p: torch.Tensor, name: str, files: dict[str, Path], stored: dict[str, str], shape: ModelShape,
+                    tp: Any) -> int:
+    """Read converted parameter `name` into p: this rank's experts, then its tp slice (a tp cut may fall inside a
+    packed block: the whole blocks are read and dequantized, then sliced). Returns the elements read."""
+    first = getattr(p, "first_expert", 0)  # an expert stack's first row (the codec ignores it for other tensors)
+    value = _converted(files, stored, shape, name, range(first, first + p.shape[0]))
+    if getattr(p, "tensor_model_parallel", False) and tp is not None and tp.world_size > 1:
+        dim = int(p.partition_dim)  # type: ignore[attr-defined]  # a tag torch's stubs lack
+        value = value.narrow(dim, tp.rank * p.shape[dim], p.shape[dim])
+    if tuple(value.shape) != tuple(p.shape):
+        raise HFWeightsError(f"{name}: this rank's part is {tuple(value.shape)}, the parameter {tuple(p.shape)}")
+    with torch.no_grad():
+        p.copy_(value.to(device=p.device, dtype=p.dtype))
+    return value.numel()
+
+
 def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained") -> dict[str, torch.Tensor]:
     """Every parameter of the checkpoint in model_dir, whole, under rayspeed's names (fp32): the base an adapter
     is merged into (`rayspeed export --format hf` of an adapter job)."""
@@ -153,10 +205,13 @@ def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained"
         raise HFWeightsError(f"{what}: " + "; ".join(problems))
     files, _ = weight_files(Path(model_dir))
     stored, layout, expected = stored_names(files), checkpoint_layout(shape), param_shapes(shape)
-    names, experts = shape.family.tensor_names, expert_layout(shape)
+    names, experts, converted = shape.family.tensor_names, expert_layout(shape), converted_params(shape)
     out: dict[str, torch.Tensor] = {}
     for name in expected:
         if name == "head.weight" and shape.tie_embeddings:
+            continue
+        if name in converted:
+            out[name] = _converted(files, stored, shape, name, range(shape.num_experts)).float()
             continue
         if name in experts:
             stack = []
@@ -180,12 +235,21 @@ def hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, t
     missing = [k for k in expected if k not in state]
     if missing:
         raise KeyError(f"the weights lack {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
-    names = shape.family.tensor_names
+    names, converted = shape.family.tensor_names, converted_params(shape)
     out = {}
+    if converted:
+        from rayspeed.model.families import composition_of
+
+        codec = composition_of(shape.family).weights
+        if codec is None:
+            raise HFWeightsError(f"{shape.architecture}: no writer for its stored form")
+        out.update(codec.write(state, shape))
     for name, want in expected.items():
         value = state[name]
         if tuple(value.shape) != want:
             raise ValueError(f"{name}: weights hold {tuple(value.shape)}, the shape says {want}")
+        if name in converted:
+            continue
         per_expert = names.expert_names(name, shape.num_experts)
         if per_expert:  # the hub's layout: one tensor per expert (what save_pretrained writes and vLLM reads)
             out.update({hf: value[e].detach().to("cpu").contiguous() for e, hf in enumerate(per_expert)})

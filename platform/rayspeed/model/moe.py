@@ -135,6 +135,8 @@ class MoE(nn.Module):
     experts only (the router stays whole). A family's MoE names its routing rule (model/routers.py)."""
 
     routing_rule: type = SoftmaxTopK
+    expert_params: tuple[str, ...] = ("w_gate", "w_up", "w_down")
+    """The per-expert stacks (experts first) expert parallelism shards; a family's MoE may add its own (biases)."""
 
     def __init__(self, dims: ModelShape, seed: int, name: str, stats: Optional[RouterStats] = None,
                  tp: Optional[TensorParallel] = None, sequence_parallel: bool = False):
@@ -165,7 +167,7 @@ class MoE(nn.Module):
         if not ep.enabled or self.ep.enabled:  # once: a pretrained load shards before it reads
             return
         held = ep.local_experts(self.num_experts)
-        for name in ("w_gate", "w_up", "w_down"):
+        for name in self.expert_params:
             full = getattr(self, name)
             local = nn.Parameter(full.detach()[held.start:held.stop].clone(), requires_grad=full.requires_grad)
             # The ignores: these tags (rayspeed's and DeepSpeed's) are set at run time; torch's stubs declare none.

@@ -111,7 +111,7 @@ def layer_saved(sh: ModelShape, tp: int, sp: bool, w_bytes: int = 2, micro_batch
     if names.qk_norm:  # the fp32 upcast, the normalised tensor (fp32 in the fp32-weight order), an rsqrt per row
         rows = (sh.num_heads + sh.num_kv_heads) / tp if names.qk_norm == QK_NORM_PER_HEAD else 2
         attn += ((2 * r) if fp32_weight else (r + 1)) * (sh.q_dim + sh.kv_dim) / tp + r * rows
-    if sh.attn_logit_softcapping and not frac:
+    if sh.math_attention and not frac:
         # Soft-capped scores run the math path (model/attention.py softcapped_attention): it keeps the tanh
         # output and the probabilities per head and key (working dtype; the fp32 softmax output too in half
         # precision), the boolean mask masked_fill saves, and no log-sum-exp.
@@ -140,7 +140,7 @@ def tiled_fraction(sh: ModelShape, micro_batch: int, document_mask: bool, ring: 
 def block_saved(ctx: Ctx, lay: Layout) -> tuple[float, float, float]:
     """layer_saved for this job's precision, kernels and masking at this layout."""
     flash = (ctx.hw.is_gpu and ctx.precision in ("bf16", "fp16") and not ctx.document_masking
-             and not ctx.shape.windowed_layers and not ctx.shape.attn_logit_softcapping)
+             and not ctx.shape.windowed_layers and not ctx.shape.math_attention)
     ring = lay.cp > 1 and cp_scheme(ctx, lay) == "ring"
     return layer_saved(ctx.shape, lay.tp, lay.sequence_parallel, ctx.w_bytes, lay.micro_batch_size, flash,
                        ctx.document_masking, lay.cp, ring)

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayspeed.config.context_split import auto_degrees, cp_problem, scheme_for
+from rayspeed.config.context_split import cp_candidates, cp_problem, scheme_for
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS, Layout
 from rayspeed.config.schema import AUTO, JobConfig
 from rayspeed.config.shape import ModelShape
@@ -179,7 +179,7 @@ def enumerate_layouts(ctx: Ctx, fixed: dict) -> Enumeration:
                 out.rejected.append(f"parallel.tp: {why}")
             continue
         room = W // tp
-        cps = [fixed["cp"]] if "cp" in fixed else auto_degrees(sh.seq_len, room)
+        cps = [fixed["cp"]] if "cp" in fixed else cp_candidates(sh, room)
         for cp in cps:
             if room % cp:
                 out.rejected.append(f"parallel.tp ({tp}) x parallel.cp ({cp}) = {tp * cp} does not divide the world "

@@ -98,7 +98,7 @@ def attention_keys(ctx: Ctx) -> float:
     window saves memory traffic nowhere and time only under a block-sparse kernel, which rayspeed does not run
     yet. The model FLOPs of MFU count the window instead (ModelShape.flops_per_token)."""
     sh = ctx.shape
-    if ctx.document_masking or sh.attn_logit_softcapping:  # soft-capping runs the math path: every score
+    if ctx.document_masking or sh.math_attention:  # soft-caps and sinks run the math path: every score
         return float(sh.seq_len)
     masked = sh.windowed_layers
     return (masked * sh.seq_len + (sh.num_layers - masked) * sh.seq_len / 2) / sh.num_layers

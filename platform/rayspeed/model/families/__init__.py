@@ -32,6 +32,11 @@ class Composition:
     """The embedding's output is multiplied by sqrt(hidden) (Gemma)."""
     input_stage: type[TokenInput] = TokenInput
     """What makes the first hidden states (`embed.*`): token embeddings, or a family's own stage (images)."""
+    weights: Optional[Any] = None
+    """Reads and writes the parameters its record's `stored` forms hold (None: every parameter one tensor):
+    read(name, form, fetch, experts, shape) -> the parameter whole over tp, of the experts in `experts`, from the
+    checkpoint tensors of `form` (fetch(name) -> a safetensors slice); write(state, shape) -> the export's tensors
+    of the first form."""
 
     def embedding_scale(self, hidden_size: int) -> Optional[float]:
         return math.sqrt(hidden_size) if self.embed_scale else None
