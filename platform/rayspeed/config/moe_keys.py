@@ -16,8 +16,6 @@ UNSUPPORTED = {
     "DeepseekV3ForCausalLM": "DeepSeek-V3's multi-head latent attention (MLA: compressed, decoupled-RoPE keys and "
                              "values) and its shared experts with group-limited routing are not built",
     "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-head latent attention (MLA) is not built",
-    "GptOssForCausalLM": "GPT-OSS's attention sinks (a learned per-head logit in every softmax), its clamped SwiGLU "
-                         "with biased experts and its MXFP4 expert weights are not built",
     "Qwen3NextForCausalLM": "Qwen3-Next's hybrid attention (Gated DeltaNet linear-attention layers between gated "
                             "full-attention ones) and its shared expert are not built",
     "Qwen2MoeForCausalLM": "Qwen2-MoE's shared expert with its sigmoid gate is not built",
