@@ -138,6 +138,27 @@ def flops_per_token(shape: Any, adapter: Any) -> float:
     return shape.flops_per_token - 2.0 * frozen + 6.0 * adapter_params(shape, adapter)
 
 
+def _family_problems(a: Any, family: Any) -> list[str]:
+    """What the family's projections allow of the adapter: a fused projection has one adapter (its roles together,
+    one rank and alpha); a latent attention has no q, k, v roles."""
+    p: list[str] = []
+    if family is not None and family.attention_params is not None:
+        p.append(f"model.adapter: {family.architecture}'s latent attention has no q, k, v projections for the adapter "
+                 "roles (its low-rank down- and up-projections are not mapped to roles yet); set model.adapter.type: "
+                 "none, or fine-tune it fully")
+    roles = set(target_roles(a))
+    for module, group in fused_groups(family).items():
+        if roles & set(group) and not set(group) <= roles:
+            p.append(f"model.adapter.targets: {family.architecture} fuses {', '.join(group)} in one projection "
+                     f"({module}), which has one adapter; target all of {', '.join(group)} or none")
+        for key, pattern in (("rank_pattern", a.rank_pattern), ("alpha_pattern", a.alpha_pattern)):
+            values = {r: pattern.get(r) for r in group}
+            if len(set(values.values())) > 1:
+                p.append(f"model.adapter.{key}: {values} differ within {module}, one adapter on "
+                         f"{family.architecture}; give {', '.join(group)} the same value")
+    return p
+
+
 def problems(cfg: Any, family: Any) -> list[str]:
     a = cfg.model.adapter
     if not enabled(a):
@@ -166,16 +187,7 @@ def problems(cfg: Any, family: Any) -> list[str]:
     bad = [t for t in a.trainable if t not in TRAINABLE]
     if bad:
         p.append(f"model.adapter.trainable: {bad} unknown; use some of {', '.join(TRAINABLE)}")
-    roles = set(target_roles(a))
-    for module, group in fused_groups(family).items():
-        if roles & set(group) and not set(group) <= roles:
-            p.append(f"model.adapter.targets: {family.architecture} fuses {', '.join(group)} in one projection "
-                     f"({module}), which has one adapter; target all of {', '.join(group)} or none")
-        for key, pattern in (("rank_pattern", a.rank_pattern), ("alpha_pattern", a.alpha_pattern)):
-            values = {r: pattern.get(r) for r in group}
-            if len(set(values.values())) > 1:
-                p.append(f"model.adapter.{key}: {values} differ within {module}, one adapter on "
-                         f"{family.architecture}; give {', '.join(group)} the same value")
+    p += _family_problems(a, family)
     p += _nf4_problems(cfg)
     if a.dora and cfg.parallel.zero_stage == 3:
         p.append("model.adapter.dora: DoRA reads each whole base weight every forward, which ZeRO-3 partitions; "

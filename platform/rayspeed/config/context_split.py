@@ -57,8 +57,13 @@ def auto_degrees(seq_len: int, room: int) -> list[int]:
 
 def cp_candidates(shape: Any, room: int) -> list[int]:
     """The cp degrees `cp: auto` weighs for a ModelShape: none but 1 for a family whose attention has no
-    context-parallel form (sinks)."""
-    return [1] if shape.family.sinks else auto_degrees(shape.seq_len, room)
+    context-parallel form."""
+    return auto_degrees(shape.seq_len, room) if has_context_parallel_form(shape.family) else [1]
+
+
+def has_context_parallel_form(family: Any) -> bool:
+    """Whether the family's attention runs under context parallelism (not sinks, not latent attention yet)."""
+    return not family.sinks and family.attention_params is None
 
 
 def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> list[str]:
@@ -75,9 +80,11 @@ def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> 
         return [f"parallel.cp ({cp}) does not divide the world size ({world} workers, cluster.num_workers); use a "
                 f"cp that divides {world} (or auto)"]
     family = families.find(getattr(m, "architecture", None))
-    if family is not None and family.sinks:
-        return [f"parallel.cp ({cp}): {family.architecture}'s attention sinks have no context-parallel form yet (the "
-                "sink logit would have to join ring attention's merge); use parallel.cp: 1"]
+    if family is not None and not has_context_parallel_form(family):
+        form = ("attention sinks have no context-parallel form yet (the sink logit would have to join ring "
+                "attention's merge)" if family.sinks else "latent attention has no context-parallel form yet "
+                "(Ulysses after its up-projections is not built)")
+        return [f"parallel.cp ({cp}): {family.architecture}'s {form}; use parallel.cp: 1"]
     out = []
     why = cp_problem(m.seq_len, m.num_heads, num_kv_heads, tp if isinstance(tp, int) and tp >= 1 else 1, cp,
                      par.cp_scheme)

@@ -50,9 +50,13 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         out["head.weight"] = (v, h)
     for i in range(shape.num_layers):
         p = f"layers.{i}."
-        out.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,),
-                    p + "attn.wq.weight": (q, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
-                    p + "attn.wo.weight": (h, q)})
+        out.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,)})
+        own_attention = shape.family.attention_params
+        if own_attention is not None:
+            out.update({p + suffix: dims for suffix, dims in own_attention(shape).items()})
+        else:
+            out.update({p + "attn.wq.weight": (q, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
+                        p + "attn.wo.weight": (h, q)})
         if shape.is_moe(i):  # every expert's matrices stacked, [experts, out, in]
             e, fe = shape.num_experts, shape.expert_ffn_hidden_size
             out.update({p + "mlp.router.weight": (e, h), p + "mlp.w_gate": (e, fe, h), p + "mlp.w_up": (e, fe, h),

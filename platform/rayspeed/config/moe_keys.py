@@ -46,17 +46,32 @@ def moe_keys_from_hf(family: Family, hf: dict[str, Any], where: str, problems: l
     ffn = hf.get(names.expert_ffn) if names.expert_ffn else hf.get("intermediate_size")
     num_layers = int(hf["num_hidden_layers"])
     keys.update(num_experts=experts, experts_per_token=top_k, expert_ffn_hidden_size=int(ffn) if ffn else None,
-                norm_topk_prob=bool(hf.get(names.norm_topk, False)) if names.norm_topk else True,
+                norm_topk_prob=bool(hf.get(names.norm_topk, family.defaults.get(names.norm_topk, False)))
+                if names.norm_topk else True,
                 moe_layers=names.moe_layers(hf, num_layers))
     return keys
 
 
 def aux_coef_from_hf(family: Family, hf: dict[str, Any]) -> Optional[float]:
-    """config.json's router_aux_loss_coef for a MoE family (transformers' default 0.001 when it is left out)."""
+    """config.json's router_aux_loss_coef for a MoE family (when it is left out, the family's default: transformers'
+    0.001, or 0 for a family whose transformers model adds no balance loss, DeepSeek-V3)."""
     if family.moe is None:
         return None
-    value = hf.get("router_aux_loss_coef")
+    value = hf.get("router_aux_loss_coef", family.defaults.get("router_aux_loss_coef"))
     return float(value) if value is not None else 0.001
+
+
+def _layer_problems(family: Family, layers: Any, num_layers: int) -> list[str]:
+    """model.moe_layers against the layers the family can make experts of."""
+    keys = family.moe
+    assert keys is not None  # a family with experts (moe_problems)
+    if keys.first_dense is not None and layers:  # dense first layers, the rest experts
+        if sorted(layers) != list(range(min(layers), num_layers)):
+            return [f"model.moe_layers: a {family.architecture}'s dense layers are its first ones "
+                    f"({keys.first_dense}); give the layers from one on to the last"]
+    elif keys.sparse_step is None and layers is not None and sorted(layers) != list(range(num_layers)):
+        return [f"model.moe_layers: every layer of a {family.architecture} is a mixture of experts; leave it null"]
+    return []
 
 
 def moe_problems(cfg: Any) -> list[str]:
@@ -89,8 +104,7 @@ def moe_problems(cfg: Any) -> list[str]:
     layers = model.moe_layers
     if layers is not None and any(not 0 <= int(i) < model.num_layers for i in layers):
         out.append(f"model.moe_layers: {layers} names layers outside 0..{model.num_layers - 1}")
-    if family.moe.sparse_step is None and layers is not None and sorted(layers) != list(range(model.num_layers)):
-        out.append(f"model.moe_layers: every layer of a {family.architecture} is a mixture of experts; leave it null")
+    out += _layer_problems(family, layers, model.num_layers)
     ffn = model.expert_ffn_hidden_size
     if family.moe.expert_ffn is None and ffn is not None and model.ffn_hidden_size not in (None, ffn):
         out.append(f"model.expert_ffn_hidden_size: a {family.architecture}'s experts are ffn_hidden_size wide "

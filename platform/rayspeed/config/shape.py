@@ -230,7 +230,10 @@ class ModelShape:
 
     @functools.cached_property
     def attention_matrix_params(self) -> int:
-        """q and o (h x q_dim), k and v (h x kv_dim each), and the q/k/v biases when present: split by tp."""
+        """q and o (h x q_dim), k and v (h x kv_dim each), and the q/k/v biases when present: split by tp; a
+        family's own attention (Family.attention_params): all of its parameters."""
+        if self.family.attention_params is not None:
+            return sum(math.prod(dims) for dims in self.family.attention_params(self).values())
         h, q = self.hidden_size, self.q_dim
         bias = (q + 2 * self.kv_dim) if self.qkv_bias else 0
         # q/k norms over the whole projections (OLMo 2) are split by tp with the heads.

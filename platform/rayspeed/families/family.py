@@ -177,12 +177,15 @@ class ExpertKeys:
     """Every sparse_step-th layer is MoE (Qwen3-MoE: decoder_sparse_step), less `dense_layers`; None: every layer."""
     dense_layers: Optional[str] = None
     """Layers kept dense (Qwen3-MoE: mlp_only_layers)."""
+    first_dense: Optional[str] = None
+    """How many layers from the first are dense (DeepSeek-V3: first_k_dense_replace)."""
 
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[int]:
         """The MoE layers a config.json describes, as transformers builds them."""
         step = int(hf.get(self.sparse_step) or 1) if self.sparse_step else 1
         dense = set(hf.get(self.dense_layers) or []) if self.dense_layers else set()
-        return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+        first = int(hf.get(self.first_dense) or 0) if self.first_dense else 0
+        return [i for i in range(first, num_layers) if i not in dense and (i + 1) % step == 0]
 
 
 def no_extras(shape: Any) -> dict[str, Any]:
@@ -259,6 +262,9 @@ class Family:
     planner counts), and no context parallelism (the sink would have to join ring attention's merge: not built)."""
     stored: Optional[StoredForms] = None
     """Parameters the checkpoint holds otherwise than one tensor each (None: all one tensor each)."""
+    attention_params: Optional[Callable[[Any], dict[str, tuple[int, ...]]]] = None
+    """The block's attention parameters (suffix after `layers.<i>.` -> full shape) when they are not the shared
+    q, k, v, o (DeepSeek-V3's latent attention: its down- and up-projections and their norms); None: the shared."""
     norms_keep_fp32: bool = False
     """For the planner's activation memory only: the family's norms apply their weight to the fp32 normalised
     tensor, which backward then keeps (Gemma's (1 + w), OLMo 2's order). The model's norms are its module's parts;

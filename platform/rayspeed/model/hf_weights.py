@@ -104,7 +104,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     names, converted = shape.family.tensor_names, converted_params(shape)
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     expert_dims: dict[str, int] = {}
-    elements = nbytes = 0
+    elements, nbytes, views = 0, 0, Fp8Views(model_dir, files, stored)
     p: torch.Tensor  # a parameter here, the tensor it is read into (a slice of an expert stack too) below
     for name, p in named_parameters(model):
         if name not in expected:
@@ -131,22 +131,72 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
             with safe_open(str(f), framework="pt") as fh:
                 for name, hname, p in entries:
                     if name in experts:
-                        value = _rank_slice(fh.get_slice(hname), expert_dims.get(name), tp)
+                        value = _rank_slice(views(fh, hname), expert_dims.get(name), tp)
                         p.copy_(value.to(device=p.device, dtype=p.dtype))
-                        elements += value.numel()
-                        nbytes += value.numel() * value.element_size()
+                        elements, nbytes = elements + value.numel(), nbytes + value.numel() * value.element_size()
                         continue
                     fused = bool(names.fused_parts(layout[name][0]))
-                    value = _rank_slice(fh.get_slice(hname), names.partition_dim(name), tp, layout[name][1],
+                    value = _rank_slice(views(fh, hname), names.partition_dim(name), tp, layout[name][1],
                                         expected[name][0] if fused else None)
                     if tuple(value.shape) != tuple(p.shape):
                         raise HFWeightsError(f"{what}: {hname} in {f.name}: this rank's slice is "
                                              f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
                     p.copy_(value.to(device=p.device, dtype=p.dtype))
-                    elements += value.numel()
-                    nbytes += value.numel() * value.element_size()
+                    elements, nbytes = elements + value.numel(), nbytes + value.numel() * value.element_size()
     return {"model_dir": str(model_dir), "parameters": len(named_parameters(model)),
             "elements": elements, "bytes_read": nbytes}
+
+
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek's (and Qwen's) block-scaled FP8: weight * scale, one scale a block
+
+
+class _Whole:
+    """A tensor read whole, sliced as a safetensors slice is (what _rank_slice takes)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled FP8 matrix [rows, cols] in fp32: each (block rows x block cols) tile times its scale (the
+    last tiles may be partial)."""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    return weight.float() * scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+
+
+class Fp8Views:
+    """Checkpoint tensors as slices to read: a block-scaled FP8 weight (with its `_scale_inv` beside it) read whole
+    and dequantized to fp32 first, since a rank's tp slice may cut inside a block; every other tensor as it is.
+    The block size is config.json's quantization_config.weight_block_size (DeepSeek's 128 x 128 by default)."""
+
+    def __init__(self, model_dir: Any, files: dict[str, Path], stored: dict[str, str]):
+        import json
+
+        self.files, self.stored = files, stored
+        try:
+            quant = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+        except (OSError, ValueError):
+            quant = {}
+        size = quant.get("weight_block_size") or (128, 128)
+        self.block = (int(size[0]), int(size[1]))
+
+    def __call__(self, fh: Any, hname: str) -> Any:
+        view = fh.get_slice(hname)
+        scale = self.stored.get(hname + SCALE_SUFFIX, hname + SCALE_SUFFIX)
+        if view.get_dtype() not in FP8_DTYPES or scale not in self.files:
+            return view
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[scale]), framework="pt") as sh:
+            return _Whole(dequantize_fp8(view[:], sh.get_tensor(scale), self.block))
 
 
 class _Fetch:
@@ -207,6 +257,7 @@ def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained"
     stored, layout, expected = stored_names(files), checkpoint_layout(shape), param_shapes(shape)
     names, experts, converted = shape.family.tensor_names, expert_layout(shape), converted_params(shape)
     out: dict[str, torch.Tensor] = {}
+    views = Fp8Views(model_dir, files, stored)
     for name in expected:
         if name == "head.weight" and shape.tie_embeddings:
             continue
@@ -217,13 +268,13 @@ def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained"
             stack = []
             for hf in experts[name]:
                 with safe_open(str(files[stored.get(hf, hf)]), framework="pt") as fh:
-                    stack.append(fh.get_tensor(stored.get(hf, hf)).float())
+                    stack.append(views(fh, stored.get(hf, hf))[:].float())
             out[name] = torch.stack(stack)
             continue
         hname = stored.get(layout[name][0], layout[name][0])
         with safe_open(str(files[hname]), framework="pt") as fh:
             fused = bool(names.fused_parts(layout[name][0]))
-            out[name] = _rank_slice(fh.get_slice(hname), None, None, layout[name][1],
+            out[name] = _rank_slice(views(fh, hname), None, None, layout[name][1],
                                     expected[name][0] if fused else None).float()
     return out
 

@@ -214,6 +214,11 @@ class MoE(nn.Module):
         up = F.grouped_mm(rows, w_up.transpose(1, 2), offs=offsets)
         return F.grouped_mm((F.silu(gate) * up).contiguous(), w_down.transpose(1, 2), offs=offsets)
 
+    def beside(self, flat: torch.Tensor) -> Optional[torch.Tensor]:
+        """What a family's MoE adds for every token beside the routed experts (DeepSeek-V3's shared experts), on
+        the flat tokens inside the tp region: this rank's partial sum under tp. None: nothing."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
         if tp.enabled:
@@ -226,5 +231,7 @@ class MoE(nn.Module):
         combined = combined.index_copy(0, order, out).view(flat.shape[0], self.top_k, shape[-1])
         if tp.enabled:
             weights = copy_to_tp(weights, tp)
-        y = (combined * weights.unsqueeze(-1)).sum(1).reshape(shape)
+        y = (combined * weights.unsqueeze(-1)).sum(1)
+        beside = self.beside(flat)
+        y = (y if beside is None else y + beside).reshape(shape)
         return leave_tp_region(y, tp, self.sequence_parallel) if tp.enabled else y
