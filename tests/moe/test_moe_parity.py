@@ -145,7 +145,7 @@ def test_the_export_is_the_hub_layout_and_loads_to_the_same_logits(family, tmp_p
 def test_unsupported_moe_architectures_are_named_with_the_reason():
     from rayspeed.config.hf_config import model_keys_from_hf
 
-    for arch, word in (("DeepseekV3ForCausalLM", "latent attention"), ("Qwen3NextForCausalLM", "hybrid attention")):
+    for arch, word in (("DeepseekV2ForCausalLM", "softmax routing"), ("Qwen3NextForCausalLM", "hybrid attention")):
         _, problems = model_keys_from_hf({"architectures": [arch]}, "config.json")
         assert len(problems) == 1 and word in problems[0] and arch in problems[0]
 

@@ -13,9 +13,8 @@ MOE_SHAPE_KEYS = ("num_experts", "experts_per_token", "expert_ffn_hidden_size", 
 
 # Architectures with experts that rayspeed does not run, and what it would need first.
 UNSUPPORTED = {
-    "DeepseekV3ForCausalLM": "DeepSeek-V3's multi-head latent attention (MLA: compressed, decoupled-RoPE keys and "
-                             "values) and its shared experts with group-limited routing are not built",
-    "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-head latent attention (MLA) is not built",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's softmax routing (its topk_method greedy or group_limited_greedy) is not "
+                             "built (its latent attention is the one DeepSeek-V3's family runs)",
     "Qwen3NextForCausalLM": "Qwen3-Next's hybrid attention (Gated DeltaNet linear-attention layers between gated "
                             "full-attention ones) and its shared expert are not built",
     "Qwen2MoeForCausalLM": "Qwen2-MoE's shared expert with its sigmoid gate is not built",
