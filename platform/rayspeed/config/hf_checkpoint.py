@@ -44,19 +44,15 @@ def partition_dim(name: str, family: Optional[Family] = None) -> Optional[int]:
 
 def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every parameter of the model under rayspeed's names with its full shape (a tied head is not listed)."""
-    h, f, v, q, kv = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size, shape.q_dim, shape.kv_dim
+    h, f, v = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
     out: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
     if not shape.tie_embeddings:
         out["head.weight"] = (v, h)
     for i in range(shape.num_layers):
         p = f"layers.{i}."
         out.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,)})
-        own_attention = shape.family.attention_params
-        if own_attention is not None:
-            out.update({p + suffix: dims for suffix, dims in own_attention(shape).items()})
-        else:
-            out.update({p + "attn.wq.weight": (q, h), p + "attn.wk.weight": (kv, h), p + "attn.wv.weight": (kv, h),
-                        p + "attn.wo.weight": (h, q)})
+        own_attention = shape.family.attention_params or shared_attention_params
+        out.update({p + suffix: dims for suffix, dims in own_attention(shape).items()})
         if shape.is_moe(i):  # every expert's matrices stacked, [experts, out, in]
             e, fe = shape.num_experts, shape.expert_ffn_hidden_size
             out.update({p + "mlp.router.weight": (e, h), p + "mlp.w_gate": (e, fe, h), p + "mlp.w_up": (e, fe, h),
@@ -67,13 +63,23 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         names = shape.family.tensor_names
         if names.hidden_norms == 4:  # Gemma: after attention and after the MLP as well
             out.update({p + "attn_post_norm.weight": (h,), p + "mlp_post_norm.weight": (h,)})
-        if shape.qkv_bias:
-            out.update({p + "attn.wq.bias": (q,), p + "attn.wk.bias": (kv,), p + "attn.wv.bias": (kv,)})
         out.update({p + suffix: dims for suffix, dims in shape.family.layer_params(shape, i).items()})
-        if names.qk_norm is not None:
-            whole = names.qk_norm == QK_NORM_PER_PROJECTION  # OLMo 2: over the projection, else one head
-            out.update({p + "attn.q_norm.weight": (q if whole else shape.head_dim,),
-                        p + "attn.k_norm.weight": (kv if whole else shape.head_dim,)})
+    return out
+
+
+def shared_attention_params(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The shared attention's parameters of a block: q, k, v, o, the q/k/v biases of a family whose names have
+    them, its q/k norms (per head, or over the projections: OLMo 2)."""
+    h, q, kv = shape.hidden_size, shape.q_dim, shape.kv_dim
+    out: dict[str, tuple[int, ...]] = {"attn.wq.weight": (q, h), "attn.wk.weight": (kv, h), "attn.wv.weight": (kv, h),
+                                       "attn.wo.weight": (h, q)}
+    if shape.qkv_bias:
+        out.update({"attn.wq.bias": (q,), "attn.wk.bias": (kv,), "attn.wv.bias": (kv,)})
+    qk_norm = shape.family.tensor_names.qk_norm
+    if qk_norm is not None:
+        whole = qk_norm == QK_NORM_PER_PROJECTION
+        out.update({"attn.q_norm.weight": (q if whole else shape.head_dim,),
+                    "attn.k_norm.weight": (kv if whole else shape.head_dim,)})
     return out
 
 

@@ -262,7 +262,8 @@ class ModelShape:
         """The block's RMSNorm weights (two, four for Gemma) and a family's per-head q/k norms, replicated on every
         tp rank."""
         names = self.family.tensor_names
-        return names.hidden_norms * self.hidden_size + (2 * self.head_dim if names.qk_norm == QK_NORM_PER_HEAD else 0)
+        per_head = names.qk_norm == QK_NORM_PER_HEAD and self.family.attention_params is None  # else in its own
+        return names.hidden_norms * self.hidden_size + (2 * self.head_dim if per_head else 0)
 
     @property
     def layer_params(self) -> int:
