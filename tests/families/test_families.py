@@ -25,19 +25,19 @@ SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidd
 
 def test_registry_finds_each_family_by_architecture_and_model_type():
     assert families.names() == ("DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                                "GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-                                "Olmo2ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                "Qwen3MoeForCausalLM")
+                                "Glm4MoeForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                                "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                                "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     for fam in families.FAMILIES:
         assert families.by_architecture(fam.architecture) is fam
         assert families.by_model_type(fam.model_type) is fam
-    assert [f.model_type for f in families.FAMILIES] == ["deepseek_v3", "gemma2", "gemma3_text", "gpt_oss", "llama",
-                                                        "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen3",
-                                                        "qwen3_moe"]
+    assert [f.model_type for f in families.FAMILIES] == ["deepseek_v3", "gemma2", "gemma3_text", "glm4_moe", "gpt_oss",
+                                                        "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2",
+                                                        "qwen3", "qwen3_moe"]
     assert families.DEFAULT is families.by_architecture("LlamaForCausalLM")
     assert families.find("GPT2LMHeadModel") is None
     with pytest.raises(KeyError, match="supported: DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                                      "GptOssForCausalLM, "
+                                      "Glm4MoeForCausalLM, GptOssForCausalLM, "
                                       "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, "
                                       "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         families.by_architecture("GPT2LMHeadModel")
@@ -46,23 +46,27 @@ def test_registry_finds_each_family_by_architecture_and_model_type():
 
 
 def test_the_records_say_what_differs_between_families():
-    deepseek, gemma2, gemma3, gpt_oss, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe = families.FAMILIES
-    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, False, True] + [False] * 5 + [True, False, False]
-    assert [f.tensor_names.qk_norm for f in families.FAMILIES] == [None, None, "head", None, None, None, None,
+    (deepseek, gemma2, gemma3, glm, gpt_oss, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3,
+     qwen3_moe) = families.FAMILIES
+    assert [f.qkv_bias for f in families.FAMILIES] == [False, False, False, True, True] + [False] * 5 + [True, False,
+                                                                                                      False]
+    assert [f.tensor_names.qk_norm for f in families.FAMILIES] == [None, None, "head", "head", None, None, None, None,
                                                                    "projection", None, None, "head", "head"]
-    assert [f.keys.reads("attn_logit_softcapping") for f in families.FAMILIES] == [False, True] + [False] * 10
-    assert [f for f in families.FAMILIES if f.moe is not None] == [deepseek, gpt_oss, mixtral, qwen3_moe]
-    assert [f for f in families.FAMILIES if f.attention_params is not None] == [deepseek]  # latent attention
+    assert [f.keys.reads("attn_logit_softcapping") for f in families.FAMILIES] == [False, True] + [False] * 11
+    assert [f for f in families.FAMILIES if f.moe is not None] == [deepseek, glm, gpt_oss, mixtral, qwen3_moe]
+    assert [f for f in families.FAMILIES if f.attention_params is not None] == [deepseek, glm]  # their own
+    assert glm.layer_params is deepseek.layer_params  # DeepSeek-V3's mixture of experts
     assert [f for f in families.FAMILIES if f.sinks] == [gpt_oss] and gpt_oss.stored is not None
     assert gpt_oss.own_keys == {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
     assert qwen3_moe.tensor_names.qk_norm == qwen3.tensor_names.qk_norm  # Qwen3's attention, q/k norms included
-    assert [f.tensor_names.hidden_norms for f in families.FAMILIES] == [2, 4, 4] + [2] * 9
-    assert [f.norms_keep_fp32 for f in families.FAMILIES] == [False, True, True, False, False, False, False, True,
-                                                              False, False, False, False]
-    assert [f.keys.sliding_window for f in families.FAMILIES] == ["none", "layer_types", "layer_types", "layer_types",
-                                                                  "none", "all_layers", "all_layers", "none",
-                                                                  "all_layers", "use_flag", "use_flag", "use_flag"]
-    assert [len(dataclasses.fields(f)) for f in families.FAMILIES] == [14] * 12  # data: no behaviour switches
+    assert [f.tensor_names.hidden_norms for f in families.FAMILIES] == [2, 4, 4] + [2] * 10
+    assert [f.norms_keep_fp32 for f in families.FAMILIES] == [False, True, True, False, False, False, False, False,
+                                                              True, False, False, False, False]
+    assert [f.keys.sliding_window for f in families.FAMILIES] == ["none", "layer_types", "layer_types", "none",
+                                                                  "layer_types", "none", "all_layers", "all_layers",
+                                                                  "none", "all_layers", "use_flag", "use_flag",
+                                                                  "use_flag"]
+    assert [len(dataclasses.fields(f)) for f in families.FAMILIES] == [14] * 13  # data: no behaviour switches
     assert gemma2.tensor_names.in_layer.keys() < gemma3.tensor_names.in_layer.keys()  # Gemma 3 adds q/k norms
     # Phi-3's fused checkpoint tensors, each part's rows in order.
     assert phi3.tensor_names.fused_parts("model.layers.3.self_attn.qkv_proj.weight") == (

@@ -31,8 +31,8 @@ def wide(monkeypatch):
 def test_each_family_is_composed_once_and_the_others_are_the_llama_decoder():
     composed = [f for model in compositions() for f in model.families]
     assert len(composed) == len({id(f) for f in composed})  # no family in two modules
-    assert [f.model_type for f in composed] == ["deepseek_v3", "gemma2", "gemma3_text", "gpt_oss", "llama",
-                                                  "olmo2", "qwen3", "qwen3_moe"]
+    assert [f.model_type for f in composed] == ["deepseek_v3", "gemma2", "gemma3_text", "glm4_moe", "gpt_oss",
+                                                  "llama", "olmo2", "qwen3", "qwen3_moe"]
     for fam in families.FAMILIES:
         shape = ModelShape(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                            vocab_size=256, seq_len=8, tie_embeddings=True, architecture=fam.architecture)
