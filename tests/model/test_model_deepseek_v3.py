@@ -300,8 +300,8 @@ def test_context_parallelism_and_adapters_are_refused_naming_why(deepseek):
     from rayspeed.config.load import parse
     from rayspeed.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"parallel.cp \(2\): DeepseekV3ForCausalLM's latent attention"):
+    with pytest.raises(ConfigError, match=r"parallel.cp \(2\): DeepseekV3ForCausalLM's attention is its own"):
         parse({"model": {"seq_len": SEQ}, "cluster": {"num_workers": 2}},
               [f"model.pretrained={deepseek['dir']}", "parallel.cp=2"])
-    with pytest.raises(ConfigError, match=r"model.adapter: DeepseekV3ForCausalLM's latent attention"):
+    with pytest.raises(ConfigError, match=r"model.adapter: DeepseekV3ForCausalLM's attention is its own"):
         parse({"model": {"seq_len": SEQ, "adapter": {"type": "lora"}}}, [f"model.pretrained={deepseek['dir']}"])

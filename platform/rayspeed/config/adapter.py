@@ -143,9 +143,9 @@ def _family_problems(a: Any, family: Any) -> list[str]:
     one rank and alpha); a latent attention has no q, k, v roles."""
     p: list[str] = []
     if family is not None and family.attention_params is not None:
-        p.append(f"model.adapter: {family.architecture}'s latent attention has no q, k, v projections for the adapter "
-                 "roles (its low-rank down- and up-projections are not mapped to roles yet); set model.adapter.type: "
-                 "none, or fine-tune it fully")
+        p.append(f"model.adapter: {family.architecture}'s attention is its own: the adapter roles are not mapped "
+                 "onto its projections yet (latent attention's low-rank down- and up-projections); set "
+                 "model.adapter.type: none, or fine-tune it fully")
     roles = set(target_roles(a))
     for module, group in fused_groups(family).items():
         if roles & set(group) and not set(group) <= roles:

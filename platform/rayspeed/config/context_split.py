@@ -82,8 +82,8 @@ def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> 
     family = families.find(getattr(m, "architecture", None))
     if family is not None and not has_context_parallel_form(family):
         form = ("attention sinks have no context-parallel form yet (the sink logit would have to join ring "
-                "attention's merge)" if family.sinks else "latent attention has no context-parallel form yet "
-                "(Ulysses after its up-projections is not built)")
+                "attention's merge)" if family.sinks else "attention is its own, not the shared one context "
+                "parallelism splits (for latent attention: Ulysses after its up-projections is not built)")
         return [f"parallel.cp ({cp}): {family.architecture}'s {form}; use parallel.cp: 1"]
     out = []
     why = cp_problem(m.seq_len, m.num_heads, num_kv_heads, tp if isinstance(tp, int) and tp >= 1 else 1, cp,
