@@ -89,7 +89,7 @@ def test_seq_len_is_a_job_key_bounded_by_max_positions(tmp_path):
 
 @pytest.mark.parametrize("change,needle", [
     ({"architectures": ["GPT2LMHeadModel"]},
-     "architecture GPT2LMHeadModel is not supported; supported: Gemma2ForCausalLM, Gemma3ForCausalLM"),
+     "architecture GPT2LMHeadModel is not supported; supported: DeepseekV3ForCausalLM, Gemma2ForCausalLM"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope type 'dynamic' is not supported"),
     ({"sliding_window": 32}, "sliding_window 32 (sliding-window attention) is not supported for LlamaForCausalLM"),
     ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_act": None, "head_dim": 16,
