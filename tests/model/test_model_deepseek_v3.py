@@ -305,3 +305,38 @@ def test_context_parallelism_and_adapters_are_refused_naming_why(deepseek):
               [f"model.pretrained={deepseek['dir']}", "parallel.cp=2"])
     with pytest.raises(ConfigError, match=r"model.adapter: DeepseekV3ForCausalLM's attention is its own"):
         parse({"model": {"seq_len": SEQ, "adapter": {"type": "lora"}}}, [f"model.pretrained={deepseek['dir']}"])
+
+
+def test_the_router_bias_update_moves_each_correction_toward_an_even_load(deepseek):
+    """model.router_bias_update: after a step, each MoE layer's correction moves by +speed for an expert that took
+    fewer tokens than the mean of the step's training forwards, -speed for one that took more (evaluation forwards
+    and recomputations do not count); off for a family without corrections, at ZeRO-3 and below 0 (exit 2)."""
+    from rayspeed.config.load import parse
+    from rayspeed.errors import ConfigError
+    from rayspeed.train.events import TrainState
+    from rayspeed.train.router_bias import RouterBiasUpdate
+
+    shape = _shape(deepseek["dir"])
+    model = _build(shape, deepseek["dir"]).train()
+    ids = deepseek["ids"]
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    with torch.no_grad():
+        model(ids[:, :-1])  # evaluation: not counted
+    update = RouterBiasUpdate(model, 0.01, None)
+    assert len(update.layers) == len(shape.moe_layers)
+    before = {i: m.router.score_bias.detach().clone() for i, m in enumerate(update.layers)}
+    loads = {i: m.step_load.clone() for i, m in enumerate(update.layers)}
+    assert all(float(load.sum()) == BATCH * SEQ * shape.experts_per_token for load in loads.values())
+    update.on_step_end(TrainState(max_steps=1))
+    for i, m in enumerate(update.layers):
+        moved = m.router.score_bias.detach() - before[i]
+        want = 0.01 * torch.sign(loads[i].mean() - loads[i])
+        torch.testing.assert_close(moved, want, rtol=0, atol=1e-7)
+        assert m.step_load is None
+    job = {"name": "t", "cluster": {"num_workers": 1}}
+    for sets, said in ((["model.router_bias_update=0.001"], "routes without a score correction"),
+                       ([f"model.pretrained={deepseek['dir']}", "model.router_bias_update=-1"], "must be >= 0"),
+                       ([f"model.pretrained={deepseek['dir']}", "model.router_bias_update=0.001",
+                         "parallel.zero_stage=3"], "ZeRO-3 partitions")):
+        with pytest.raises(ConfigError, match=said):
+            parse({**job, "model": {"seq_len": SEQ}}, sets)

@@ -1,8 +1,10 @@
 """A DeepSeek-V3 fine-tune through the real entry point on a real local Ray cluster: a locally made DeepSeek-V3
 checkpoint in the published form (its projections float8_e4m3 with block scales, config.json naming the fp8
-quantization) trained under Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers with `parallel.ep: 2`; the registered
-model loads in transformers as a DeepseekV3ForCausalLM with the trained weights' logits, and `rayspeed export
---format hf` of the last checkpoint (the experts gathered from both ranks' files) gives the same."""
+quantization) trained under Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers with `parallel.ep: 2` and
+`model.router_bias_update: 0.01` (the score corrections move by load after every step); the registered model loads
+in transformers as a DeepseekV3ForCausalLM with the trained weights' logits, its corrections moved by whole steps
+of 0.01, and `rayspeed export --format hf` of the last checkpoint (the experts gathered from both ranks' files,
+the moved corrections saved in it) gives the same."""
 
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def test_an_ep2_job_fine_tunes_the_fp8_form_and_exports_a_deepseek_v3(ray_head, 
                           "--set", f"model.pretrained={model_dir}", "--set", "name=deepseek-ep2",
                           "--set", "model.seq_len=32", "--set", "train.global_batch_size=4",
                           "--set", "train.max_steps=4", "--set", "train.lr=1e-3", "--set", "parallel.ep=2",
+                          "--set", "model.router_bias_update=0.01",
                           "--set", "resilience.checkpoint_every_steps=4", "--set", "tracking.loss_landscape=false",
                           "--set", "tracking.charts_every_checkpoints=0"], ray_head.address)
     assert r.returncode == 0 and s["status"] == "finished", r.stdout[-3000:] + r.stderr[-3000:]
@@ -81,6 +84,9 @@ def test_an_ep2_job_fine_tunes_the_fp8_form_and_exports_a_deepseek_v3(ray_head, 
             hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
             assert type(hf).__name__ == "DeepseekV3ForCausalLM" and "quantization_config" not in hf.config.to_dict()
             torch.testing.assert_close(hf(ids).logits, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{folder}: {m}")
+            moved = torch.cat([b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")]) / 0.01
+            assert moved.abs().max() > 0.5 and moved.abs().max() <= 4 + 1e-4  # four steps of +-0.01 (or none)
+            torch.testing.assert_close(moved, moved.round(), rtol=0, atol=1e-4)
     from rayspeed.config.load import parse
     from rayspeed.config.shape import ModelShape
     from rayspeed.model.hf_weights import load_hf_weights

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from rayspeed.config.context_split import context_problems
-from rayspeed.config.moe_keys import moe_problems
+from rayspeed.config.moe_keys import expert_problems
 from rayspeed.config.schema import AUTO, JobConfig
 
 
@@ -49,7 +49,7 @@ def parallel_problems(cfg: JobConfig) -> list[str]:
         p.append("model.attention_kernel: flex trains on CUDA only (torch 2.13 has no FlexAttention backward on "
                  "CPU); use auto, or cluster.use_gpu: true")
     p += pipeline_problems(cfg)
-    p += context_problems(m, par, kv, None if c.elastic else c.max_workers) + moe_problems(cfg)
+    p += context_problems(m, par, kv, None if c.elastic else c.max_workers) + expert_problems(cfg)
     if par.sequence_parallel is True and par.tp == 1:
         p.append("parallel.sequence_parallel: true needs parallel.tp > 1 (or leave it auto)")
     if par.sequence_parallel is True and isinstance(par.tp, int) and sequence_parallel_problem(m.seq_len, par.tp):

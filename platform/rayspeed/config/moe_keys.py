@@ -145,3 +145,31 @@ def moe_problems(cfg: Any) -> list[str]:
         out.append("model.adapter.base_precision: nf4 on a mixture of experts: the experts' stacked weights are not "
                    "packed in 4 bits; use base_precision: auto (the experts stay frozen in the job's precision)")
     return out
+
+
+SCORE_BIAS = "mlp.router.score_bias"  # a family's per-expert score correction (DeepSeek-V3's e_score_correction_bias)
+
+
+def bias_update_problems(cfg: Any) -> list[str]:
+    """model.router_bias_update against the family and the layout: a speed >= 0, a family whose router has a score
+    correction, a layout where every rank holds the correction whole (not ZeRO-3's partitions)."""
+    speed = getattr(cfg.model, "router_bias_update", 0.0)
+    if not speed:
+        return []
+    if speed < 0:
+        return [f"model.router_bias_update: must be >= 0 (0: off; DeepSeek-V3 trained with 0.001), got {speed}"]
+    from rayspeed import families
+
+    family = families.find(cfg.model.architecture)
+    if family is None or SCORE_BIAS not in family.tensor_names.in_layer or not cfg.model.num_experts:
+        return [f"model.router_bias_update: {cfg.model.architecture} routes without a score correction to move "
+                "(DeepSeek-V3's e_score_correction_bias); set it to 0"]
+    if cfg.parallel.zero_stage == 3:
+        return ["model.router_bias_update: ZeRO-3 partitions the score corrections it moves in place; use "
+                "parallel.zero_stage 0-2, or set it to 0"]
+    return []
+
+
+def expert_problems(cfg: Any) -> list[str]:
+    """moe_problems and bias_update_problems."""
+    return moe_problems(cfg) + bias_update_problems(cfg)

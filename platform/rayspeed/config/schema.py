@@ -95,6 +95,11 @@ class ModelConfig:
     (scores materialised); flex = FlexAttention, compiled, on CUDA: the mask as a function (tiles outside it skipped)
     and the cap as a score modifier, no score matrix (GPU jobs only: torch 2.13 has no FlexAttention backward on CPU;
     not yet measured on a GPU here, so not the default). Plain causal attention is SDPA's fused kernel either way."""
+    router_bias_update: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: after every optimizer step each MoE layer's score correction
+    (e_score_correction_bias) moves by this speed toward an even load, + speed where an expert took fewer tokens
+    than the mean over the step's tokens on every rank, - speed where more (DeepSeek-V3 trained with 0.001); it is
+    saved in checkpoints and exported. 0: the corrections stay as loaded. A family with score corrections only."""
     freeze_router: bool = False
     """Keep every MoE layer's router weights as loaded (a fine-tune that must not move the routing; the balance
     loss then trains nothing: set router_aux_loss_coef: 0 with it)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayspeed import compat
+from rayspeed.config.adapter import is_adapter
 
 TAG = "ds"
 """The folder of a checkpoint DeepSpeed saves into."""
@@ -76,9 +77,12 @@ class DeepSpeedState:
     def __init__(self, engine: Any):
         self.engine = engine
         # An adapter job's frozen base is not saved (the build reloads it from model.pretrained): the checkpoint
-        # holds what trains, its optimizer state, schedule and RNG.
+        # holds what trains, its optimizer state, schedule and RNG. A full fine-tune's frozen parameters (routers
+        # kept as loaded, score corrections moved by router_bias_update) are few, and saved.
         module = getattr(engine, "module", None)
-        self.frozen = module is not None and any(not p.requires_grad for p in module.parameters())
+        named = list(module.named_parameters()) if module is not None else []
+        self.frozen = any(not p.requires_grad for _, p in named) and any(
+            p.requires_grad and is_adapter(n) for n, p in named)
         self.universal_info = expert_universal_info(module) if module is not None else {}
 
     def save(self, folder: Path, client_state: dict[str, Any]) -> None:

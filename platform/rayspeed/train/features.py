@@ -1,7 +1,7 @@
 """What the model's features and the job's evaluation add to a run, each a function of the trainer and the tracker
 returning its Listeners (empty where it does not apply): the trainer composes them and does not ask which.
 
-    FEATURES = (expert_load, harness, out_of_memory)
+    FEATURES = (expert_load, harness, out_of_memory, router_bias)
 """
 
 from __future__ import annotations
@@ -39,4 +39,14 @@ def out_of_memory(trainer: Any, tracker: Any) -> Listeners:
     return Listeners([OomRecorder(trainer, tracker)])
 
 
-FEATURES = (expert_load, harness, out_of_memory)
+def router_bias(trainer: Any, tracker: Any) -> Listeners:
+    """model.router_bias_update: the score corrections move toward an even load after every step."""
+    speed = trainer.cfg.model.router_bias_update
+    if not speed:
+        return Listeners()
+    from rayspeed.train.router_bias import RouterBiasUpdate
+
+    return Listeners([RouterBiasUpdate(trainer.engine.module, speed, getattr(trainer.groups, "dpcp_group", None))])
+
+
+FEATURES = (expert_load, harness, out_of_memory, router_bias)

@@ -15,6 +15,7 @@ import math
 from typing import Any, Optional, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -138,8 +139,8 @@ class SharedExperts(nn.Module):
 
 
 class DeepseekMoE(MoE):
-    """Group-limited sigmoid routing with the score correction (a frozen parameter, loaded and exported; the
-    aux-loss-free update that moves it by load is not built), and the shared experts beside."""
+    """Group-limited sigmoid routing with the score correction (a frozen parameter, loaded, saved and exported,
+    which model.router_bias_update moves by load after each step: balance_bias), and the shared experts beside."""
 
     def __init__(self, dims: ModelShape, seed: int, name: str, stats: Any = None, tp: Optional[TensorParallel] = None,
                  sequence_parallel: bool = False):
@@ -148,6 +149,7 @@ class DeepseekMoE(MoE):
         self.groups, self.top_groups = int(key("n_group")), int(key("topk_group"))
         self.scaling, self.normalise = float(key("routed_scaling_factor")), dims.norm_topk_prob
         self.router.score_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+        self.step_load: Optional[torch.Tensor] = None  # tokens per expert of the training forwards since a balance
         self.shared = SharedExperts(dims, deepseek_v3.shared_experts_width(dims), self.tp, seed, f"{name}.shared")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,10 +166,25 @@ class DeepseekMoE(MoE):
         if self.stats is not None:  # the load metrics (transformers adds no balance loss for this family)
             counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
             self.stats.add(counts, (scores / scores.sum(-1, keepdim=True)).sum(0), x.shape[0])
+            if self.stats.recording and self.stats.windowed:  # a training forward (not a recomputation)
+                self.step_load = counts if self.step_load is None else self.step_load + counts
         return (weights * self.scaling).to(x.dtype), experts
 
     def beside(self, flat: torch.Tensor) -> Optional[torch.Tensor]:
         return self.shared(flat)
+
+    def balance_bias(self, speed: float, group: Any) -> None:
+        """DeepSeek-V3's auxiliary-loss-free update: the score correction moves by `speed` toward an even load,
+        up for an expert that took fewer tokens than the mean since the last call, down for one that took more;
+        the load summed over `group` (every data-parallel rank's tokens), so every rank moves it alike."""
+        load, self.step_load = self.step_load, None
+        if load is None:
+            return
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(load, group=group)
+        with torch.no_grad():
+            bias = cast(torch.Tensor, self.router.score_bias)
+            bias.add_(speed * torch.sign(load.mean() - load).to(bias.dtype))
 
 
 class DeepseekBlock(Block):
