@@ -45,8 +45,11 @@ def run_identity(job: JobConfig) -> dict[str, Any]:
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """'key: saved -> now' for every key that differs."""
+    """'key: saved -> now' for every key that differs; a key the saved run's rayspeed did not have yet counts as
+    its default (a newer rayspeed's new key, left at its default, changes nothing the old run computed)."""
     keys = sorted(set(saved) | set(now))
+    defaults = flatten(to_dict(JobConfig())) if set(now) - set(saved) else {}
+    saved = {**{k: defaults[k] for k in set(now) - set(saved) if k in defaults}, **saved}
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
