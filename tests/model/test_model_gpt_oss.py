@@ -98,6 +98,9 @@ class _Grads:
     def __call__(self, name):
         return self.grads[name]
 
+    def shared(self, key, make):
+        return make()
+
 
 def _reference_grad(ref, shape, name, experts=None):
     """transformers' gradient of rayspeed parameter `name`, whole over tp (the experts' through the same reader)."""

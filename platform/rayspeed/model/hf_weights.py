@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -111,7 +111,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
         if name in converted:
-            n = _read_converted(p, name, files, stored, shape, tp)
+            n = _read_converted(p, name, views.fetch, shape, tp)
             elements, nbytes = elements + n, nbytes + n * p.element_size()
             continue
         # A stacked expert parameter is read expert by expert, each into its own row of the stack; sharded over ep,
@@ -175,12 +175,14 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 class Fp8Views:
     """Checkpoint tensors as slices to read: a block-scaled FP8 weight (with its `_scale_inv` beside it) read whole
     and dequantized to fp32 first, since a rank's tp slice may cut inside a block; every other tensor as it is.
-    The block size is config.json's quantization_config.weight_block_size (DeepSeek's 128 x 128 by default)."""
+    The block size is config.json's quantization_config.weight_block_size (DeepSeek's 128 x 128 by default).
+    `fetch`: the load's reader by name (the scales', and the converted parameters')."""
 
     def __init__(self, model_dir: Any, files: dict[str, Path], stored: dict[str, str]):
         import json
 
         self.files, self.stored = files, stored
+        self.fetch = _Fetch(files, stored)
         try:
             quant = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
         except (OSError, ValueError):
@@ -193,18 +195,23 @@ class Fp8Views:
         scale = self.stored.get(hname + SCALE_SUFFIX, hname + SCALE_SUFFIX)
         if view.get_dtype() not in FP8_DTYPES or scale not in self.files:
             return view
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[scale]), framework="pt") as sh:
-            return _Whole(dequantize_fp8(view[:], sh.get_tensor(scale), self.block))
+        return _Whole(dequantize_fp8(view[:], self.fetch(scale)[:], self.block))
 
 
 class _Fetch:
-    """Checkpoint tensors by name, each file opened once (the converted parameters' reads)."""
+    """Checkpoint tensors by name, each file opened once for the whole load."""
 
     def __init__(self, files: dict[str, Path], stored: dict[str, str]):
         self.files, self.stored = files, stored
         self.open: dict[Path, Any] = {}
+        self.last: tuple[Any, Any] = (None, None)
+
+    def shared(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """make(), kept under `key` until another key is asked for: a tensor two parameters read in turn (gpt-oss's
+        gate and up, both halves of one packed tensor) is read and dequantized once."""
+        if self.last[0] != key:
+            self.last = (key, make())
+        return self.last[1]
 
     def __call__(self, hf: str) -> Any:
         from safetensors import safe_open
@@ -216,25 +223,23 @@ class _Fetch:
         return self.open[f].get_slice(name)
 
 
-def _converted(files: dict[str, Path], stored: dict[str, str], shape: ModelShape, name: str,
-               experts: range) -> torch.Tensor:
+def _converted(fetch: _Fetch, shape: ModelShape, name: str, experts: range) -> torch.Tensor:
     """Parameter `name` (whole over tp; of the experts in `experts` for an expert stack) from the form the
     checkpoint holds it in, by the family's model module (Composition.weights)."""
     from rayspeed.model.families import composition_of
 
     codec = composition_of(shape.family).weights
-    form = held_form(stored, shape)
+    form = held_form(fetch.stored, shape)
     if codec is None or not form:
         raise HFWeightsError(f"{shape.architecture}: no reader for {name}'s stored form")
-    return codec.read(name, form, _Fetch(files, stored), experts, shape)
+    return codec.read(name, form, fetch, experts, shape)
 
 
-def _read_converted(p: torch.Tensor, name: str, files: dict[str, Path], stored: dict[str, str], shape: ModelShape,
-                    tp: Any) -> int:
+def _read_converted(p: torch.Tensor, name: str, fetch: _Fetch, shape: ModelShape, tp: Any) -> int:
     """Read converted parameter `name` into p: this rank's experts, then its tp slice (a tp cut may fall inside a
     packed block: the whole blocks are read and dequantized, then sliced). Returns the elements read."""
     first = getattr(p, "first_expert", 0)  # an expert stack's first row (the codec ignores it for other tensors)
-    value = _converted(files, stored, shape, name, range(first, first + p.shape[0]))
+    value = _converted(fetch, shape, name, range(first, first + p.shape[0]))
     if getattr(p, "tensor_model_parallel", False) and tp is not None and tp.world_size > 1:
         dim = int(p.partition_dim)  # type: ignore[attr-defined]  # a tag torch's stubs lack
         value = value.narrow(dim, tp.rank * p.shape[dim], p.shape[dim])
@@ -262,7 +267,7 @@ def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained"
         if name == "head.weight" and shape.tie_embeddings:
             continue
         if name in converted:
-            out[name] = _converted(files, stored, shape, name, range(shape.num_experts)).float()
+            out[name] = _converted(views.fetch, shape, name, range(shape.num_experts)).float()
             continue
         if name in experts:
             stack = []

@@ -35,8 +35,8 @@ class Composition:
     weights: Optional[Any] = None
     """Reads and writes the parameters its record's `stored` forms hold (None: every parameter one tensor):
     read(name, form, fetch, experts, shape) -> the parameter whole over tp, of the experts in `experts`, from the
-    checkpoint tensors of `form` (fetch(name) -> a safetensors slice); write(state, shape) -> the export's tensors
-    of the first form."""
+    checkpoint tensors of `form` (fetch(name) -> a safetensors slice; fetch.shared(key, make) keeps one read for the
+    next parameter); write(state, shape) -> the export's tensors of the first form."""
 
     def embedding_scale(self, hidden_size: int) -> Optional[float]:
         return math.sqrt(hidden_size) if self.embed_scale else None

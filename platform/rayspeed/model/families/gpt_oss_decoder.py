@@ -95,6 +95,7 @@ class GptOssWeights:
     """The expert stacks from either stored form (gpt_oss.forms), and back to the unpacked one."""
 
     def read(self, name: str, form: Mapping[str, Any], fetch: Any, experts: range, shape: ModelShape) -> torch.Tensor:
+        """`fetch(name)`: a checkpoint tensor's slice; `fetch.shared(key, make)`: make() kept for the next read."""
         layer, _, suffix = name.removeprefix("layers.").partition(".")
         hf, _ = gpt_oss.STACKS[suffix]
         base = f"model.layers.{layer}.{gpt_oss.EXPERTS}{hf}"
@@ -102,11 +103,15 @@ class GptOssWeights:
         if hf.endswith("_bias"):
             value = fetch(base)[rows].float()  # [experts, 2f] (gate even, up odd) or [experts, h]
             return value[:, _half(suffix)] if hf.startswith("gate_up") else value
-        if base in form:  # unpacked, [experts, in, out]
-            value = fetch(base)[rows].float().transpose(1, 2)
-        else:  # MXFP4, [experts, out, in / 32, 16] and [experts, out, in / 32]
-            value = dequantize_mxfp4(fetch(base + "_blocks")[rows], fetch(base + "_scales")[rows])
-        return value[:, _half(suffix)] if hf.startswith("gate_up") else value  # [experts, out, in]
+        def dense() -> torch.Tensor:  # [experts, out, in]
+            if base in form:  # unpacked, [experts, in, out]
+                return fetch(base)[rows].float().transpose(1, 2)
+            # MXFP4, [experts, out, in / 32, 16] and [experts, out, in / 32]
+            return dequantize_mxfp4(fetch(base + "_blocks")[rows], fetch(base + "_scales")[rows])
+
+        if not hf.startswith("gate_up"):
+            return dense()
+        return fetch.shared((base, rows.start, rows.stop), dense)[:, _half(suffix)]  # gate, then up: read once
 
     def write(self, state: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
         out = {}
