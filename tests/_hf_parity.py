@@ -32,14 +32,19 @@ def reference(model_dir: str, ids: torch.Tensor) -> dict:
     return {"dir": model_dir, "model": model, "logits": logits.detach(), "loss": loss.detach(), "grads": grads}
 
 
-def build(shape, model_dir, tp=None, sp=False):
-    """rayspeed's Transformer for `shape`, this rank's weights read from the checkpoint."""
+def build(shape, model_dir, tp=None, sp=False, ep=None):
+    """rayspeed's Transformer for `shape`, this rank's weights read from the checkpoint (with `ep`, each MoE layer's
+    experts sharded over it first, so a rank reads only those it holds)."""
     from rayspeed.model.hf_weights import load_hf_weights
     from rayspeed.model.transformer import Transformer
     from rayspeed.parallel.layers import deferred_init
 
     with deferred_init():
         model = Transformer(shape, tp=tp, sequence_parallel=sp)
+    if ep is not None:
+        for block in model.layers:
+            if shape.is_moe(block.layer_idx):
+                block.mlp.shard_experts(ep)
     load_hf_weights(model, model_dir, shape, tp=tp)
     return model
 

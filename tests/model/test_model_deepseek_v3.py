@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from _dist import run_distributed
+from _hf_models import shape_of
+from _hf_parity import build as _build
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ, BATCH = 16, 2
@@ -79,27 +81,8 @@ def deepseek(request, tmp_path_factory):
             "loss": loss.detach(), "grads": grads}
 
 
-def _shape(model_dir, **change):
-    from rayspeed.config.load import parse
-    from rayspeed.config.shape import ModelShape
-
-    cfg = parse({"model": {"seq_len": SEQ}}, [f"model.pretrained={model_dir}"])
-    return dataclasses.replace(ModelShape.from_config(cfg.model), **change)
-
-
-def _build(shape, model_dir, tp=None, sp=False, ep=None):
-    from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.transformer import Transformer
-    from rayspeed.parallel.layers import deferred_init
-
-    with deferred_init():
-        model = Transformer(shape, tp=tp, sequence_parallel=sp)
-    if ep is not None:
-        for block in model.layers:
-            if shape.is_moe(block.layer_idx):
-                block.mlp.shard_experts(ep)
-    load_hf_weights(model, model_dir, shape, tp=tp)
-    return model
+def _shape(model_dir):
+    return shape_of(model_dir, SEQ)
 
 
 def _reference_grad(ref, shape, name):

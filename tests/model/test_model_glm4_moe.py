@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from _dist import run_distributed
+from _hf_models import shape_of
+from _hf_parity import build as _build
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ, BATCH = 16, 2
@@ -50,21 +52,7 @@ def glm(request, tmp_path_factory):
 
 
 def _shape(model_dir):
-    from rayspeed.config.load import parse
-    from rayspeed.config.shape import ModelShape
-
-    return ModelShape.from_config(parse({"model": {"seq_len": SEQ}}, [f"model.pretrained={model_dir}"]).model)
-
-
-def _build(shape, model_dir, tp=None, sp=False):
-    from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.transformer import Transformer
-    from rayspeed.parallel.layers import deferred_init
-
-    with deferred_init():
-        model = Transformer(shape, tp=tp, sequence_parallel=sp)
-    load_hf_weights(model, model_dir, shape, tp=tp)
-    return model
+    return shape_of(model_dir, SEQ)
 
 
 def _reference_grad(ref, shape, name, rank=0, world=1):

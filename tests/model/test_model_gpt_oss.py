@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from _dist import run_distributed
+from _hf_models import shape_of
+from _hf_parity import build as _build
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ, BATCH, COEF = 16, 2, 0.02
@@ -31,6 +33,10 @@ CONFIG = dict(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_l
 def _margin(router_logits) -> float:
     top = torch.topk(router_logits.detach().float(), 3, dim=-1).values
     return float((top[:, 1] - top[:, 2]).min())
+
+
+def _shape(model_dir):
+    return shape_of(model_dir, SEQ)
 
 
 def _reference(model, ids):
@@ -65,28 +71,6 @@ def gpt_oss(tmp_path_factory):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"dir": str(d), "model": model, "ids": ids, "logits": out.logits.detach(), "loss": loss.detach(),
             "aux": out.aux_loss.detach(), "grads": grads}
-
-
-def _shape(model_dir, **change):
-    from rayspeed.config.load import parse
-    from rayspeed.config.shape import ModelShape
-
-    cfg = parse({"model": {"seq_len": SEQ}}, [f"model.pretrained={model_dir}"])
-    return dataclasses.replace(ModelShape.from_config(cfg.model), **change)
-
-
-def _build(shape, model_dir, tp=None, sp=False, ep=None):
-    from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.transformer import Transformer
-    from rayspeed.parallel.layers import deferred_init
-
-    with deferred_init():
-        model = Transformer(shape, tp=tp, sequence_parallel=sp)
-    if ep is not None:
-        for block in model.layers:
-            block.mlp.shard_experts(ep)
-    load_hf_weights(model, model_dir, shape, tp=tp)
-    return model
 
 
 class _Grads:
