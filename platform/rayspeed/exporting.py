@@ -80,8 +80,6 @@ def _from_checkpoint(args: argparse.Namespace, out: Path) -> list[str]:
                                    "--format peft")
         state, merge_note = _merged_into_base(state, adapter, shape, model)
         notes.append(merge_note)
-    else:
-        state = _frozen_from_base(state, shape, model, meta)
     tokenizer = _tokenizer(str(meta.get("tokenizer", "bytes")), model.get("pretrained"), args.byte_tokenizer)
     try:
         report = write_hf_dir(state, shape, str(out), tokenizer, int(args.max_shard_size * 1e9))
@@ -89,25 +87,6 @@ def _from_checkpoint(args: argparse.Namespace, out: Path) -> list[str]:
         raise ExportInputError(f"{ckpt}: the weights do not fit the model section ({e})") from None
     return notes + [f"{len(report['weights'])} safetensors file(s), tokenizer: "
                     f"{', '.join(report['tokenizer']) or 'none (byte tokenizer)'}"]
-
-
-def _frozen_from_base(state: dict[str, Any], shape: Any, model: dict[str, Any], meta: dict[str, Any]
-                      ) -> dict[str, Any]:
-    """A full fine-tune's checkpoint leaves its frozen parameters out (model.freeze_router's routers, DeepSeek-V3's
-    score corrections): they are model.pretrained's, read from it."""
-    from rayspeed.config.hf_checkpoint import param_shapes
-
-    missing = [name for name in param_shapes(shape) if name not in state]
-    if not missing or meta.get("init_from") or not model.get("pretrained"):
-        return state
-    from rayspeed.model.hf_weights import HFWeightsError, local_model_dir, read_whole
-
-    try:
-        whole = read_whole(local_model_dir(str(model["pretrained"])), shape)
-    except (HFWeightsError, OSError) as e:
-        raise ExportInputError(f"--format hf: cannot read {model['pretrained']} for the frozen parameters "
-                               f"({', '.join(missing[:3])}) the checkpoint leaves out ({e})") from None
-    return {**{name: whole[name] for name in missing if name in whole}, **state}
 
 
 def _adapter_section(model: dict[str, Any]) -> Any:

@@ -80,12 +80,16 @@ def deepseek_v3_layer_params(shape: Any, layer: int) -> dict[str, tuple[int, ...
             "mlp.shared.w_up.weight": (fs, h), "mlp.shared.w_down.weight": (h, fs)}
 
 
-def deepseek_v3_extras(shape: Any) -> dict[str, Any]:
+def moe_extras(shape: Any) -> dict[str, Any]:
+    """The config.json keys of DeepSeek-V3's mixture of experts (GLM-4.5's too); no MTP layers are exported."""
     return {"n_routed_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token,
             "moe_intermediate_size": shape.expert_ffn_hidden_size, "norm_topk_prob": shape.norm_topk_prob,
-            "first_k_dense_replace": min(shape.moe_layers, default=shape.num_layers),
-            "qk_head_dim": own(shape, "qk_nope_head_dim") + own(shape, "qk_rope_head_dim"),
-            "head_dim": own(shape, "qk_rope_head_dim"), "num_nextn_predict_layers": 0, "attention_bias": False}
+            "first_k_dense_replace": min(shape.moe_layers, default=shape.num_layers), "num_nextn_predict_layers": 0}
+
+
+def deepseek_v3_extras(shape: Any) -> dict[str, Any]:
+    return {**moe_extras(shape), "qk_head_dim": own(shape, "qk_nope_head_dim") + own(shape, "qk_rope_head_dim"),
+            "head_dim": own(shape, "qk_rope_head_dim"), "attention_bias": False}
 
 
 FAMILY = Family(architectures=("DeepseekV3ForCausalLM",), model_type="deepseek_v3",

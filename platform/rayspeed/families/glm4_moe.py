@@ -44,11 +44,8 @@ def glm4_moe_attention_params(shape: Any) -> dict[str, tuple[int, ...]]:
 
 
 def glm4_moe_extras(shape: Any) -> dict[str, Any]:
-    return {"n_routed_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token,
-            "moe_intermediate_size": shape.expert_ffn_hidden_size, "norm_topk_prob": shape.norm_topk_prob,
-            "first_k_dense_replace": min(shape.moe_layers, default=shape.num_layers),
-            "partial_rotary_factor": shape.partial_rotary_factor, "attention_bias": True,
-            "num_nextn_predict_layers": 0}
+    return {**deepseek_v3.moe_extras(shape), "partial_rotary_factor": shape.partial_rotary_factor,
+            "attention_bias": True}
 
 
 FAMILY = Family(architectures=("Glm4MoeForCausalLM",), model_type="glm4_moe", tensor_names=glm4_moe_tensor_names(),
