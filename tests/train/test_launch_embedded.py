@@ -102,3 +102,73 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_rank_0_can_still_load_it(
             "print(json.dumps([before, autotuner.has_mlflow, MlflowClient.__name__]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [False, False, "MlflowClient"]
+
+
+def test_the_controller_runs_without_torch_and_a_fixed_group_without_the_autoscaling_coordinator(ray_head, tmp_path):
+    """What Ray Train's controller process is handed imports no torch (rayspeed.compat.ray_backend: 1.2 s of CPU at
+    every start), a fixed-size job sends no autoscaling-coordinator request (its actor is a process of its own), and
+    the workers still get their process group from it, as TorchConfig made it."""
+    import ray
+    from ray.util.state import list_actors
+
+    from rayspeed.compat.ray_backend import ProcessGroupConfig
+
+    def _group_of(config):  # defined here: pickled by value (the workers cannot import this test module)
+        import time
+
+        import torch.distributed as dist
+
+        time.sleep(config["hold_s"])  # the test looks at the controller's process meanwhile
+        return [dist.get_world_size(), dist.get_backend(), dist.get_rank()]
+
+    ray.init(address=ray_head.address, logging_level="WARNING", log_to_driver=False)
+    trainer = lean_trainer_class(False)(
+        train_loop_per_worker=_group_of, train_loop_config={"hold_s": 8.0},
+        scaling_config=ScalingConfig(num_workers=2), torch_config=ProcessGroupConfig(backend="gloo", timeout_s=60),
+        run_config=RunConfig(name="lean-controller", storage_path=str(tmp_path)))
+    returned: list = []
+    fit = threading.Thread(target=lambda: returned.append(trainer.fit().return_value), daemon=True)
+    fit.start()
+    try:
+        job = ray.get_runtime_context().get_job_id()
+        deadline, mine = time.time() + 120, []
+        while time.time() < deadline:
+            mine = [a for a in list_actors(address=ray_head.address, filters=[("state", "=", "ALIVE")])
+                    if a.job_id == job]
+            if sum(a.class_name == "RayTrainWorker" for a in mine) == 2:
+                break
+            time.sleep(0.5)
+        names = sorted(a.class_name for a in mine)
+        assert names.count("RayTrainWorker") == 2, names
+        assert "_AutoscalingCoordinatorActor" not in names, names
+        controller = [a for a in mine if a.class_name == "TrainController"]
+        with open(f"/proc/{controller[0].pid}/maps") as f:
+            libraries = f.read()
+        assert "libtorch" not in libraries, "the controller process loaded torch"
+        fit.join(120)
+        assert returned == [[2, "gloo", 0]]
+    finally:
+        ray.shutdown()
+
+
+def test_an_engine_build_no_longer_sets_up_torch_compile_for_deepspeed_s_muon():
+    """DeepSpeed imports its Muon module at every ZeRO engine build, and that import set up torch.compile for three
+    kernels (torch._inductor and ~1400 modules; 1.4-1.8 s of CPU per rank). With
+    rayspeed.compat.muon_compiled_on_first_use the kernels are compiled on their first call instead (measured by
+    hand: the first call compiles, in 17.7 s on the 2-core VM, and returns what the eager kernel returns within
+    bf16). Fresh interpreters, as Ray's worker processes are."""
+    import json
+    import subprocess
+    import sys
+
+    def imported(patched: bool) -> list:
+        code = ("import json, sys; from rayspeed import compat; compat.import_deepspeed_without_mlflow(); "
+                + ("compat.muon_compiled_on_first_use(); " if patched else "")
+                + "import deepspeed.runtime.zero.muon.original_muon as m; "
+                "print(json.dumps(['torch._inductor' in sys.modules, "
+                "getattr(m.muon_update, '__wrapped__', None) is not None]))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    assert imported(False) == [True, True]  # torch.compile's own wrapper: inductor set up at import
+    assert imported(True) == [False, True]  # rayspeed's: nothing set up until the first call

@@ -20,6 +20,7 @@ from rayspeed.compat.deepspeed_internals import (
     group_decays,
     import_deepspeed_without_mlflow,
     methods_replaced,
+    muon_compiled_on_first_use,
     pipeline_explicit_parts,
     repair_universal_optimizer_load,
     skip_deepspeed_shm_comm_op,
@@ -52,8 +53,19 @@ __all__ = ["DEEPSPEED_VERSION", "ExplicitPipelineParts", "MLFLOW_PROCESS_ENV", "
            "import_deepspeed_without_mlflow", "lean_trainer_class", "methods_replaced", "mlflow_process_state",
            "mlflow_process_store", "pipeline_explicit_parts", "repair_universal_optimizer_load",
            "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm", "storage_identity",
-           "zero3_partition_over"]
+           "zero3_partition_over", "muon_compiled_on_first_use"]
 
+
+
+# (module, attribute, what is lost without it): internals whose check is that they still exist.
+ATTRIBUTES = [
+    ("deepspeed.comm.comm", "cdb", "the gradient-sync timer measures nothing"),
+    ("torch._dynamo.config", "suppress_errors", "a compile error fails the job"),
+    ("deepspeed.runtime.compiler", "compile", "DeepSpeed's Muon kernels are set up for torch.compile at every "
+     "engine build (muon_compiled_on_first_use)"),
+    ("deepspeed.ops", "__compatible_ops__", "the CPU shm comm op is compiled again at start"),
+    ("mlflow.tracking.fluent", "_active_experiment_id", "mlflow_process_store cannot restore the active experiment"),
+]
 
 
 def check() -> list[str]:
@@ -111,7 +123,11 @@ def check() -> list[str]:
                             "async checkpoints (capture_checkpoint_writes) must be re-checked")
     except ImportError as e:
         problems.append(f"deepspeed.runtime.checkpoint_engine moved ({e}): async checkpoints cannot capture writes")
-    import deepspeed.ops
+    import importlib
+
+    for module, attr, why in ATTRIBUTES:
+        if not hasattr(importlib.import_module(module), attr):
+            problems.append(f"{module}.{attr} is gone: {why}")
     from deepspeed.runtime.pipe.module import PipelineModule
 
     for attr in ("_partition_layers", "_set_bounds"):
@@ -133,29 +149,14 @@ def check() -> list[str]:
     if not hasattr(TorchTrainer, "_register_sigint_handler"):
         problems.append("TorchTrainer._register_sigint_handler is gone: Ray Train's own Ctrl-C handling is back "
                         "(rayspeed.train.interrupt never gets the controller's abort)")
-    import importlib
-
-    if not hasattr(importlib.import_module("deepspeed.comm.comm"), "cdb"):
-        problems.append("deepspeed.comm.comm.cdb is gone: the gradient-sync timer measures nothing")
     if not fused_optimizer_devices():
         problems.append("torch.optim.optimizer._get_fused_kernels_supported_devices is gone: AdamW runs unfused")
-    import torch._dynamo
-
-    if not hasattr(torch._dynamo.config, "suppress_errors"):
-        problems.append("torch._dynamo.config.suppress_errors is gone: a compile error fails the job")
-    if not hasattr(deepspeed.ops, "__compatible_ops__"):
-        problems.append("deepspeed.ops.__compatible_ops__ is gone: the CPU shm comm op is compiled again at start")
     from mlflow.tracking._model_registry import utils as registry_utils
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
     if not (hasattr(tracking_utils, "_tracking_uri") and hasattr(registry_utils, "_registry_uri")):
         problems.append("mlflow's _tracking_uri/_registry_uri globals moved: mlflow_process_store cannot restore "
                         "the process-wide store")
-    from mlflow.tracking import fluent
-
-    if not hasattr(fluent, "_active_experiment_id"):
-        problems.append("mlflow.tracking.fluent._active_experiment_id moved: mlflow_process_store cannot restore "
-                        "the active experiment")
     import torch
 
     if not isinstance(getattr(torch.empty(1).untyped_storage(), "_cdata", None), int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("rayspeed.compat")
 
@@ -122,6 +122,44 @@ def import_deepspeed_without_mlflow() -> Any:
         if sys.modules.get("mlflow", 0) is None:
             del sys.modules["mlflow"]
     return deepspeed
+
+
+def muon_compiled_on_first_use() -> None:
+    """DeepSpeed imports its Muon optimizer's module wherever it asks "is this Muon?" (the ZeRO sanity check at every
+    engine build, ZeRO-1/2's gradient averaging, ZeRO-3 and bf16 set-up), and that module decorates its kernels with
+    torch.compile at import: setting up inductor's config and backend, 1.4-1.8 s of CPU per rank at every start on
+    the 2-core demo (py-spy on a worker; the bare DDP loop pays none of it). Imports the module once with DeepSpeed's
+    `compiler.compile()` returning a decorator that calls torch.compile on the kernel's first call instead, so a job
+    that never runs Muon never sets the compiler up, and one that does compiles as before (0.19.8)."""
+    import functools
+    import sys
+
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    eager_compile = compiler.compile
+
+    def on_first_use() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            compiled: list[Callable[..., Any]] = []
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if not compiled:
+                    compiled.append(eager_compile()(fn))
+                return compiled[0](*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = on_first_use
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+        import deepspeed.runtime.zero.muon.original_muon  # noqa: F401
+    finally:
+        compiler.compile = eager_compile
 
 
 def skip_deepspeed_shm_comm_op() -> None:

@@ -91,7 +91,9 @@ def lean_trainer_class(embedded: bool, on_controller: Optional[Callable[[Callabl
     (they are not detached; tests/train/test_launch_embedded.py kills a controller). On the cluster the launcher
     starts for itself it also found any other Ray instance on the machine, died, and the controller waited ~20 s for
     it at every attempt (the seeded kill drill of make test-slow: 191 s without it, 272 s with). Built in
-    `TorchTrainer._create_default_callbacks` (2.60.0). Remove when Ray Train skips both.
+    `TorchTrainer._create_default_callbacks` (2.60.0). Remove when Ray Train skips both. A fixed-size job's
+    controller also gets a scaling policy without the autoscaling coordinator (rayspeed.compat.ray_backend says
+    why), through `_initialize_and_run_controller`'s keyword arguments (2.60.0).
 
     on_controller(abort): called instead of Ray Train's own SIGINT handler, which aborts the run and then exits the
     process past the caller (exit 1, no word said); `abort()` stops the run as that handler would
@@ -105,6 +107,13 @@ def lean_trainer_class(embedded: bool, on_controller: Optional[Callable[[Callabl
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             return callbacks if self.datasets else [cb for cb in callbacks if type(cb).__name__ not in skip]
+
+        def _initialize_and_run_controller(self, **kwargs):
+            from rayspeed.compat.ray_backend import FixedWithoutCoordinator
+
+            if type(kwargs["scaling_policy"]).__name__ == "FixedScalingPolicy":
+                kwargs["scaling_policy"] = FixedWithoutCoordinator(self.scaling_config)
+            return super()._initialize_and_run_controller(**kwargs)
 
         def _register_sigint_handler(self, controller):
             if on_controller is None:

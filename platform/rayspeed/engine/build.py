@@ -88,6 +88,8 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
     attempt's ModelShape (built once by the trainer), else cfg.model's."""
     import deepspeed
 
+    from rayspeed import compat
+
     on_gpu = device.type == "cuda"
     if on_gpu:
         # Ampere and newer: TF32 for any fp32 matmul left (playbook B.6).
@@ -125,9 +127,8 @@ def build_engine(cfg: JobConfig, ds_config: dict, groups: Any, device: torch.dev
 
             kwargs["mpu"] = DeepSpeedView(groups)
     if cfg.parallel.zero_stage == 3 and getattr(groups, "cp_size", 1) > 1:  # ZeRO-3 partitions over dp x cp
-        from rayspeed import compat
-
         compat.zero3_partition_over(model, groups.dpcp_group, ds_config, groups)
+    compat.muon_compiled_on_first_use()
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine, pipelined
 

@@ -27,6 +27,9 @@ TRACKING_CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD
 def mlflow_client(uri: Optional[str]) -> Any:
     from mlflow.tracking import MlflowClient
 
+    from rayspeed.tracking.sqlite_store import prepare
+
+    prepare(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

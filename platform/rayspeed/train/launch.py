@@ -118,8 +118,8 @@ def worker_env(cfg: JobConfig, storage: str, embedded: bool) -> dict[str, str]:
 
 def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any) -> Optional[dict]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
+    from rayspeed.compat.ray_backend import ProcessGroupConfig
     from rayspeed.train.resilience import ResilienceCallback
     from rayspeed.train.worker import train_loop
 
@@ -147,8 +147,8 @@ def _ray_train(cfg: JobConfig, payload: LaunchPayload, embedded: bool, stop: Any
             placement_strategy=c.placement_strategy,
             elastic_resize_monitor_interval_s=cfg.resilience.elastic_monitor_interval_s,
         ),
-        torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo",
-                                 timeout_s=int(cfg.resilience.collective_timeout_s)),
+        torch_config=ProcessGroupConfig(backend="nccl" if c.use_gpu else "gloo",
+                                        timeout_s=int(cfg.resilience.collective_timeout_s)),
         run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
             storage_path=payload.storage_path,
