@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json-out", default=None, help="also write rank 0's JSON object here")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per process when not already set")
     ap.add_argument("--unfused-adamw", action="store_true", help="torch's default (for-loop) AdamW on CPU")
+    ap.add_argument("--kill", default=None, metavar="RANK:STEP",
+                    help="the recovery drill: that rank SIGKILLs itself after that step, in the first attempt only")
+    ap.add_argument("--kill-marker", default=None, help="the drill writes the kill's epoch time here")
+    ap.add_argument("--max-restarts", type=int, default=0, help="torchrun's --max-restarts")
     return ap.parse_args(argv)
 
 
@@ -55,7 +59,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
     env["RAYSPEED_BARE_LAUNCHED_AT"] = env.get("RAYSPEED_BARE_LAUNCHED_AT", repr(time.time()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
-           str(Path(__file__).resolve()), *argv]
+           f"--max-restarts={args.max_restarts}", str(Path(__file__).resolve()), *argv]
     return subprocess.call(cmd, env=env)
 
 
@@ -106,6 +110,8 @@ def _worker(args: argparse.Namespace) -> int:
     window_end_at: list[float] = []
     losses: list[float] = []
     first_step_at = None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill_rank, kill_step = (int(v) for v in args.kill.split(":")) if args.kill and attempt == 0 else (-1, -1)
     model.train()
     t0 = time.perf_counter()
     n = 0
@@ -127,6 +133,10 @@ def _worker(args: argparse.Namespace) -> int:
         done = step + 1
         if first_step_at is None:
             first_step_at = time.time()
+        if rank == kill_rank and done == kill_step:
+            if args.kill_marker:
+                Path(args.kill_marker).write_text(repr(time.time()))
+            os.kill(os.getpid(), 9)  # as the platform's chaos kill: no teardown of its own
         if done % args.log_every == 0 or done == args.steps:
             mean = loss_acc / n  # the only host sync: the loss at log steps
             dist.all_reduce(mean)
@@ -154,6 +164,7 @@ def _worker(args: argparse.Namespace) -> int:
             "final_loss": losses[-1] if losses else None,
             "first_step_at": first_step_at,
             "started_at": float(started) if started else None,
+            "attempt": attempt,
         }
         line = json.dumps({"bare_ddp": out})
         print(line, flush=True)

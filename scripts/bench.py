@@ -317,7 +317,8 @@ def platform_first_step_at(res: dict[str, Any], which: int = 0) -> Optional[floa
 # ---------------------------------------------------------------- the bare loop
 
 
-def run_bare(home: Path, config: str, steps: int, log_every: int, timeout_s: float) -> dict[str, Any]:
+def run_bare(home: Path, config: str, steps: int, log_every: int, timeout_s: float,
+             extra: tuple[str, ...] = ()) -> dict[str, Any]:
     env = dict(os.environ, RAYSPEED_HOME=str(home))
     env.pop("OMP_NUM_THREADS", None)  # bare_ddp sets 1 per process, as torchrun does
     out_file = home / "bare.json"
@@ -326,7 +327,7 @@ def run_bare(home: Path, config: str, steps: int, log_every: int, timeout_s: flo
     t0 = time.time()
     env["RAYSPEED_BARE_LAUNCHED_AT"] = repr(t0)
     cmd = [PY, str(ROOT / "scripts" / "bare_ddp.py"), "--config", config, "--steps", str(steps),
-           "--log-every", str(log_every), "--json-out", str(out_file)]
+           "--log-every", str(log_every), "--json-out", str(out_file), *extra]
     with open(home / "bare.log", "a") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
         tree = TreeCPU(proc.pid)
@@ -451,31 +452,54 @@ def bench_cpu(args, home: Path) -> dict[str, Any]:
 
 
 def bench_resilience(args, home: Path) -> dict[str, Any]:
-    name = f"bench-kill-{args.tag}"  # a new job name per call: a reused --home must not resume an old run
+    """The kill drill, `--reps` times each side, alternated: the platform (rank 1 SIGKILLs itself at step 12 of a
+    20-step job, checkpoints every 5; Ray Train restarts the group, which resumes from step 10) and bare torchrun
+    (`--max-restarts 1`, the same rank and step; torchrun restarts every process, from step 0: it has no
+    checkpoint). recovery_from_kill_s on both sides: the kill's own time stamp to the first step the new group
+    finishes. The platform's recovery_s (its summary) counts from when Ray Train saw the failure instead."""
     kill_rank, kill_step, every = 1, 12, 5
-    _note(f"resilience: kill drill (rank {kill_rank} at step {kill_step}, checkpoints every {every})")
+    plat, bare, loads, last = [], [], [], {}
+    for rep in range(args.reps):
+        for what in (["bare", "platform"] if rep % 2 == 0 else ["platform", "bare"]):
+            loads.append(os.getloadavg()[0])
+            _note(f"resilience rep {rep + 1}/{args.reps}: {what} kill drill (rank {kill_rank} at step {kill_step})")
+            if what == "bare":
+                marker = home / "bare-kill.time"
+                marker.unlink(missing_ok=True)
+                drill = ("--kill", f"{kill_rank}:{kill_step}", "--kill-marker", str(marker), "--max-restarts", "1")
+                b = run_bare(home, args.config, 20, 5, args.timeout, drill)
+                assert b["attempt"] == 1, "torchrun did not restart the group"
+                bare.append(b["first_step_at"] - float(marker.read_text()))
+                continue
+            last = _platform_drill(args, home, f"bench-kill-r{rep}-{args.tag}", kill_rank, kill_step, every)
+            plat.append(last.pop("recovery_from_kill_s"))
+    out = {"bench": "resilience", "config": args.config, "kill": {"rank": kill_rank, "step": kill_step},
+           "checkpoint_every_steps": every, "reps": args.reps, **last,
+           "recovery_from_kill_s": _r(_median(plat), 2), "bare_recovery_s": _r(_median(bare), 2),
+           "recovery_ratio": _r((_median(plat) or 0) / (_median(bare) or 1), 2),
+           "recovery_from_kill_s_runs": [_r(x, 2) for x in plat], "bare_recovery_s_runs": [_r(x, 2) for x in bare],
+           "load_1m_at_starts": [_r(x, 2) for x in loads]}
+    return out
+
+
+def _platform_drill(args, home: Path, name: str, kill_rank: int, kill_step: int, every: int) -> dict[str, Any]:
     res = run_platform(home, args.config, name, [
         "train.max_steps=20", "tracking.log_every_steps=5", f"resilience.checkpoint_every_steps={every}",
         "train.eval_every_steps=0", f"chaos.kill_rank_at_step={{rank: {kill_rank}, step: {kill_step}}}",
     ], args.timeout)
     s = res["summary"]
-    out: dict[str, Any] = {"bench": "resilience", "config": args.config, "kill": {"rank": kill_rank, "step": kill_step},
-                           "checkpoint_every_steps": every, "restarts": s.get("restarts"),
-                           "lost_steps": (kill_step - 1) % every}
+    out: dict[str, Any] = {"restarts": s.get("restarts"), "lost_steps": (kill_step - 1) % every}
     run_id = s.get("mlflow_run_id")
     rec, rec_src = s.get("recovery_s"), "summary.json"
     if rec is None and run_id:
         hist = metric_history(home, run_id, "resilience/recovery_s")
         if hist:
             rec, rec_src = max(v for _, v, _ in hist), "mlflow resilience/recovery_s"
+    markers = sorted((home / "runs" / name / ".chaos").glob(f"kill*_rank{kill_rank}_step{kill_step}"))
+    resumed = platform_first_step_at(res, which=1)
+    from_kill = resumed - float(markers[0].read_text().strip()) if markers and resumed is not None else None
     if rec is None:
-        markers = sorted((home / "runs" / name / ".chaos").glob(f"kill*_rank{kill_rank}_step{kill_step}"))
-        resumed = platform_first_step_at(res, which=1)
-        if markers and resumed is not None:
-            rec = resumed - float(markers[0].read_text().strip())
-            rec_src = "derived: chaos marker time to the first step finished by the restarted workers"
-        else:
-            rec_src = "unavailable: no restart observed"
+        rec, rec_src = from_kill, "derived: chaos marker time to the first step finished by the restarted workers"
     stall, stall_src = s.get("checkpoint_stall_s"), "summary.json"
     stalls: list[float] = []
     if run_id:
@@ -483,8 +507,9 @@ def bench_resilience(args, home: Path) -> dict[str, Any]:
     if stall is None:
         stall = _median(stalls)
         stall_src = "mlflow perf/checkpoint_stall_s (median)" if stalls else "unavailable"
-    out.update({"recovery_s": _r(rec, 2), "recovery_source": rec_src, "checkpoint_stall_s": _r(stall, 3),
-                "checkpoint_stall_source": stall_src, "checkpoint_stalls_s": [_r(x, 3) for x in stalls],
+    out.update({"recovery_s": _r(rec, 2), "recovery_source": rec_src, "recovery_from_kill_s": from_kill,
+                "checkpoint_stall_s": _r(stall, 3), "checkpoint_stall_source": stall_src,
+                "checkpoint_stalls_s": [_r(x, 3) for x in stalls],
                 "startup_s": _r((platform_first_step_at(res) or float("nan")) - res["t_start"], 2),
                 "run_wall_s": _r(res["wall_s"], 1)})
     return out

@@ -15,6 +15,7 @@ import contextlib
 import io
 import os
 import sys
+import threading
 from typing import Any, Iterator, Optional
 
 from rayspeed.redact import redact_text, redact_uri
@@ -24,13 +25,19 @@ TRACKING_CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD
                            "MLFLOW_TRACKING_INSECURE_TLS")
 
 
+# mlflow's package imports itself in an order that two threads importing it at once can break ("cannot import name
+# ... from partially initialized module"): rank 0 makes its first client on the logger's thread while others start.
+_IMPORT_LOCK = threading.Lock()
+
+
 def mlflow_client(uri: Optional[str]) -> Any:
-    from mlflow.tracking import MlflowClient
+    with _IMPORT_LOCK:
+        from mlflow.tracking import MlflowClient
 
-    from rayspeed.tracking.sqlite_store import prepare
+        from rayspeed.tracking.sqlite_store import prepare
 
-    prepare(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+        prepare(uri)
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def set_terminated(client: Any, run_id: str, status: str) -> None:

@@ -108,9 +108,9 @@ class MlflowLogger(NullLogger):
         # Short HTTP retries inside mlflow: our own loop retries forever without blocking the caller.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        from rayspeed.tracking.client import mlflow_client
-
-        self.client = mlflow_client(tracking_uri)
+        self._tracking_uri = tracking_uri
+        self._client: Any = None
+        self._client_lock = threading.Lock()
         self.run_id = run_id
         self._run_factory = run_factory
         self._on_run = on_run
@@ -130,6 +130,18 @@ class MlflowLogger(NullLogger):
         self._stop = False
         self._thread = threading.Thread(target=self._drain, name="rayspeed-mlflow", daemon=True)
         self._thread.start()
+
+    @property
+    def client(self) -> Any:
+        """Made on first use, by the queue's thread unless a caller asks first: rank 0's mlflow import and store
+        opening (1.5 s of CPU on the 2-core demo, py-spy) then run beside the engine build and the first steps
+        instead of before them."""
+        with self._client_lock:
+            if self._client is None:
+                from rayspeed.tracking.client import mlflow_client
+
+                self._client = mlflow_client(self._tracking_uri)
+            return self._client
 
     # ------------------------------------------------------------- producer side (never blocks)
     def _put(self, kind: str, payload: Any) -> None:
@@ -208,6 +220,7 @@ class MlflowLogger(NullLogger):
 
     # ------------------------------------------------------------- consumer side
     def _send(self, kind: str, payload: Any) -> None:
+        client = self.client  # first: mlflow is imported there, under the one lock (tracking.client)
         from mlflow.entities import Metric, Param, RunTag
 
         if self.run_id is None:
@@ -221,28 +234,28 @@ class MlflowLogger(NullLogger):
         if kind == "metrics":
             for i in range(0, len(payload), _MAX_BATCH):
                 chunk = payload[i : i + _MAX_BATCH]
-                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in chunk])
+                client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in chunk])
         elif kind == "params":
             items = list(payload.items())
-            existing = self.client.get_run(self.run_id).data.params
+            existing = client.get_run(self.run_id).data.params
             # A resumed run keeps its first params; a re-plan that changed a value is recorded as a tag.
             fresh = [Param(k, v) for k, v in items if k not in existing]
             changed = {f"replan.{k}": v for k, v in items if k in existing and existing[k] != v}
             for i in range(0, len(fresh), 100):
-                self.client.log_batch(self.run_id, params=fresh[i : i + 100])
+                client.log_batch(self.run_id, params=fresh[i : i + 100])
             if changed:
-                self.client.log_batch(self.run_id, tags=[RunTag(k, v[:5000]) for k, v in changed.items()])
+                client.log_batch(self.run_id, tags=[RunTag(k, v[:5000]) for k, v in changed.items()])
         elif kind == "tags":
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v[:5000]) for k, v in payload.items()])
+            client.log_batch(self.run_id, tags=[RunTag(k, v[:5000]) for k, v in payload.items()])
         elif kind == "text":
             text, artifact_file = payload
-            self.client.log_text(self.run_id, text, artifact_file)
+            client.log_text(self.run_id, text, artifact_file)
         elif kind == "file":
             path, artifact_path = payload
-            self.client.log_artifact(self.run_id, path, artifact_path)
+            client.log_artifact(self.run_id, path, artifact_path)
         elif kind == "dir":
             path, artifact_path, _ = payload
-            self.client.log_artifacts(self.run_id, path, artifact_path)
+            client.log_artifacts(self.run_id, path, artifact_path)
 
     def _drain(self) -> None:
         carry = None

@@ -69,12 +69,20 @@ class MlflowCallback(Callback):
                 log.warning("MLflow unavailable (%s): training continues without tracking", e)
         self.charts: Any = None
         self.checkpoints = 0
-        # Steps already in the run's history (a replay after a restart, or a resubmission): not logged twice.
-        self.logged_until = int(self.tracker.last_step("train/loss")) if ctx.is_rank0 else 0
+        self._logged_until: Optional[int] = None if ctx.is_rank0 else 0
         self.inputs_thread: Any = None
         self.ds_config: dict[str, Any] = {}
         self.node_ids: list[Any] = []
         self.data_inputs: list[dict[str, Any]] = []
+
+    @property
+    def logged_until(self) -> int:
+        """Steps already in the run's history (a replay after a restart, or a resubmission): not logged twice.
+        Asked at the first log step, not at the start: the question opens the MLflow store, which rank 0 then
+        does beside its first steps instead of before them (rayspeed.tracking.logger's client)."""
+        if self._logged_until is None:
+            self._logged_until = int(self.tracker.last_step("train/loss"))
+        return self._logged_until
 
     def _run_found(self, run_id: str) -> None:
         """The deferred run exists (called on the logger's thread): charts and registration can use it now."""
@@ -187,9 +195,8 @@ class MlflowCallback(Callback):
     def _log_data_inputs(self) -> None:
         """The training and validation data as the run's MLflow dataset inputs (rank 0, in the background: tracking
         never holds up training; close() waits for it a little)."""
-        client = getattr(self.tracker, "client", None)
         items = self.data_inputs
-        if not self.ctx.is_rank0 or client is None or not items:
+        if not self.ctx.is_rank0 or not hasattr(type(self.tracker), "client") or not items:
             return
         import threading
 
@@ -201,6 +208,7 @@ class MlflowCallback(Callback):
             log.warning("MLflow: no run yet; the dataset inputs are not recorded for this attempt")
             return
         self.inputs_thread = threading.Thread(
-            target=lambda: bounded(lambda: log_dataset_inputs(client, run_id, items), "dataset inputs", 120.0),
+            target=lambda: bounded(lambda: log_dataset_inputs(self.tracker.client, run_id, items), "dataset inputs",
+                                   120.0),
             name="rayspeed-dataset-inputs", daemon=True)
         self.inputs_thread.start()
