@@ -76,7 +76,14 @@ def _worker(args: argparse.Namespace) -> int:
     from rayspeed.planner import resolve
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        dist.init_process_group("gloo")
+    else:  # torchrun's store still holds the dead attempt's gloo addresses (torch 2.13): a fresh key space
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                                world_size=world)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # The same resolved job the platform's workers run for this world size (planner: pure Python, ~10 ms).
@@ -110,7 +117,6 @@ def _worker(args: argparse.Namespace) -> int:
     window_end_at: list[float] = []
     losses: list[float] = []
     first_step_at = None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kill_rank, kill_step = (int(v) for v in args.kill.split(":")) if args.kill and attempt == 0 else (-1, -1)
     model.train()
     t0 = time.perf_counter()

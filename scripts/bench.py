@@ -491,15 +491,12 @@ def _platform_drill(args, home: Path, name: str, kill_rank: int, kill_step: int,
     out: dict[str, Any] = {"restarts": s.get("restarts"), "lost_steps": (kill_step - 1) % every}
     run_id = s.get("mlflow_run_id")
     rec, rec_src = s.get("recovery_s"), "summary.json"
-    if rec is None and run_id:
-        hist = metric_history(home, run_id, "resilience/recovery_s")
-        if hist:
-            rec, rec_src = max(v for _, v, _ in hist), "mlflow resilience/recovery_s"
+    hist = metric_history(home, run_id, "resilience/recovery_s") if run_id else []
+    if rec is None and hist:
+        rec, rec_src = max(v for _, v, _ in hist), "mlflow resilience/recovery_s"
+    # The restarted rank 0 logs resilience/recovery_s when its first step ends: that record's time stamp.
     markers = sorted((home / "runs" / name / ".chaos").glob(f"kill*_rank{kill_rank}_step{kill_step}"))
-    resumed = platform_first_step_at(res, which=1)
-    from_kill = resumed - float(markers[0].read_text().strip()) if markers and resumed is not None else None
-    if rec is None:
-        rec, rec_src = from_kill, "derived: chaos marker time to the first step finished by the restarted workers"
+    from_kill = hist[-1][2] / 1000 - float(markers[0].read_text().strip()) if markers and hist else None
     stall, stall_src = s.get("checkpoint_stall_s"), "summary.json"
     stalls: list[float] = []
     if run_id:
