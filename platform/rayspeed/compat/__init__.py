@@ -65,7 +65,24 @@ ATTRIBUTES = [
      "engine build (muon_compiled_on_first_use)"),
     ("deepspeed.ops", "__compatible_ops__", "the CPU shm comm op is compiled again at start"),
     ("mlflow.tracking.fluent", "_active_experiment_id", "mlflow_process_store cannot restore the active experiment"),
+    ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer._initialize_and_run_controller",
+     "a fixed-size job's controller asks the autoscaling coordinator again (lean_trainer_class)"),
+    ("ray.train.v2._internal.execution.scaling_policy.fixed", "FixedScalingPolicy._maybe_send_resource_request",
+     "FixedWithoutCoordinator no longer keeps the coordinator out (rayspeed.compat.ray_backend)"),
+    *(("ray.train.torch.config", name, "ProcessGroupConfig cannot set the workers' process group up or down")
+      for name in ("_setup_torch_process_group", "_set_torch_distributed_env_vars", "_shutdown_torch")),
 ]
+
+
+def _has(module: str, dotted: str) -> bool:
+    import importlib
+
+    obj: object = importlib.import_module(module)
+    for name in dotted.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
 
 
 def check() -> list[str]:
@@ -123,10 +140,8 @@ def check() -> list[str]:
                             "async checkpoints (capture_checkpoint_writes) must be re-checked")
     except ImportError as e:
         problems.append(f"deepspeed.runtime.checkpoint_engine moved ({e}): async checkpoints cannot capture writes")
-    import importlib
-
     for module, attr, why in ATTRIBUTES:
-        if not hasattr(importlib.import_module(module), attr):
+        if not _has(module, attr):
             problems.append(f"{module}.{attr} is gone: {why}")
     from deepspeed.runtime.pipe.module import PipelineModule
 
