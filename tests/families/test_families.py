@@ -54,10 +54,10 @@ def test_the_records_say_what_differs_between_families():
                                                                    "projection", None, None, "head", "head"]
     assert [f.keys.reads("attn_logit_softcapping") for f in families.FAMILIES] == [False, True] + [False] * 11
     assert [f for f in families.FAMILIES if f.moe is not None] == [deepseek, glm, gpt_oss, mixtral, qwen3_moe]
-    assert [f for f in families.FAMILIES if f.attention_params is not None] == [deepseek, glm]  # their own
+    assert [f for f in families.FAMILIES if f.attention.params is not None] == [deepseek, glm]  # their own
     assert glm.layer_params is deepseek.layer_params  # DeepSeek-V3's mixture of experts
-    assert [f for f in families.FAMILIES if f.sinks] == [gpt_oss] and gpt_oss.stored is not None
-    assert gpt_oss.own_keys == {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+    assert [f for f in families.FAMILIES if f.attention.sinks] == [gpt_oss] and gpt_oss.stored is not None
+    assert gpt_oss.keys.own == {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
     assert qwen3_moe.tensor_names.qk_norm == qwen3.tensor_names.qk_norm  # Qwen3's attention, q/k norms included
     assert [f.tensor_names.hidden_norms for f in families.FAMILIES] == [2, 4, 4] + [2] * 10
     assert [f.norms_keep_fp32 for f in families.FAMILIES] == [False, True, True, False, False, False, False, False,
@@ -66,7 +66,8 @@ def test_the_records_say_what_differs_between_families():
                                                                   "layer_types", "none", "all_layers", "all_layers",
                                                                   "none", "all_layers", "use_flag", "use_flag",
                                                                   "use_flag"]
-    assert [len(dataclasses.fields(f)) for f in families.FAMILIES] == [14] * 13  # data: no behaviour switches
+    # Data, no behaviour switches, at most 12 fields (what a family adds goes into a record: keys, attention).
+    assert [len(dataclasses.fields(f)) for f in families.FAMILIES] == [12] * 13
     assert gemma2.tensor_names.in_layer.keys() < gemma3.tensor_names.in_layer.keys()  # Gemma 3 adds q/k norms
     # Phi-3's fused checkpoint tensors, each part's rows in order.
     assert phi3.tensor_names.fused_parts("model.layers.3.self_attn.qkv_proj.weight") == (

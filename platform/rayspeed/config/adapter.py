@@ -142,7 +142,7 @@ def _family_problems(a: Any, family: Any) -> list[str]:
     """What the family's projections allow of the adapter: a fused projection has one adapter (its roles together,
     one rank and alpha); a latent attention has no q, k, v roles."""
     p: list[str] = []
-    if family is not None and family.attention_params is not None:
+    if family is not None and family.attention.params is not None:
         p.append(f"model.adapter: {family.architecture}'s attention is its own: the adapter roles are not mapped "
                  "onto its projections yet (latent attention's low-rank down- and up-projections); set "
                  "model.adapter.type: none, or fine-tune it fully")

@@ -63,7 +63,7 @@ def cp_candidates(shape: Any, room: int) -> list[int]:
 
 def has_context_parallel_form(family: Any) -> bool:
     """Whether the family's attention runs under context parallelism (not sinks, not latent attention yet)."""
-    return not family.sinks and family.attention_params is None
+    return not family.attention.sinks and family.attention.params is None
 
 
 def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> list[str]:
@@ -82,7 +82,7 @@ def context_problems(m, par, num_kv_heads: int, world: Optional[int] = None) -> 
     family = families.find(getattr(m, "architecture", None))
     if family is not None and not has_context_parallel_form(family):
         form = ("attention sinks have no context-parallel form yet (the sink logit would have to join ring "
-                "attention's merge)" if family.sinks else "attention is its own, not the shared one context "
+                "attention's merge)" if family.attention.sinks else "attention is its own, not the shared one context "
                 "parallelism splits (for latent attention: Ulysses after its up-projections is not built)")
         return [f"parallel.cp ({cp}): {family.architecture}'s {form}; use parallel.cp: 1"]
     out = []

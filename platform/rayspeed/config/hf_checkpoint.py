@@ -51,7 +51,7 @@ def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     for i in range(shape.num_layers):
         p = f"layers.{i}."
         out.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,)})
-        own_attention = shape.family.attention_params or shared_attention_params
+        own_attention = shape.family.attention.params or shared_attention_params
         out.update({p + suffix: dims for suffix, dims in own_attention(shape).items()})
         if shape.is_moe(i):  # every expert's matrices stacked, [experts, out, in]
             e, fe = shape.num_experts, shape.expert_ffn_hidden_size

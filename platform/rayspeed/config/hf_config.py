@@ -211,7 +211,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "query_pre_attn_scalar": float(scalar) if scalar else None,
         "partial_rotary_factor": partial_rotary(hf) if family.keys.reads(PARTIAL_ROTARY_KEY) else None,
         **caps,
-        "family_keys": {key: hf.get(key, default) for key, default in family.own_keys.items()} or None,
+        "family_keys": {key: hf.get(key, default) for key, default in family.keys.own.items()} or None,
         **moe_keys_from_hf(family, hf, where, problems),
     }
     return keys, problems
@@ -349,7 +349,7 @@ def to_hf_config(shape: ModelShape, bos_token_id: Optional[int] = None, eos_toke
         "use_cache": True,
         "dtype": dtype,
     }
-    cfg.update({key: shape.family_key(key) for key in family.own_keys})
+    cfg.update({key: shape.family_key(key) for key in family.keys.own})
     cfg.update(family.export_extras(shape))
     return cfg
 

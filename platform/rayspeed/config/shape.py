@@ -114,11 +114,11 @@ class ModelShape:
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss in the training loss (a training setting, not part of the function)."""
     family_keys: tuple[tuple[str, Any], ...] = ()
-    """The family's own config.json keys (Family.own_keys) that differ from its defaults, sorted: family_key()."""
+    """The family's own config.json keys (Family.keys.own) that differ from its defaults, sorted: family_key()."""
 
     def family_key(self, key: str) -> Any:
         """The value of one of the family's own config.json keys: the model's, else the family's default."""
-        own = self.family.own_keys
+        own = self.family.keys.own
         if key not in own:
             raise KeyError(f"{key!r} is not a config.json key of {self.architecture} (its own: {sorted(own)})")
         return dict(self.family_keys).get(key, own[key])
@@ -231,9 +231,9 @@ class ModelShape:
     @functools.cached_property
     def attention_matrix_params(self) -> int:
         """q and o (h x q_dim), k and v (h x kv_dim each), and the q/k/v biases when present: split by tp; a
-        family's own attention (Family.attention_params): all of its parameters."""
-        if self.family.attention_params is not None:
-            return sum(math.prod(dims) for dims in self.family.attention_params(self).values())
+        family's own attention (Family.attention.params): all of its parameters."""
+        if self.family.attention.params is not None:
+            return sum(math.prod(dims) for dims in self.family.attention.params(self).values())
         h, q = self.hidden_size, self.q_dim
         bias = (q + 2 * self.kv_dim) if self.qkv_bias else 0
         # q/k norms over the whole projections (OLMo 2) are split by tp with the heads.
@@ -262,7 +262,7 @@ class ModelShape:
         """The block's RMSNorm weights (two, four for Gemma) and a family's per-head q/k norms, replicated on every
         tp rank."""
         names = self.family.tensor_names
-        per_head = names.qk_norm == QK_NORM_PER_HEAD and self.family.attention_params is None  # else in its own
+        per_head = names.qk_norm == QK_NORM_PER_HEAD and self.family.attention.params is None  # else in its own
         return names.hidden_norms * self.hidden_size + (2 * self.head_dim if per_head else 0)
 
     @property
@@ -286,7 +286,7 @@ class ModelShape:
     @property
     def math_attention(self) -> bool:
         """Its attention materialises every score (soft-capped scores, a sink logit): no fused kernel takes it."""
-        return bool(self.attn_logit_softcapping) or self.family.sinks
+        return bool(self.attn_logit_softcapping) or self.family.attention.sinks
 
     @functools.cached_property
     def family_params(self) -> int:
@@ -373,7 +373,7 @@ def own_keys(family: Family, given: Any) -> tuple[tuple[str, Any], ...]:
     the family's defaults; a key the family does not read is dropped here (the config checks refuse it)."""
     pairs = dict(given.items() if hasattr(given, "items") else (given or ()))
     return tuple(sorted((k, v) for k, v in pairs.items()
-                        if k in family.own_keys and v != family.own_keys[k]))
+                        if k in family.keys.own and v != family.keys.own[k]))
 
 
 def _optional_float(value: Any) -> Optional[float]:

@@ -194,7 +194,7 @@ def family_problems(m: Any) -> list[str]:
         if kind not in rope_types:
             p.append(f"model.rope_scaling: rope type {kind!r} is not supported; supported: {', '.join(rope_types)}")
         p += extended_rope_problems(m, kind)
-    own = (family or families.DEFAULT).own_keys
+    own = (family or families.DEFAULT).keys.own
     p += [f"model.family_keys: {key!r} is not a key {m.architecture} reads; "
           + (f"its own keys: {', '.join(own)}" if own else "it has none: drop model.family_keys")
           for key in (m.family_keys or {}) if key not in own]

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from rayspeed.families.family import (
     HEAD_DIM_KEY,
+    AttentionForm,
     ConfigKeys,
     ExpertKeys,
     Family,
@@ -96,7 +97,7 @@ FAMILY = Family(architectures=("DeepseekV3ForCausalLM",), model_type="deepseek_v
                 tensor_names=deepseek_v3_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu",
                                  "norm_topk_prob": True, "router_aux_loss_coef": 0.0}),
-                keys=ConfigKeys(optional=(HEAD_DIM_KEY,)), export_extras=deepseek_v3_extras,
+                keys=ConfigKeys(optional=(HEAD_DIM_KEY,), own=OWN_KEYS), export_extras=deepseek_v3_extras,
                 moe=ExpertKeys(experts="n_routed_experts", expert_ffn="moe_intermediate_size",
                                norm_topk="norm_topk_prob", first_dense="first_k_dense_replace"),
-                own_keys=OWN_KEYS, layer_params=deepseek_v3_layer_params, attention_params=latent_attention_params)
+                layer_params=deepseek_v3_layer_params, attention=AttentionForm(params=latent_attention_params))

@@ -224,9 +224,26 @@ class ConfigKeys:
     """RoPE scalings accepted."""
     sliding_window: str = SLIDING_NONE
     """What config.json may say about sliding-window attention (one of SLIDING_POLICIES)."""
+    own: Mapping[str, Any] = field(default_factory=lambda: frozen({}))
+    """config.json keys only this family reads, with their defaults (gpt-oss's swiglu_limit): model.pretrained
+    fills them into model.family_keys, the shape carries them (ModelShape.family_key), an export writes them."""
 
     def reads(self, key: str) -> bool:
         return key in self.optional
+
+
+@dataclass(frozen=True)
+class AttentionForm:
+    """A family's attention where it is not the shared one."""
+    params: Optional[Callable[[Any], dict[str, tuple[int, ...]]]] = None
+    """The block's attention parameters (suffix after `layers.<i>.` -> full shape) when they are not the shared
+    q, k, v, o (DeepSeek-V3's latent attention: its down- and up-projections and their norms); None: the shared."""
+    sinks: bool = False
+    """Each head's softmax has a learned sink logit (gpt-oss): math attention (every score materialised, as the
+    planner counts), and no context parallelism (the sink would have to join ring attention's merge: not built)."""
+
+
+SHARED_ATTENTION = AttentionForm()
 
 
 @dataclass(frozen=True)
@@ -251,20 +268,13 @@ class Family:
     """Architectures whose config.json nests this family's text model under `text_config` (Gemma 3's
     Gemma3ForConditionalGeneration): rayspeed reads and trains that text model and keeps the vision weights out;
     an export is this family's text-only architecture."""
-    own_keys: Mapping[str, Any] = field(default_factory=lambda: frozen({}))
-    """config.json keys only this family reads, with their defaults (gpt-oss's swiglu_limit): model.pretrained
-    fills them into model.family_keys, the shape carries them (ModelShape.family_key), an export writes them."""
     layer_params: Callable[[Any, int], dict[str, tuple[int, ...]]] = no_layer_params
     """Block i's parameters beyond the shared ones (suffix after `layers.<i>.` -> full shape), given the shape:
     the checkpoint's tensors (their names in tensor_names) and the parameter count follow from it."""
-    sinks: bool = False
-    """Each head's softmax has a learned sink logit (gpt-oss): math attention (every score materialised, as the
-    planner counts), and no context parallelism (the sink would have to join ring attention's merge: not built)."""
     stored: Optional[StoredForms] = None
     """Parameters the checkpoint holds otherwise than one tensor each (None: all one tensor each)."""
-    attention_params: Optional[Callable[[Any], dict[str, tuple[int, ...]]]] = None
-    """The block's attention parameters (suffix after `layers.<i>.` -> full shape) when they are not the shared
-    q, k, v, o (DeepSeek-V3's latent attention: its down- and up-projections and their norms); None: the shared."""
+    attention: "AttentionForm" = field(default_factory=lambda: SHARED_ATTENTION)
+    """What the family's attention holds beyond the shared q, k, v, o and their softmax."""
     norms_keep_fp32: bool = False
     """For the planner's activation memory only: the family's norms apply their weight to the fp32 normalised
     tensor, which backward then keeps (Gemma's (1 + w), OLMo 2's order). The model's norms are its module's parts;

@@ -14,6 +14,7 @@ from rayspeed.families import deepseek_v3
 from rayspeed.families.family import (
     HEAD_DIM_KEY,
     PARTIAL_ROTARY_KEY,
+    AttentionForm,
     ConfigKeys,
     ExpertKeys,
     Family,
@@ -51,9 +52,11 @@ def glm4_moe_extras(shape: Any) -> dict[str, Any]:
 FAMILY = Family(architectures=("Glm4MoeForCausalLM",), model_type="glm4_moe", tensor_names=glm4_moe_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "hidden_act": "silu",
                                  "norm_topk_prob": True, "router_aux_loss_coef": 0.0}),
-                keys=ConfigKeys(optional=(HEAD_DIM_KEY, PARTIAL_ROTARY_KEY)), export_extras=glm4_moe_extras,
+                keys=ConfigKeys(optional=(HEAD_DIM_KEY, PARTIAL_ROTARY_KEY),
+                                own=frozen({"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                                            "n_shared_experts": 1, "use_qk_norm": False})),
+                export_extras=glm4_moe_extras,
                 moe=ExpertKeys(experts="n_routed_experts", expert_ffn="moe_intermediate_size",
                                norm_topk="norm_topk_prob", first_dense="first_k_dense_replace"),
-                own_keys=frozen({"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "n_shared_experts": 1,
-                                 "use_qk_norm": False}),
-                layer_params=deepseek_v3.deepseek_v3_layer_params, attention_params=glm4_moe_attention_params)
+                layer_params=deepseek_v3.deepseek_v3_layer_params,
+                attention=AttentionForm(params=glm4_moe_attention_params))

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 from rayspeed.families.family import (
     HEAD_DIM_KEY,
     SLIDING_LAYER_TYPES,
+    AttentionForm,
     ConfigKeys,
     ExpertKeys,
     Family,
@@ -85,7 +86,8 @@ def gpt_oss_extras(shape: Any) -> dict[str, Any]:
 FAMILY = Family(architectures=("GptOssForCausalLM",), model_type="gpt_oss", tensor_names=gpt_oss_tensor_names(),
                 defaults=frozen({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "hidden_act": "silu",
                                  "rope_theta": 150_000.0, "sliding_window": 128, "sliding_window_pattern": 2}),
-                keys=ConfigKeys(optional=(HEAD_DIM_KEY,), sliding_window=SLIDING_LAYER_TYPES),
+                keys=ConfigKeys(optional=(HEAD_DIM_KEY,), sliding_window=SLIDING_LAYER_TYPES,
+                                own=frozen({"swiglu_alpha": 1.702, "swiglu_limit": 7.0})),
                 export_extras=gpt_oss_extras, moe=ExpertKeys(experts="num_local_experts"),
-                own_keys=frozen({"swiglu_alpha": 1.702, "swiglu_limit": 7.0}),
-                layer_params=gpt_oss_layer_params, sinks=True, stored=StoredForms(converted=converted, forms=forms))
+                layer_params=gpt_oss_layer_params, attention=AttentionForm(sinks=True),
+                stored=StoredForms(converted=converted, forms=forms))
