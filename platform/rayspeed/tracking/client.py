@@ -27,7 +27,7 @@ TRACKING_CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD
 
 # mlflow's package imports itself in an order that two threads importing it at once can break ("cannot import name
 # ... from partially initialized module"): rank 0 makes its first client on the logger's thread while others start.
-_IMPORT_LOCK = threading.Lock()
+_IMPORT_LOCK = threading.RLock()  # re-entrant: a signal handler on the same thread may make a client too
 
 
 def mlflow_client(uri: Optional[str]) -> Any:
