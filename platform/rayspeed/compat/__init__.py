@@ -69,6 +69,11 @@ ATTRIBUTES = [
      "a fixed-size job's controller asks the autoscaling coordinator again (lean_trainer_class)"),
     ("ray.train.v2._internal.execution.scaling_policy.fixed", "FixedScalingPolicy._maybe_send_resource_request",
      "FixedWithoutCoordinator no longer keeps the coordinator out (rayspeed.compat.ray_backend)"),
+    *(("deepspeed.runtime.pipe.module", f"PipelineModule.{name}", "pipeline_explicit_parts cannot place stage_layers")
+      for name in ("_partition_layers", "_set_bounds")),
+    ("ray.train.torch", "TorchTrainer._create_default_callbacks", "lean_trainer_class keeps Ray's callbacks"),
+    ("ray.train.torch", "TorchTrainer._register_sigint_handler", "Ray Train's own Ctrl-C handling is back "
+     "(rayspeed.train.interrupt never gets the controller's abort)"),
     *(("ray.train.torch.config", name, "ProcessGroupConfig cannot set the workers' process group up or down")
       for name in ("_setup_torch_process_group", "_set_torch_distributed_env_vars", "_shutdown_torch")),
 ]
@@ -143,11 +148,6 @@ def check() -> list[str]:
     for module, attr, why in ATTRIBUTES:
         if not _has(module, attr):
             problems.append(f"{module}.{attr} is gone: {why}")
-    from deepspeed.runtime.pipe.module import PipelineModule
-
-    for attr in ("_partition_layers", "_set_bounds"):
-        if not hasattr(PipelineModule, attr):
-            problems.append(f"PipelineModule.{attr} is gone: pipeline_explicit_parts cannot place stage_layers")
     import inspect
 
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -157,13 +157,6 @@ def check() -> list[str]:
         if "self._global_grad_norm" not in inspect.getsource(where):
             problems.append(f"{where.__name__} keeps no _global_grad_norm: the watchdog's skip cannot see the "
                             "step's norm before the update (step_grad_norm)")
-    from ray.train.torch import TorchTrainer
-
-    if not hasattr(TorchTrainer, "_create_default_callbacks"):
-        problems.append("TorchTrainer._create_default_callbacks is gone: lean_trainer_class keeps Ray's callbacks")
-    if not hasattr(TorchTrainer, "_register_sigint_handler"):
-        problems.append("TorchTrainer._register_sigint_handler is gone: Ray Train's own Ctrl-C handling is back "
-                        "(rayspeed.train.interrupt never gets the controller's abort)")
     if not fused_optimizer_devices():
         problems.append("torch.optim.optimizer._get_fused_kernels_supported_devices is gone: AdamW runs unfused")
     from mlflow.tracking._model_registry import utils as registry_utils
