@@ -12,7 +12,15 @@ import pytest
 from rayspeed.config.layout import LAYOUT_KEYS
 from rayspeed.config.load import load
 from rayspeed.planner import plan_job
-from rayspeed.planner.search import NEAR_TIE, build_ctx, enumerate_layouts, evaluate, fixed_keys
+from rayspeed.planner.search import (
+    HEADROOM_TIE,
+    NEAR_TIE,
+    build_ctx,
+    enumerate_layouts,
+    evaluate,
+    fixed_keys,
+    spare_gib,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -93,13 +101,20 @@ def test_the_chosen_layout_is_the_fastest_fitting_one_unless_a_stated_policy_say
     if safe:  # the pick fits with the memory margin whenever any layout does
         assert res.best["fits_with_margin"] and chosen["fits_with_margin"]
         assert res.best["memory_gib_per_gpu"] + res.best["memory_margin_gib"] <= res.best["usable_memory_gib"] + 1e-3
-        # ... and nothing that fits with the margin is faster beyond the near-tie band
-        assert min(e.step_s for e in safe) >= best_s / (1 + NEAR_TIE) - 1e-6
+        # ... nothing that fits with the margin is faster beyond the headroom band, and within it none has more
+        # memory to spare
+        assert min(e.step_s for e in safe) >= best_s / (1 + HEADROOM_TIE) - 1e-6
+        fastest_safe = min(e.step_s for e in safe)
+        band = [e for e in safe if e.step_s <= fastest_safe * (1 + HEADROOM_TIE)]
+        spare = res.best["usable_memory_gib"] - res.best["memory_gib_per_gpu"] - res.best["memory_margin_gib"]
+        assert max(spare_gib(e) for e in band) <= spare + 2e-3
     faster = [e for e in fitting if e.step_s < best_s * (1 - 1e-4)]  # the plan's times are rounded
     if chosen["policy"] == "fastest":
         assert not faster
     elif chosen["policy"] == "margin":
-        assert faster and all(not e.safe for e in faster if e.step_s < best_s / (1 + NEAR_TIE))
+        assert faster and all(not e.safe for e in faster if e.step_s < best_s / (1 + HEADROOM_TIE))
+    elif chosen["policy"] == "headroom":  # a faster one fits with the margin but leaves less to spare (above)
+        assert any(e.safe for e in faster)
     lo, hi = res.best["memory_range_gib"]
     assert lo < res.best["memory_gib_per_gpu"] < hi
 
@@ -115,8 +130,12 @@ def test_every_faster_fitting_layout_is_listed_with_its_reason(name):
         assert c["step_time_s"] < best_s and c["faster_pct"] > 0
         if c["reason"] == "margin":
             assert c["memory_gib"] + c["margin_gib"] > ctx.usable_gib
-        elif c["reason"] == "near_tie":
-            assert c["step_time_s"] >= best_s / (1 + NEAR_TIE) - 1e-6
+        elif c["reason"] == "headroom":  # fits with the margin, within the band, with less to spare
+            assert c["step_time_s"] >= best_s / (1 + HEADROOM_TIE) - 1e-6
+            chosen_top = res.best["memory_gib_per_gpu"] + res.best["memory_margin_gib"]
+            assert c["memory_gib"] + c["margin_gib"] >= chosen_top - 2e-3
+        elif c["reason"] == "near_tie":  # nothing fits with the margin: the simpler within 1%
+            assert not res.best["fits_with_margin"] and c["step_time_s"] >= best_s / (1 + NEAR_TIE) - 1e-6
         else:
             assert c["reason"] == "rule"
     if listed:
@@ -135,8 +154,8 @@ def test_per_key_statements_match_the_numbers(name):
             assert c["reason"] in ("the only valid value",
                                    "the fastest value that fits (no layout fits with the memory margin)"), c["text"]
         for alt in c["alternatives"]:
-            if alt["status"] == "fits":  # fits with the margin: never faster beyond the near-tie band
-                assert alt["step_time_s"] >= best_s / (1 + NEAR_TIE) - 1e-6, (c["key"], alt)
+            if alt["status"] == "fits":  # fits with the margin: never faster beyond the headroom band
+                assert alt["step_time_s"] >= best_s / (1 + HEADROOM_TIE) - 1e-6, (c["key"], alt)
                 assert alt["memory_gib"] + alt["margin_gib"] <= ctx.usable_gib + 1e-3
             elif alt["status"] == "does_not_fit":
                 # no layout with this value fits: the statement is about all of them
@@ -223,7 +242,7 @@ def test_zero_plus_plus_statement_matches_the_numbers(name):
         e = min(fitting, key=lambda x: x.step_s)
         assert c["fits"] and "does not fit" not in c["text"]
         assert c["slower_pct"] == pytest.approx(100 * (e.step_s / res.best["step_time_s"] - 1), abs=0.01)
-        assert c["slower_pct"] >= -100 * NEAR_TIE or not e.safe
+        assert c["slower_pct"] >= -100 * HEADROOM_TIE or not e.safe
     else:
         assert "does not fit" in c["text"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS
 from rayspeed.planner.hypotheses import RuleTest
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.search import NEAR_TIE, Estimate
+from rayspeed.planner.search import HEADROOM_TIE, NEAR_TIE, Estimate, spare_gib
 
 LISTED = 50  # faster_not_chosen claims kept in the plan (the text shows the first few)
 
@@ -35,8 +35,16 @@ def _numbers(e: Estimate) -> dict:
 
 def chosen_claim(ctx: Ctx, best: Estimate, estimates: list[Estimate], excluded: set) -> dict:
     fastest = min((e for e in estimates if e.fits), key=lambda e: e.step_s)
+    safe = [e for e in estimates if e.fits and e.safe and id(e) not in excluded]
+    fastest_safe = min(safe, key=lambda e: e.step_s) if safe else None
     if fastest.step_s >= best.step_s * (1 - 1e-4):  # ties in time: the pick is (one of) the fastest
         policy, text = "fastest", "the fastest fitting layout"
+    elif best.safe and fastest_safe is not None and fastest_safe.step_s < best.step_s * (1 - 1e-4):
+        policy = "headroom"
+        text = (f"within {100 * HEADROOM_TIE:.0f}% of the fastest that fits with the memory margin "
+                f"({fastest_safe.layout.short()}, {-_pct(fastest_safe, best):.1f}% faster, "
+                f"{spare_gib(fastest_safe):.2f} GiB to spare): the one with the most memory to spare "
+                f"({spare_gib(best):.2f} GiB of {ctx.usable_gib:.1f} usable once the margin is counted)")
     elif best.safe and not fastest.safe:
         policy = "margin"
         text = (f"the fastest that fits with the memory margin; {fastest.layout.short()} is "
@@ -62,6 +70,9 @@ def faster_claims(ctx: Ctx, best: Estimate, estimates: list[Estimate], excluded:
     for e in sorted((x for x in estimates if x.fits and x.step_s < best.step_s * (1 - 1e-4)), key=lambda x: x.step_s):
         if best.safe and not e.safe:
             reason, why = "margin", f"more than the {ctx.usable_gib:.1f} GiB usable once its margin is counted"
+        elif best.safe and id(e) not in excluded:
+            reason, why = "headroom", (f"within {100 * HEADROOM_TIE:.0f}% of the chosen one, which leaves more memory "
+                                       f"to spare ({spare_gib(best):.2f} GiB against {spare_gib(e):.2f})")
         elif id(e) in excluded:
             reason, why = "rule", ("excluded by the accumulation cap, which the model agreed with (its best within "
                                    "the cap is picked over its best beyond it)")
@@ -136,7 +147,8 @@ def key_claims(best: Estimate, ranked: list[Estimate], estimates: list[Estimate]
         elif not best.safe:  # nothing fits with the margin: the pick is the fastest that fits at all
             reason = "the fastest value that fits (no layout fits with the memory margin)"
         elif faster:
-            reason = f"a faster value ({faster[0]['value']}) is within {100 * NEAR_TIE:.0f}%: the simpler one"
+            reason = (f"a faster value ({faster[0]['value']}) is within {100 * HEADROOM_TIE:.0f}%: this one leaves "
+                      "more memory to spare")
         elif any(a["status"] in ("fits_within_margin", "excluded_by_rule") and a["slower_pct"] < 0
                  for a in claim["alternatives"]):
             reason = "the fastest value that fits with the memory margin and no applied rule excludes"

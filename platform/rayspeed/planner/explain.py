@@ -6,7 +6,7 @@ from __future__ import annotations
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import COMPONENTS
-from rayspeed.planner.search import NEAR_TIE, Estimate, headroom, model_error
+from rayspeed.planner.search import HEADROOM_TIE, NEAR_TIE, Estimate, headroom, model_error, spare_gib
 from rayspeed.planner.timing import OVERLAP_TAX
 
 TIME_PARTS = (
@@ -29,9 +29,13 @@ def why_lost(e: Estimate, best: Estimate) -> str:
     k = max(diffs, key=diffs.__getitem__)
     slower = 100 * (e.step_s / best.step_s - 1)
     if slower < -0.05:
-        return (f"{-slower:.1f}% faster by the model, but {e.memory_text()} leaves less than its memory margin "
-                f"(the chosen: {best.memory_text()})" if best.safe and not e.safe else
-                f"{-slower:.1f}% faster by the model, within {100 * NEAR_TIE:.0f}%: the chosen layout is simpler")
+        if best.safe and not e.safe:
+            return (f"{-slower:.1f}% faster by the model, but {e.memory_text()} leaves less than its memory margin "
+                    f"(the chosen: {best.memory_text()})")
+        if best.safe:
+            return (f"{-slower:.1f}% faster by the model, within {100 * HEADROOM_TIE:.0f}%: the chosen layout leaves "
+                    f"more memory to spare ({spare_gib(best):.2f} GiB against {spare_gib(e):.2f})")
+        return f"{-slower:.1f}% faster by the model, within {100 * NEAR_TIE:.0f}%: the chosen layout is simpler"
     if slower <= 0.05:
         return ("a near tie: the chosen layout is simpler (less accumulation, smaller tp/pp, lower ZeRO, "
                 "less recomputation)")

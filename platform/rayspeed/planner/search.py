@@ -27,6 +27,10 @@ from rayspeed.planner.timing import StepTime, step_time
 
 GIB = hardware.GIB
 NEAR_TIE = 0.01  # within 1% the model cannot tell layouts apart: prefer the simpler one (see `preference`)
+# Within 3% of the fastest layout that fits with the margin, the one with the most memory to spare is picked: the
+# time model's own error on the best layouts is several percent (DEFAULT_MODEL_ERROR), so a 3% gain is within what
+# it cannot promise, while memory to spare is what keeps a step from running out (docs/PLANNER.md).
+HEADROOM_TIE = 0.03
 # The model's own error without a fitted profile: the H200 anchor rows are predicted within -4%..+13%.
 DEFAULT_MODEL_ERROR = 0.10
 
@@ -423,13 +427,29 @@ def _fastest_first(group: list[Estimate]) -> list[Estimate]:
     return head + [e for e in group if id(e) not in taken]
 
 
+def spare_gib(e: Estimate) -> float:
+    """Usable memory left on the worst rank once the estimate's margin is counted."""
+    return e.ctx.usable_gib - e.memory_gib - e.margin_gib
+
+
+def _roomiest_first(group: list[Estimate]) -> list[Estimate]:
+    """Within HEADROOM_TIE of the fastest, the most memory to spare first (equal room: the simpler); then the rest,
+    fastest first."""
+    if not group:
+        return []
+    best_t = min(e.step_s for e in group)
+    head = sorted((e for e in group if e.step_s <= best_t * (1 + HEADROOM_TIE)),
+                  key=lambda e: (-round(spare_gib(e), 6), preference(e), e.step_s))
+    taken = {id(e) for e in head}
+    return head + _fastest_first([e for e in group if id(e) not in taken])
+
+
 def rank(estimates: list[Estimate]) -> list[Estimate]:
     """Fitting estimates in the order the planner picks them: those that fit with the memory model's margin
-    (`Estimate.safe`) first, fastest first (within 1% the simpler one); then those that fit only within the
-    margin. Speed is traded for memory only when the faster layout's headroom is below the margin: a layout that
-    fits with it is never passed over for more headroom."""
+    (`Estimate.safe`) first, and among them, within 3% of the fastest, the one with the most memory to spare;
+    then those that fit only within the margin, fastest first (within 1% the simpler one)."""
     fit = [e for e in estimates if e.fits]
-    return _fastest_first([e for e in fit if e.safe]) + _fastest_first([e for e in fit if not e.safe])
+    return _roomiest_first([e for e in fit if e.safe]) + _fastest_first([e for e in fit if not e.safe])
 
 
 def deepspeed_options(ctx: Ctx, lay: Layout) -> dict:
