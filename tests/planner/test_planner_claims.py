@@ -12,15 +12,8 @@ import pytest
 from rayspeed.config.layout import LAYOUT_KEYS
 from rayspeed.config.load import load
 from rayspeed.planner import plan_job
-from rayspeed.planner.search import (
-    HEADROOM_TIE,
-    NEAR_TIE,
-    build_ctx,
-    enumerate_layouts,
-    evaluate,
-    fixed_keys,
-    spare_gib,
-)
+from rayspeed.planner.pick_order import HEADROOM_TIE, NEAR_TIE, spare_gib
+from rayspeed.planner.search import build_ctx, enumerate_layouts, evaluate, fixed_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")

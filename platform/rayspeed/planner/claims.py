@@ -11,7 +11,8 @@ from __future__ import annotations
 from rayspeed.config.layout import CHECKPOINT_MODES, LAYOUT_KEYS
 from rayspeed.planner.hypotheses import RuleTest
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.search import HEADROOM_TIE, NEAR_TIE, Estimate, spare_gib
+from rayspeed.planner.pick_order import HEADROOM_TIE, NEAR_TIE, spare_gib
+from rayspeed.planner.search import Estimate
 
 LISTED = 50  # faster_not_chosen claims kept in the plan (the text shows the first few)
 
@@ -130,8 +131,7 @@ def key_claims(best: Estimate, ranked: list[Estimate], estimates: list[Estimate]
                 e = (min(rule_out, key=lambda x: x.step_s) if rule_out
                      else min(group, key=lambda x: x.memory_gib))
             status = _status(e, excluded)
-            alt = {"value": v, "status": status, **_numbers(e),
-                   "slower_pct": _pct(e, best) if e.fits else None}
+            alt = {"value": v, "status": status, **_numbers(e), "slower_pct": _pct(e, best) if e.fits else None}
             claim["alternatives"].append(alt)
             if status == "fits":
                 parts.append(f"{v}: {alt['slower_pct']:+.1f}%")

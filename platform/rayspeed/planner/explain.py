@@ -6,7 +6,8 @@ from __future__ import annotations
 from rayspeed.planner.hardware import GIB
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import COMPONENTS
-from rayspeed.planner.search import HEADROOM_TIE, NEAR_TIE, Estimate, headroom, model_error, spare_gib
+from rayspeed.planner.pick_order import HEADROOM_TIE, NEAR_TIE, headroom, model_error, spare_gib
+from rayspeed.planner.search import Estimate
 from rayspeed.planner.timing import OVERLAP_TAX
 
 TIME_PARTS = (

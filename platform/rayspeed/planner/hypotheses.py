@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from rayspeed.config.layout import Layout
 from rayspeed.planner.inputs import Ctx
-from rayspeed.planner.search import NEAR_TIE, Estimate, accumulation_cap, beyond_cap, rank
+from rayspeed.planner.pick_order import NEAR_TIE, rank
+from rayspeed.planner.search import Estimate, accumulation_cap, beyond_cap
 from rayspeed.planner.timing import step_time
 
 CAP_RULE = "max_grad_accum = floor(2048 / (params_in_billions * gpus^0.33))"

@@ -2,7 +2,7 @@
 relative uncertainty times its bytes (linear, not in quadrature: the components' errors share causes, such as a
 micro-batch shape the allocator rounds badly, so they add up rather than cancel).
 
-The pick must fit with this margin (search.rank); `rayspeed plan` shows every memory figure as "68.2 GiB +- 8.1".
+The pick must fit with this margin (pick_order.rank); `rayspeed plan` shows every memory figure as "68.2 GiB +- 8.1".
 Each uncertainty and its source is in docs/PLANNER.md ("The memory margin")."""
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from rayspeed.planner.headline import edge_headline
 from rayspeed.planner.hypotheses import CAP_RULE, RuleTest, check_accumulation_cap
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import bytes_per_param, cp_scheme
+from rayspeed.planner.pick_order import NEAR_TIE, headroom, model_error, rank
 from rayspeed.planner.rules import all_rules, lr_rule
 from rayspeed.planner.search import (
-    NEAR_TIE,
     Estimate,
     accumulation_cap,
     build_ctx,
@@ -33,10 +33,7 @@ from rayspeed.planner.search import (
     enumerate_layouts,
     evaluate,
     fixed_keys,
-    headroom,
     hpz_applies,
-    model_error,
-    rank,
     zero_problem,
 )
 
