@@ -66,6 +66,7 @@ def _world(rank, world_size):
         clipper = GradClipper(engine.module.parameters(), cfg.train.grad_clip, groups.tp_group) \
             if rayspeed_clips(cfg) else None
         state = {"norm": None}
+        means: list = []  # per good step: (this rank's loss, the guard's data-parallel mean, whether it rode)
 
         def own_norm(engine=engine, groups=groups, clipper=clipper, state=state):
             if clipper is not None:
@@ -86,12 +87,15 @@ def _world(rank, world_size):
             loss = engine(x, y)
             if poison:
                 loss = loss * float("nan")
+            guard.arm(i, loss)  # before the backward, as TrainStep arms it (under ZeRO-0 the loss rides in it)
             engine.backward(loss)
+            carried = guard.rider is not None and guard.rider.carried
             if clipper is not None:
                 state["norm"] = clipper()
-            guard.arm(i, loss)
             engine.step()
-            return guard.settle()
+            decision = guard.settle()
+            means.append((float(loss), float(guard._loss_tensor), carried))
+            return decision
 
         def probe(engine=engine, pipelined=pipelined):
             x, y = _batch(999)
@@ -109,7 +113,8 @@ def _world(rank, world_size):
         before, steps_before = probe(), adam_steps()
         skipped = (step(3, poison=True).action, probe(), adam_steps())
         after = (step(4).action, probe(), adam_steps())
-        out[name] = {"before": before, "steps_before": steps_before, "skipped": skipped, "after": after}
+        out[name] = {"before": before, "steps_before": steps_before, "skipped": skipped, "after": after,
+                     "means": [m for m in means if math.isfinite(m[0])]}
     return out
 
 
@@ -134,3 +139,16 @@ def test_a_nan_step_is_not_applied_and_the_next_one_is(results, name):
         action, loss, steps = r["after"]
         assert action == "ok" and loss != r["before"] and math.isfinite(loss), (name, rank, r)
         assert steps == [s + 1 for s in r["steps_before"]], (name, rank, r)
+
+
+@pytest.mark.parametrize("name", [n for n, spec in LAYOUTS.items() if spec[0] > 1])
+def test_the_guard_decides_on_the_data_parallel_mean_loss(results, name):
+    """Both ranks see the mean of their two losses; under ZeRO-0 it rode in the gradient all-reduce (no collective of
+    its own), elsewhere the guard reduced it alone."""
+    zero = LAYOUTS[name][3]
+    mine, other = (r[name]["means"] for r in results)
+    assert len(mine) == len(other) == 4, name
+    for (loss0, mean0, carried0), (loss1, mean1, carried1) in zip(mine, other):
+        assert mean0 == pytest.approx((loss0 + loss1) / 2, rel=1e-6, abs=1e-6) and mean1 == mean0, name
+        assert carried0 == carried1 == (zero == 0), name
+

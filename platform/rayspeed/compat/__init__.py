@@ -19,6 +19,7 @@ from rayspeed.compat.deepspeed_internals import (
     deepspeed_comm_backend,
     group_decays,
     import_deepspeed_without_mlflow,
+    loss_rider,
     methods_replaced,
     muon_compiled_on_first_use,
     pipeline_explicit_parts,
@@ -50,7 +51,8 @@ __all__ = ["DEEPSPEED_VERSION", "ExplicitPipelineParts", "MLFLOW_PROCESS_ENV", "
            "compile_errors_fall_back_to_eager", "controller_callback_bases", "count_live_workers_only",
            "cp_loss_scale", "dataset_fingerprint", "deepspeed_comm_backend", "fail_after_capacity_wait",
            "forget_reported_checkpoints", "fused_optimizer_devices", "group_decays",
-           "import_deepspeed_without_mlflow", "lean_trainer_class", "methods_replaced", "mlflow_process_state",
+           "import_deepspeed_without_mlflow", "lean_trainer_class", "loss_rider", "methods_replaced",
+           "mlflow_process_state",
            "mlflow_process_store", "pipeline_explicit_parts", "repair_universal_optimizer_load",
            "set_worker_group_start_timeout", "skip_deepspeed_shm_comm_op", "step_grad_norm", "storage_identity",
            "zero3_partition_over", "muon_compiled_on_first_use"]
@@ -71,6 +73,9 @@ ATTRIBUTES = [
      "FixedWithoutCoordinator no longer keeps the coordinator out (rayspeed.compat.ray_backend)"),
     *(("deepspeed.runtime.pipe.module", f"PipelineModule.{name}", "pipeline_explicit_parts cannot place stage_layers")
       for name in ("_partition_layers", "_set_bounds")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._get_gradients_for_reduction", "the watchdog's loss gets a "
+     "synchronising all-reduce of its own again (loss_rider)"),
+    ("deepspeed.utils.groups", "_get_sequence_data_parallel_group", "loss_rider cannot see the reduction's group"),
     ("ray.train.torch", "TorchTrainer._create_default_callbacks", "lean_trainer_class keeps Ray's callbacks"),
     ("ray.train.torch", "TorchTrainer._register_sigint_handler", "Ray Train's own Ctrl-C handling is back "
      "(rayspeed.train.interrupt never gets the controller's abort)"),

@@ -43,12 +43,14 @@ class TrainStep:
             losses = objective.loss(engine, mb, scale)
             if poison:
                 losses = Losses(*(t * float("nan") for t in losses))
-            engine.backward(losses.trained)
             total += losses.reported.detach().float()
-            if engine.is_gradient_accumulation_boundary():
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary:  # the step's loss is known before its last backward: the guard's all-reduce overlaps it
                 total = objective.whole(total)  # the parts' shares added up once per step, not per micro-batch
-                self.readings.clip()  # gradients are all-reduced by now
                 self.guard.arm(step, total / len(micro_batches))
+            engine.backward(losses.trained)
+            if boundary:
+                self.readings.clip()  # gradients are all-reduced by now
             engine.step()
         return total / len(micro_batches)
 

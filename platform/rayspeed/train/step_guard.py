@@ -10,9 +10,12 @@ step count stay as they were) and `rollback` restores the last verified checkpoi
 
 NO_GUARD stands in with health.watchdog off (arm and act do nothing).
 
-Where the numbers come from: the loss is this rank's micro-batch mean, averaged over the data-parallel group
-(one scalar all-reduce per step: the price of deciding before the update; with a pipeline the loss lives on the
-last stage and is left out, the gradient norm carries a non-finite loss anyway). The norm is the one DeepSpeed's ZeRO
+Where the numbers come from: the loss is this rank's micro-batch mean, averaged over the data-parallel group. The
+guard is armed before the boundary's backward, so under ZeRO-0 the loss rides in DeepSpeed's own gradient all-reduce
+(rayspeed.compat.loss_rider) and costs no collective of its own; where the engine reduces elsewhere (ZeRO-1-3, bf16)
+it is all-reduced alone when the optimizer asks (one scalar all-reduce per step: the price of deciding before the
+update). With a pipeline the loss lives on the last stage and is left out, the gradient norm carries a non-finite
+loss anyway. The norm is the one DeepSpeed's ZeRO
 or bf16 optimizer computed for this step before it calls the client optimizer (rayspeed.compat.step_grad_norm), or
 the worker's own (its clipper's, or computed over tensor- and pipeline-parallel ranks) where no wrapper computes one.
 Every rank sees the same two numbers, so every rank decides the same. Where DeepSpeed itself drops the step (its
@@ -55,6 +58,9 @@ class StepGuard:
         self.loss: Optional[float] = None
         self.decision: Any = None
         self._loss_tensor: Optional[torch.Tensor] = None
+        self._reduced = False
+        self.rider = compat.loss_rider(engine, (groups.dp, groups.dp * getattr(groups, "cp_size", 1))) \
+            if groups.dp > 1 else None
         self._skipped: Optional[int] = None
         opt = engine.optimizer  # the client optimizer itself (ZeRO-0 fp32) or DeepSpeed's wrapper around it
         client = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
@@ -64,23 +70,32 @@ class StepGuard:
         client.guard = self
 
     def arm(self, step: int, loss: Optional[torch.Tensor]) -> None:
-        """Before the step's update: its number and this rank's loss (None under a pipeline)."""
-        self.step, self.decision, self._loss_tensor = step, None, None
+        """Before the step's last backward (or its update, where it has none): its number and this rank's loss (None
+        under a pipeline)."""
+        self.step, self.decision, self._loss_tensor, self._reduced = step, None, None, False
         self._skipped = int(getattr(self.engine, "skipped_steps", 0))
         if loss is not None:
-            loss = loss.detach().float().reshape(()).clone()
-            if self.groups.dp > 1:
-                dist.all_reduce(loss, group=self.groups.dp_group)
-                loss /= self.groups.dp
-            self._loss_tensor = loss
+            self._loss_tensor = loss.detach().float().reshape(()).clone()
+            if self.rider is not None:
+                self.rider.load(self._loss_tensor)
+
+    def _loss(self) -> Optional[float]:
+        """The step's loss, the data-parallel mean: as the gradient all-reduce carried it, else reduced here."""
+        if self._loss_tensor is not None and not self._reduced and self.groups.dp > 1:
+            carried = self.rider.mean() if self.rider is not None else None
+            if carried is None:
+                dist.all_reduce(self._loss_tensor, group=self.groups.dp_group)
+                carried = self._loss_tensor / self.groups.dp
+            self._loss_tensor = carried
+        self._reduced = True
+        return None if self._loss_tensor is None else float(self._loss_tensor)
 
     def __call__(self) -> bool:
         if self.decision is None:
             norm = compat.step_grad_norm(self.engine)
             if norm is None:
                 norm = self.own_norm()
-            loss = None if self._loss_tensor is None else float(self._loss_tensor)
-            self.decision = self.watchdog.check(self.step, loss, None if norm is None else float(norm))
+            self.decision = self.watchdog.check(self.step, self._loss(), None if norm is None else float(norm))
         return self.decision.ok
 
     def settle(self) -> Any:
@@ -88,8 +103,7 @@ class StepGuard:
         if self.decision is None and self._armed():
             assert self._skipped is not None  # what _armed() checks
             if int(getattr(self.engine, "skipped_steps", 0)) > self._skipped:  # DeepSpeed dropped it (overflow)
-                loss = None if self._loss_tensor is None else float(self._loss_tensor)
-                self.decision = self.watchdog.check(self.step, loss, float("inf"))
+                self.decision = self.watchdog.check(self.step, self._loss(), float("inf"))
         return self.decision
 
     def _armed(self) -> bool:
