@@ -3,8 +3,8 @@
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
                             [--only cpu,resilience,planner,gpu,checkpoint,adapters,plan_accuracy,activation_memory,
-                                   pipeline_overhead,pipeline_memory,context_parallel,moe,dpo]
-                            [--home DIR] [--keep]
+                                   pipeline_overhead,pipeline_memory,microbatch_memory,context_parallel,moe,dpo]
+                            [--record-memory] [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
   cpu_overhead  The platform (jobs/train.py under Ray Train + DeepSpeed, 2 CPU workers) against a bare
@@ -41,9 +41,12 @@ Lines (in this order; "bench" names each):
                 engine's host cost per micro-batch per stage (planner hardware.pipe_host_mb_us). Not in the default
                 --only; about 1-2 minutes.
   pipeline_memory  scripts/bench_pipeline_memory.py: peak memory per pipeline stage (RSS above the step's start)
-                under DeepSpeed's 1F1B schedule, pp = 4 gloo ranks, 2 blocks per stage, 1, 2, 4 and 8 micro-batches,
-                beside what the planner says that step allocates per stage (activations, loss, gradients): the
-                micro-batches each stage keeps in flight. About 30 seconds.
+                under DeepSpeed's 1F1B schedule, pp = 2, 4 and 8 gloo ranks, 2 blocks per stage, from one
+                micro-batch to more than the depth, beside what the planner says that step allocates per stage
+                (activations, loss, gradients): the micro-batches each stage keeps in flight. About a minute.
+  microbatch_memory  scripts/bench_microbatch_memory.py: the same for one rank at micro-batch 1, 2, 4, 8 and 16
+                (256 tokens each, 4 blocks). Seconds. With --record-memory both are written to
+                tests/planner/measured_memory.json, which the planner's tests read.
   context_parallel  scripts/bench_context_parallel.py: peak memory per rank (RSS above a baseline taken after the
                 model is built) of one 4096-token sequence through a 4-layer model, forward and backward, at cp 1
                 and at cp 2 (ulysses, ring), 2 gloo ranks, beside the planner's activations + logits + gradients
@@ -663,19 +666,42 @@ def bench_pipeline_overhead(args) -> list[dict[str, Any]]:
     return lines or [{"bench": "pipeline_overhead", "status": "failed", "rc": proc.returncode}]
 
 
-def _script_lines(script: str, bench: str, extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+def _script_lines(script: str, bench: str, extra_env: Optional[dict[str, str]] = None,
+                  script_args: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The JSON lines a benchmark script prints (one failed line naming it when it prints none)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"), **(extra_env or {}))
-    proc = subprocess.run([PY, str(ROOT / "scripts" / script)], cwd=str(ROOT), env=env, stdout=subprocess.PIPE,
-                          text=True)
+    proc = subprocess.run([PY, str(ROOT / "scripts" / script), *script_args], cwd=str(ROOT), env=env,
+                          stdout=subprocess.PIPE, text=True)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return lines or [{"bench": bench, "status": "failed", "rc": proc.returncode}]
 
 
+MEMORY_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+# Pipeline depths 2-8, each from one micro-batch to more than its depth (1F1B's in-flight count saturates at pp).
+PIPELINE_SWEEP = (("2", "1,2,4"), ("4", "1,4,8"), ("8", "1,8,16"))
+MEASURED_MEMORY = ROOT / "tests" / "planner" / "measured_memory.json"
+RECORD_COMMAND = "python scripts/bench.py --only pipeline_memory,microbatch_memory --record-memory"
+
+
 def bench_pipeline_memory(args) -> list[dict[str, Any]]:
-    _note("pipeline_memory: peak memory per pipeline stage under 1F1B (scripts/bench_pipeline_memory.py)")
-    return _script_lines("bench_pipeline_memory.py", "pipeline_memory",
-                         {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    _note("pipeline_memory: peak memory per pipeline stage under 1F1B, pp 2, 4, 8 (scripts/bench_pipeline_memory.py)")
+    return [line for pp, ms in PIPELINE_SWEEP
+            for line in _script_lines("bench_pipeline_memory.py", "pipeline_memory", MEMORY_ENV,
+                                      ("--pp", pp, "--ms", ms))]
+
+
+def bench_microbatch_memory(args) -> list[dict[str, Any]]:
+    _note("microbatch_memory: peak memory of a step at micro-batch 1-16 (scripts/bench_microbatch_memory.py)")
+    return _script_lines("bench_microbatch_memory.py", "microbatch_memory", MEMORY_ENV)
+
+
+def record_memory(lines: list[dict[str, Any]], stamp: dict) -> None:
+    """The memory lines beside the planner's predictions, checked in for the planner's tests to read
+    (tests/planner/test_measured_memory.py)."""
+    rows = [line for line in lines if line.get("bench") in ("pipeline_memory", "microbatch_memory")
+            and "measured_mib" in line]
+    MEASURED_MEMORY.write_text(json.dumps({"command": RECORD_COMMAND, **stamp, "rows": rows}, indent=1) + "\n")
+    _note(f"recorded {len(rows)} memory lines in {MEASURED_MEMORY.relative_to(ROOT)}")
 
 
 def bench_context_parallel(args) -> list[dict[str, Any]]:
@@ -762,11 +788,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
     ap.add_argument("--only", default="cpu,resilience,startup,planner,gpu,checkpoint,adapters,pipeline_memory,"
-                    "context_parallel,moe,dpo",
+                    "microbatch_memory,context_parallel,moe,dpo",
                     help="comma-separated: cpu, resilience, startup, planner, gpu, checkpoint, adapters, "
-                    "pipeline_memory, "
+                    "pipeline_memory, microbatch_memory, "
                     "context_parallel, moe, dpo, plan_accuracy, activation_memory, pipeline_overhead (the last three "
                     "not in the default)")
+    ap.add_argument("--record-memory", action="store_true",
+                    help=f"write the memory lines to {MEASURED_MEMORY.relative_to(ROOT)} (read by the planner's tests)")
     ap.add_argument("--home", default=None, help="scratch RAYSPEED_HOME (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, mlflow.db, runs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one run")
@@ -800,6 +828,10 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_pipeline_overhead(args)
         if "pipeline_memory" in only:
             lines += bench_pipeline_memory(args)
+        if "microbatch_memory" in only:
+            lines += bench_microbatch_memory(args)
+        if args.record_memory:
+            record_memory(lines, stamp)
         if "context_parallel" in only:
             lines += bench_context_parallel(args)
         if "moe" in only:
