@@ -19,6 +19,7 @@ from rayspeed.planner.grad_pass import grad_pass_bytes_per_param
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.memory import LOSS_CHUNK_ELEMENTS, ZERO3_TENSORS_PER_LAYER, buckets, cp_scheme, tiled_fraction
 from rayspeed.planner.model_math import local_tokens, max_stage_params, split_of
+from rayspeed.planner.pipeline_schedule import critical_sends, one_f_one_b
 from rayspeed.planner.terms import time_terms
 
 __all__ = ["StepTime", "step_time", "gemm_s", "Link", "collective_s", "block_cost", "head_cost", "embed_cost",
@@ -366,15 +367,15 @@ def step_time(ctx: Ctx, lay: Layout) -> StepTime:
     worst = max(range(p), key=lambda i: slot[i])
     comp, rec, tpc, back = parts[worst]
 
-    # 1F1B with unequal stages: the first micro-batch crosses every stage, the other m - 1 follow at the pace
-    # of the slowest one. Bubble = everything beyond m slots of the slowest stage.
+    # 1F1B (pipeline_schedule): the first micro-batch crosses every stage, the other m - 1 follow at the pace of
+    # the slowest one; every send waits for its receive.
     p2p = 0.0
     if p > 1:
         T = local_tokens(sh, lay)
         nbytes = T * sh.hidden_size * ctx.w_bytes / (lay.tp if lay.sequence_parallel else 1)
-        p2p = (m + p - 1) * 2 * p2p_s(ctx, lay, nbytes)
+        p2p = critical_sends(p, m) * p2p_s(ctx, lay, nbytes)
     compute = m * comp
-    bubble = sum(slot) - slot[worst]
+    bubble = one_f_one_b(slot, m)[1]
     tp_total = m * tpc
 
     # Data parallel / ZeRO, for the stage whose parameters are largest (the one the others wait for).
