@@ -32,6 +32,8 @@ def test_explain_and_summary(capsys):
     assert main([L70B, "--explain"]) == 0
     text = capsys.readouterr().out
     assert "runner-up layouts" in text and "memory per GPU" in text and "field guide rules" in text
+    # MFU says what it counts and whether the time behind it is calibrated
+    assert "time per step (predicted, uncalibrated)" in text and "attention counted in full" in text
     assert main([TINY, "--world-size", "4"]) == 0
     assert "dp 4 x tp 1 x pp 1" in capsys.readouterr().out
 

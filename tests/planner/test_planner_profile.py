@@ -74,6 +74,7 @@ def test_plan_cli_with_profile_explains_it(tmp_path, capsys):
     assert main([TINY, "--profile", prof, "--explain"]) == 0
     text = capsys.readouterr().out
     assert f"calibrated profile {prof}" in text and "7.0%" in text
+    assert f"time per step (predicted, calibrated profile {prof})" in text
     assert main([TINY, "--profile", prof, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["profile"]["path"] == prof and plan["profile"]["model_error"] == 0.07

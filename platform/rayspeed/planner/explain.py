@@ -65,8 +65,10 @@ def memory_table(e: Estimate) -> list[str]:
 def time_table(e: Estimate) -> list[str]:
     t = e.time.as_dict()
     who = "GPU" if e.ctx.hw.is_gpu else "worker"
-    lines = [f"time per step (predicted): {e.step_s:.4f} s -> {e.tokens_per_s_per_gpu:,.0f} tokens/s per {who}, "
-             f"MFU {100 * e.mfu:.1f}%"]
+    basis = f"calibrated profile {e.ctx.profile}" if e.ctx.profile else "uncalibrated"
+    lines = [f"time per step (predicted, {basis}): {e.step_s:.4f} s -> {e.tokens_per_s_per_gpu:,.0f} tokens/s per "
+             f"{who}, MFU {100 * e.mfu:.1f}% (6N + 12 L h s per token: attention counted in full, not halved for "
+             "the causal mask)"]
     parts = [*TIME_PARTS, *((k, k) for k in e.time.terms)]  # then features' terms (planner/terms.py)
     for k, label in parts:
         if t[k] > 0:
