@@ -117,6 +117,18 @@ def _world(rank, world_size, export_root):
     snap.update({"grad_sync_fraction": lasts[-1]["grad_sync_fraction"]})
     out["gathered"] = gather_system_metrics(snap, groups)
     out["snapshot_keys"] = sorted(snap)
+    # Later gathers with the same names send numbers only; a new name gathers the snapshots as objects once more.
+
+    objects = dist.all_gather_object
+    calls = []
+    dist.all_gather_object = lambda *a, **k: (calls.append(1), objects(*a, **k))[1]
+    try:
+        out["gathered2"] = gather_system_metrics(dict(snap, cpu_percent=11.0 + rank), groups)
+        out["object_gathers2"] = len(calls)
+        out["gathered3"] = gather_system_metrics(dict(snap, comm_s=0.5 + rank), groups)
+        out["object_gathers3"] = len(calls)
+    finally:
+        dist.all_gather_object = objects
     sampler.stop()
 
     # --- loss landscape around the engine's weights: identical on both ranks, weights restored bit-exactly

@@ -61,6 +61,17 @@ def test_system_metrics_gathered_on_rank0_grouped_by_node(world):
     assert not any("gpu" in k for k in g0) and "memory/fragmentation" not in g0  # CPU: nothing invented
 
 
+def test_later_system_gathers_send_numbers_and_a_new_name_regathers(world):
+    """After the first gather the names are agreed: the next sends a row of numbers (no object gather), a snapshot
+    with a new name gathers objects once more, and rank 0 gets every rank's values either way."""
+    w0 = world[0]
+    assert w0["object_gathers2"] == 0 and w0["object_gathers3"] == 1 and world[1]["gathered2"] is None
+    g2, g3 = w0["gathered2"], w0["gathered3"]
+    assert set(g2) == set(w0["gathered"])
+    assert g2["system/node0/rank0/cpu_percent"] == 11.0 and g2["system/node1/rank1/cpu_percent"] == 12.0
+    assert g3["system/node0/rank0/comm_s"] == 0.5 and g3["system/node1/rank1/comm_s"] == 1.5
+
+
 def test_landscape_on_zero2_engine(world):
     a, b = world[0]["landscape"], world[1]["landscape"]
     assert "unavailable" not in a, a

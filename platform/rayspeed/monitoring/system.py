@@ -28,6 +28,7 @@ empty dict if the snapshot failed) so no rank is left waiting.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -345,18 +346,48 @@ def gather_system_metrics(snapshot: dict[str, float] | None, groups_or_none: Any
     if not initialized or dist.get_world_size() == 1:
         return flatten_system_metrics([mine])
     try:
-        box: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(box, mine)
+        entries = _gather(mine, dist.get_world_size())
     except Exception as e:
         log.warning("system metrics gather failed (%s); skipped this time", e)
         return None
     if rank != 0:
         return None
     try:
-        return flatten_system_metrics([b for b in box if b is not None])
+        return flatten_system_metrics(entries)
     except Exception as e:
         log.warning("system metrics flatten failed (%s)", e)
         return None
+
+
+# (metric names, node id per rank) as every rank last agreed them: later gathers send numbers only.
+_SCHEMA: Optional[tuple[list[str], list[str]]] = None
+
+
+def _gather(mine: tuple[int, str, dict[str, float]], world: int) -> list[tuple[int, str, dict[str, float]]]:
+    """Every rank's (rank, node, snapshot). One all-gather of fixed-size rows of numbers (a row's first number
+    says whether its rank has a name the rows have no place for), and only then, on every rank at once, the
+    snapshots as objects (two collectives and pickling) to agree the names again."""
+    import torch
+    import torch.distributed as dist
+
+    global _SCHEMA
+    keys = _SCHEMA[0] if _SCHEMA is not None else []
+    local = mine[2]
+    unknown = _SCHEMA is None or len(_SCHEMA[1]) != world or not set(local) <= set(keys)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    row = torch.tensor([float(unknown)] + [local.get(k, math.nan) for k in keys], dtype=torch.float64,
+                       device=device)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    if any(float(r[0]) for r in rows):
+        box: list[Any] = [None] * world
+        dist.all_gather_object(box, mine)
+        entries = [b for b in box if b is not None]
+        _SCHEMA = (sorted({k for _, _, snap in entries for k in snap}), [node for _, node, _ in sorted(entries)])
+        return entries
+    nodes = _SCHEMA[1] if _SCHEMA is not None else []
+    return [(r, nodes[r], {k: float(v) for k, v in zip(keys, rows[r][1:].tolist()) if not math.isnan(v)})
+            for r in range(world)]
 
 
 def _hostname() -> str:
