@@ -15,7 +15,8 @@ from _dist import run_distributed
 from rayspeed.compat import skip_deepspeed_shm_comm_op
 from rayspeed.monitoring.comm_timer import CommTimer
 from rayspeed.monitoring.landscape import loss_landscape
-from rayspeed.monitoring.system import SystemSampler, gather_system_metrics
+from rayspeed.monitoring.system import SystemSampler
+from rayspeed.monitoring.system_gather import gather_system_metrics
 
 MODEL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=256, seq_len=16)
 

@@ -17,12 +17,11 @@ from rayspeed.monitoring.system import (
     SystemSampler,
     _match_gpu,
     cluster_shape,
-    flatten_system_metrics,
     fragmentation,
-    gather_system_metrics,
     lineage_params,
     parse_nvidia_smi,
 )
+from rayspeed.monitoring.system_gather import flatten_system_metrics, gather_system_metrics
 
 torch.set_num_threads(1)
 

@@ -206,7 +206,7 @@ class MetricsCallback(Callback):
             self.perf_windows.append((step - state.start_step, w.steps, step_time))
         metrics.update(plan_metrics(self.plan.best, self.perf_windows, worst_rank_peak_memory_gib(self.device)))
         if self.sampler is not None:
-            from rayspeed.monitoring.system import gather_system_metrics
+            from rayspeed.monitoring.system_gather import gather_system_metrics
 
             snap = self.sampler.snapshot()
             last = self.comm.last()
