@@ -18,16 +18,8 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import rayspeed  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(ROOT / "platform"))
-
-MODEL = dict(hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=512, vocab_size=256, tie_embeddings=False)
-MIB = 1 << 20
+from bench_pipeline_memory import MIB, MODEL, ROOT  # the pipeline bench's model (and its rayspeed import path)
 
 
 def job_cfg(mb: int, seq: int, layers: int, ckpt: str):
