@@ -13,6 +13,7 @@ import torch.nn as nn
 from rayspeed.config.shape import ModelShape
 from rayspeed.model.attention import MaskRows, context_attention, masked_attention
 from rayspeed.model.flex import flex_attention
+from rayspeed.model.kv_cache import DecodeState
 from rayspeed.model.parts.norms import ProjectionNorm, RMSNorm
 from rayspeed.model.rope import apply_rope, rope_tables
 from rayspeed.parallel.context_parallel import SequenceLayout, segment_positions
@@ -58,7 +59,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """segment_ids [b, s] (the full sequence, also under sequence parallelism): attention stays within a
-        document and positions restart at each one."""
+        document and positions restart at each one. A DecodeState instead: the next tokens of a decoding pass."""
+        if isinstance(segment_ids, DecodeState):
+            return self.decode(x, segment_ids)
         x = enter_tp_region(x, self.tp, self.sequence_parallel)  # one collective for q, k and v
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
@@ -78,6 +81,22 @@ class Attention(nn.Module):
         out = self.core(q, k, v, MaskRows.of(s, segment_ids, self.window, x.device))
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.wo(out)
+
+    def decode(self, x: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """x [b, s, h]: the next s tokens of every row, attending over the keys and values cached so far and
+        their own (causal); theirs are added to the cache."""
+        x = enter_tp_region(x, self.tp, self.sequence_parallel)
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.normed(q, k)
+        cos, sin = rope_tables(s, self.rotary_dim, self.rope_theta, device=x.device, dims=self.rope_dims,
+                               positions=state.positions())
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = state.append(self, k, v)
+        out = self.core(q, k, v, state.rows(self.window))
+        return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[MaskRows]) -> torch.Tensor:
         """The attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d] under the mask rows describe (None:
