@@ -145,8 +145,13 @@ import _budget  # noqa: E402
 _BUDGET = _budget.Budget()
 
 
+# Under pytest-xdist the controller hears every worker's reports: a worker counts nothing itself.
+_XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
 def pytest_runtest_logreport(report):
-    _BUDGET.add(report.nodeid, report.duration)
+    if not _XDIST_WORKER:
+        _BUDGET.add(report.nodeid, report.duration)
 
 
 def pytest_sessionfinish(session, exitstatus):

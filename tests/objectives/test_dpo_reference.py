@@ -87,9 +87,10 @@ def test_precomputed_resident_and_adapter_off_references_give_one_loss(tmp_path)
     assert reference.load(str(tmp_path), key, split.num_pairs + 1) is None
 
     policy = _model(seed=1)  # the seeded init: the initial weights again
+    moved = torch.Generator().manual_seed(7)  # not the process's generator: what ran before in it changes nothing
     with torch.no_grad():  # a policy some steps past its reference: every reward nonzero
         for p in policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn(p.shape, generator=moved))
     positions = np.arange(split.num_pairs)
     precomputed = _objective().pair_loss(Engine(policy), pair_batch(split, positions, logps))[0]
     resident = _objective(resident=initial).pair_loss(Engine(policy), pair_batch(split, positions, None))[0]
@@ -101,7 +102,7 @@ def test_precomputed_resident_and_adapter_off_references_give_one_loss(tmp_path)
     with torch.no_grad():
         for name, p in adapted.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.2)
+                p.normal_(0, 0.2, generator=moved)
     batch = pair_batch(split, positions, None)
     off = _objective(adapter=True).pair_loss(Engine(adapted), batch)[0]
     base = _objective(resident=initial).pair_loss(Engine(adapted), batch)[0]
