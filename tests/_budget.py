@@ -16,6 +16,7 @@ the modules' seconds add up to more than the run takes, and the run's length is 
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,8 +28,6 @@ WALL = "(wall) "  # the spent file's keys of the sessions' own wall-clock second
 
 class Budget:
     def __init__(self) -> None:
-        import time
-
         self.started = time.monotonic()
         self.spent: dict[str, float] = defaultdict(float)
         self.over: list[str] | None = None  # the problems, once checked at the end of the session
@@ -51,8 +50,6 @@ class Budget:
         self.written = True
 
     def wall(self) -> float:
-        import time
-
         return time.monotonic() - self.started
 
     def total(self) -> float:

@@ -99,21 +99,25 @@ def _decode(model: nn.Module, prompts: list[list[int]], sampling: Sampling, eos:
     state = DecodeState(valid) if cache else None
     rows = len(prompts)
     out: list[list[int]] = [[] for _ in range(rows)]
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    done = [False] * rows
     step_ids = ids
     for _ in range(sampling.max_new_tokens):
-        logits = model(step_ids, segment_ids=state) if cache else model(ids, segment_ids=segments_of(valid))
+        logits = model(step_ids, segment_ids=state) if state is not None else model(ids, segment_ids=segments_of(valid))
         token = pick(logits[:, -1], sampling, generator)
-        token = torch.where(done, torch.full_like(token, pad_id), token)
-        for i in torch.nonzero(~done).flatten().tolist():
-            out[i].append(int(token[i]))
-        done |= torch.tensor([int(t) in eos for t in token.tolist()], device=device)
-        if bool(done.all()):
+        chosen = token.tolist()  # the one host sync of a token
+        for i, t in enumerate(chosen):
+            if not done[i]:
+                out[i].append(t)
+                done[i] = t in eos
+            else:
+                chosen[i] = pad_id
+        if all(done):
             break
-        step_ids = token[:, None]
-        ids = torch.cat([ids, step_ids], dim=1)
-        valid = torch.cat([valid, torch.ones_like(step_ids, dtype=torch.bool)], dim=1)
+        step_ids = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
+        real = torch.ones_like(step_ids, dtype=torch.bool)
         if state is not None:
-            state.extend(torch.ones_like(step_ids, dtype=torch.bool))
+            state.extend(real)
+        else:  # recomputing: the whole sequence again next time
+            ids, valid = torch.cat([ids, step_ids], dim=1), torch.cat([valid, real], dim=1)
     truncated = [not (row and row[-1] in eos) for row in out]
     return Completions(out, truncated)

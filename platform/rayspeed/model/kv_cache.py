@@ -23,24 +23,30 @@ class DecodeState:
         self.valid = valid.to(torch.bool)  # [b, tokens so far]: False on the left pads
         self.seen = 0
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._new_tokens()
 
     def extend(self, valid: torch.Tensor) -> None:
         """The next forward's tokens [b, s] (whether each is real): called after a forward, before the next one."""
         self.seen = self.valid.shape[1]
         self.valid = torch.cat([self.valid, valid.to(torch.bool)], dim=1)
+        self._new_tokens()
+
+    def _new_tokens(self) -> None:
+        # Once per forward, not once per layer: every layer reads the same positions and mask.
+        seg = self.valid.to(torch.long)
+        self._positions = (seg.cumsum(dim=1) - 1).clamp(min=0)[:, self.seen:]
+        self._index = torch.arange(seg.shape[1], device=seg.device)
+        self._seg = seg
 
     def positions(self) -> torch.Tensor:
         """RoPE positions [b, s] of the new tokens: how many real tokens precede each (0 for the pads)."""
-        before = self.valid.to(torch.long).cumsum(dim=1) - 1
-        return before.clamp(min=0)[:, self.seen:]
+        return self._positions
 
     def rows(self, window: int | None) -> MaskRows:
         """The new tokens' mask over every key so far: causal by index (the pads come first, so index differences are
         position differences for real tokens, and the window applies to them), the real tokens and the pads two
         documents."""
-        total = self.valid.shape[1]
-        index = torch.arange(total, device=self.valid.device)
-        seg = self.valid.to(torch.long)
+        index, seg = self._index, self._seg
         return MaskRows(index[self.seen:], index, seg[:, self.seen:], seg, window)
 
     def append(self, layer: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +56,6 @@ class DecodeState:
             k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
         self._caches[id(layer)] = (k, v)
         return k, v
-
-    def cached_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._caches.values())
 
 
 def segments_of(valid: torch.Tensor) -> torch.Tensor:

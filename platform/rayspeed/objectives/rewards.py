@@ -100,16 +100,19 @@ def _guarded(fn: RewardFn, prompts: list[Any], run: Callable[[], Any]) -> Any:
     try:
         return run()
     except Exception as e:
-        raise RewardError(f"reward function {reward_name(fn)} raised {type(e).__name__}: {e} (on the batch of "
-                          f"{len(prompts)} completions starting with prompt {_short(prompts[0])})") from e
+        raise _raised(fn, prompts, e) from e
 
 
 async def _awaited(fn: RewardFn, prompts: list[Any], call: dict[str, Any]) -> Any:
     try:
         return await fn(**call)
     except Exception as e:
-        raise RewardError(f"reward function {reward_name(fn)} raised {type(e).__name__}: {e} (on the batch of "
-                          f"{len(prompts)} completions starting with prompt {_short(prompts[0])})") from e
+        raise _raised(fn, prompts, e) from e
+
+
+def _raised(fn: RewardFn, prompts: list[Any], e: Exception) -> RewardError:
+    return RewardError(f"reward function {reward_name(fn)} raised {type(e).__name__}: {e} (on the batch of "
+                       f"{len(prompts)} completions starting with prompt {_short(prompts[0])})")
 
 
 def _values(fn: RewardFn, values: Any, n: int, prompts: list[Any]) -> torch.Tensor:

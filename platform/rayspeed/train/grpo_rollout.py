@@ -130,13 +130,12 @@ def _metrics(per_function: torch.Tensor, rewards: torch.Tensor, std_zero: torch.
     out["reward_std"] = float(nanstd(rewards))
     out["frac_reward_zero_std"] = float(std_zero.float().mean())
     lengths = torch.tensor([float(len(c)) for c in done.ids])
-    counts = torch.stack([lengths.sum(), torch.tensor(float(len(lengths))),
-                          torch.tensor(float(sum(done.truncated)))])
-    tokens_per_s = torch.tensor([lengths.sum() / max(seconds, 1e-9)])
+    # One all-reduce: tokens, completions, truncated ones, and each rank's tokens per second (their sum the step's).
+    counts = torch.stack([lengths.sum(), torch.tensor(float(len(lengths))), torch.tensor(float(sum(done.truncated))),
+                          lengths.sum() / max(seconds, 1e-9)])
     if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
         dist.all_reduce(counts, group=ctx.group)
-        dist.all_reduce(tokens_per_s, group=ctx.group)
     out["completions/mean_length"] = float(counts[0] / counts[1])
     out["completions/clipped_ratio"] = float(counts[2] / counts[1])
-    out["rollout/tokens_per_s"] = float(tokens_per_s)
+    out["rollout/tokens_per_s"] = float(counts[3])
     return out
