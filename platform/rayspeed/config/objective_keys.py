@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "grpo")
 
 
 @dataclass

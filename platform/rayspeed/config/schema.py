@@ -14,6 +14,7 @@ from rayspeed import families
 from rayspeed.config.adapter_keys import AdapterConfig
 from rayspeed.config.chaos_keys import ChaosConfig
 from rayspeed.config.eval_keys import EvalConfig
+from rayspeed.config.grpo_keys import GrpoConfig
 from rayspeed.config.objective_keys import DpoConfig
 
 Auto = Literal["auto"]
@@ -203,11 +204,14 @@ class TrainConfig:
     """Validation every N steps (0: only at the end)."""
     eval_batches: int = 4
     """Validation global batches per evaluation."""
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "grpo"] = "sft"
     """sft: next-token loss on the data (text, or chat with the loss on the assistant's tokens); dpo: preference
-    tuning on pairs of a prompt with a chosen and a rejected completion (train.dpo; README "Preference tuning")."""
+    tuning on pairs of a prompt with a chosen and a rejected completion (train.dpo; README "Preference tuning");
+    grpo: reinforcement learning from reward functions on sampled completions (train.grpo; docs/RL.md)."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """The DPO loss and its reference (read with train.objective: dpo)."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    """The rollouts, rewards and GRPO loss (read with train.objective: grpo). global_batch_size counts completions."""
     init_from: Optional[str] = None
     """A reloadable model directory (rayspeed export) or models:/<name>@<alias> / models:/<name>/<version>: initial
     weights for a warm start; the optimizer starts fresh."""

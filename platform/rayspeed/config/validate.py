@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from rayspeed import families
-from rayspeed.config import adapter, eval_keys, job_checks, objective_keys
+from rayspeed.config import adapter, eval_keys, grpo_keys, job_checks, objective_keys
 from rayspeed.config.env_lint import lint_env
 from rayspeed.config.job_checks import sequence_parallel_problem
 from rayspeed.config.names import name_problems, registered_name_problems
@@ -136,7 +136,8 @@ def check(cfg: JobConfig, lint_cluster_env: bool = True) -> list[str]:
     order of the sections."""
     p = name_problems(cfg.name) + registered_name_problems(cfg.tracking.register_model) + number_problems(cfg)
     p += model_problems(cfg) + data_problems(cfg) + adapter.problems(cfg, families.find(cfg.model.architecture))
-    p += objective_keys.problems(cfg) + eval_keys.problems(cfg) + job_checks.train_problems(cfg)
+    p += objective_keys.problems(cfg) + grpo_keys.problems(cfg) + eval_keys.problems(cfg)
+    p += job_checks.train_problems(cfg)
     p += job_checks.parallel_problems(cfg) + job_checks.cluster_problems(cfg) + job_checks.resilience_problems(cfg)
     p += job_checks.storage_problems(cfg) + job_checks.chaos_problems(cfg)
     p += [f"train.callbacks: {name!r} is not `package.module:Class` (e.g. mypkg.hooks:PrintLoss)"

@@ -88,7 +88,7 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
                notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)),
                cp_scheme=str(getattr(cfg.parallel, "cp_scheme", AUTO)),
                adapter=AdapterPlan.of(cfg.model.adapter, shape), dpo=DpoPlan.of(cfg),
-               rows_per_sample=2 if getattr(t, "objective", "sft") == "dpo" else 1, oom=oom, **extra)
+               rows_per_sample=2 if t.objective == "dpo" else 1, oom=oom, rollouts=t.objective == "grpo", **extra)
 
 
 # ---------------------------------------------------------------- constraints
@@ -112,6 +112,8 @@ def divisors(n: int) -> list[int]:
 def fixed_keys(cfg: JobConfig) -> dict:
     par = cfg.parallel
     out = {k: getattr(par, k) for k in LAYOUT_KEYS if getattr(par, k) != AUTO}
+    if getattr(cfg.train, "objective", "sft") == "grpo":  # sampling is built for data parallelism alone
+        out.update({k: 1 for k in ("tp", "pp", "cp") if k not in out})
     split = getattr(par, "stage_layers", None)
     if split:
         out["stage_layers"] = tuple(int(n) for n in split)
@@ -142,6 +144,8 @@ def zero_problem(ctx: Ctx, zero: int) -> str | None:
                 f"{ctx.grad_accum_dtype}: DeepSpeed has no ZeRO-0 path for half-precision weights whose gradients "
                 "accumulate in another dtype; use parallel.zero_stage 1 (the same weights and gradients per rank, "
                 f"the optimizer state divided){alt}")
+    if zero == 3 and ctx.rollouts:
+        return "parallel.zero_stage 3 with train.objective grpo: the rollouts would gather every layer per token"
     if zero == 3 and ctx.adapter is not None and ctx.adapter.dora:
         return "parallel.zero_stage 3 with model.adapter.dora: DoRA reads each whole base weight every forward"
     if zero == 3 and ctx.adapter is not None and ctx.adapter.nf4:

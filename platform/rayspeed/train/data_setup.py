@@ -109,6 +109,47 @@ def load_pairs(cfg: JobConfig, storage: str) -> Corpus:
     return Corpus(train, val)
 
 
+def load_prompts(cfg: JobConfig) -> Corpus:
+    """A GRPO job's prompt records (rayspeed.data.prompts), each cut from the left to leave max_new_tokens."""
+    from rayspeed.data import load_tokenizer
+    from rayspeed.data.prompts import read_prompts
+
+    spec = data_spec(cfg)
+    tok = load_tokenizer(spec.tokenizer)
+    room = cfg.model.seq_len - cfg.train.grpo.max_new_tokens
+    train = read_prompts(spec, tok, room)
+    val = read_prompts(spec.with_split(cfg.data.val_split), tok, room) if cfg.data.val_split else None
+    for ps in (train, val):
+        top = max((max(r.ids) for r in ps.records), default=0) if ps is not None else 0
+        if ps is not None and top >= cfg.model.vocab_size:
+            raise ConfigError(f"data: {ps.source} holds token id {top} but model.vocab_size is {cfg.model.vocab_size}")
+    return Corpus(train, val)
+
+
+def prompt_splits(corpus: Corpus, cfg: JobConfig) -> tuple[list[Any], list[Any]]:
+    """(train, val) prompt records: the source's own validation split, or the last val_fraction of the records."""
+    if corpus.val is None:
+        return corpus.train.split(cfg.data.val_fraction)
+    return corpus.train.records, corpus.val.records
+
+
+def prepare_prompts(cfg: JobConfig) -> Corpus:
+    from rayspeed.config.grpo_keys import prompts_per_step
+
+    corpus = load_prompts(cfg)
+    train, val = prompt_splits(corpus, cfg)
+    per_step = prompts_per_step(cfg)
+    if len(train) < per_step:
+        raise ConfigError(f"data: {len(train)} training prompts, fewer than one step's {per_step} "
+                          "(train.global_batch_size / train.grpo.num_generations); add prompts or lower the batch")
+    if not val:
+        raise ConfigError("data.val_fraction: 0 leaves no held-out prompts for val/reward; set it above 0 (or give "
+                          "data.val_split)")
+    log.info("data: %s; %d training and %d validation prompts (%d cut from the left to leave %d tokens for the "
+             "completion)", corpus.train, len(train), len(val), corpus.train.cut, cfg.train.grpo.max_new_tokens)
+    return corpus
+
+
 def pair_splits(corpus: Corpus, cfg: JobConfig) -> tuple[Any, Any]:
     """(train, val) PairSplits: the source's own validation split, or the tail val_fraction of the pairs."""
     s = cfg.model.seq_len
@@ -141,6 +182,8 @@ def prepare(cfg: JobConfig, storage: str, launcher: str) -> Corpus:
 def _prepare(cfg: JobConfig, storage: str, launcher: str) -> Corpus:
     if cfg.train.objective == "dpo":
         return prepare_pairs(cfg, storage)
+    if cfg.train.objective == "grpo":
+        return prepare_prompts(cfg)
     executor = "pool" if launcher == "local" or paths.is_uri(storage) else "ray"
     corpus = load_corpus(cfg, storage, executor)
     train, val = splits(corpus, cfg)
@@ -181,6 +224,14 @@ def dataset_inputs(corpus: Corpus, cfg: JobConfig) -> list[dict[str, Any]]:
             out.append({"context": context, "name": f"{cfg.name}-{context}", "source_type": d.source,
                         "source": source, "split": d.split if context == "training" or not d.val_split else d.val_split,
                         "digest": pf.content_hash[:32], "num_documents": split.num_pairs, "format": "preference",
+                        "tokenizer": d.tokenizer})
+        return out
+    if cfg.train.objective == "grpo":
+        for context, records, ps in zip(("training", "validation"), prompt_splits(corpus, cfg),
+                                        (corpus.train, corpus.val or corpus.train)):
+            out.append({"context": context, "name": f"{cfg.name}-{context}", "source_type": d.source,
+                        "source": source, "split": d.split if context == "training" or not d.val_split else d.val_split,
+                        "digest": ps.content_hash[:32], "num_documents": len(records), "format": "prompts",
                         "tokenizer": d.tokenizer})
         return out
     train, val = splits(corpus, cfg)

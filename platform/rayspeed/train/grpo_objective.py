@@ -69,10 +69,13 @@ class StatWindow:
 
 
 class GrpoObjective:
-    def __init__(self, settings: GrpoSettings, group: Any, device: torch.device):
+    def __init__(self, settings: GrpoSettings, group: Any, device: torch.device, samples_every: int = 0):
         self.settings, self.group, self.device = settings, group, device
         self.window = StatWindow()
         self.validator: Any = None
+        self.rollouts: list[Any] = []  # the steps' rollouts since the last log step (their metrics are averaged)
+        self.last: Any = None  # the latest step's rollout (its samples table)
+        self.samples_every = samples_every
 
     def micro_loss(self, engine: Any, micro_batch: tuple) -> torch.Tensor:
         ids, mask, advantage, old, ref, tokens = micro_batch
@@ -99,7 +102,19 @@ class GrpoObjective:
         raise NotImplementedError("GRPO under a pipeline: the job checks refuse parallel.pp > 1")
 
     def listeners(self, tracker: Any, logged_until: Callable[[], int]) -> Listeners:
-        return Listeners([], [self.metrics])
+        from rayspeed.train.grpo_validation import GrpoReports
+
+        reports = GrpoReports(self.validator, lambda: self.last,
+                              self.samples_every, tracker, logged_until)
+        return Listeners([reports], [self.metrics])
 
     def metrics(self, state: Any) -> dict[str, float]:
-        return self.window.take(self.group)
+        """The clip and KL statistics and the rollouts' metrics (every rank's already), averaged over the steps
+        since the last log step, as TRL averages its logged values."""
+        out = self.window.take(self.group)
+        rollouts, self.rollouts = self.rollouts, []
+        if rollouts:
+            names = sorted({k for r in rollouts for k in r.metrics})
+            out.update({k: sum(r.metrics[k] for r in rollouts if k in r.metrics)
+                        / sum(1 for r in rollouts if k in r.metrics) for k in names})
+        return out

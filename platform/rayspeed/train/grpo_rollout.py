@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from rayspeed.data.prompts import PromptRecord
 from rayspeed.model.generate import Sampling, generate
 from rayspeed.objectives.grpo import GrpoSettings, advantages, nanstd, rewards_of
 from rayspeed.objectives.rewards import RewardLog, TrainerState, reward_name, score
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    prompt: Any  # the record's prompt as the reward functions see it (a string or a message list)
-    ids: list[int]  # its tokens (a message list rendered by the chat template, the generation prompt added)
-    columns: dict[str, Any] = field(default_factory=dict)  # every other column, handed to the rewards
 
 
 @dataclass

@@ -138,6 +138,21 @@ def callback_problems(cfg: JobConfig) -> list[str]:
     return out
 
 
+def reward_problems(cfg: JobConfig) -> list[str]:
+    """Each train.grpo.rewards entry imports here, as it will on every worker."""
+    from rayspeed.objectives.rewards import load_reward
+
+    out = []
+    for name in cfg.train.grpo.rewards if cfg.train.objective == "grpo" else []:
+        try:
+            load_reward(name)
+        except Exception as e:
+            out.append(f"train.grpo.rewards: {name!r} cannot be imported here ({type(e).__name__}: {e}); it must be "
+                       "importable where the job starts and on every worker (a module beside the job file, shipped "
+                       "by ray job submit --working-dir ., or an installed package)")
+    return out
+
+
 def qlora_problems(cfg: JobConfig) -> list[str]:
     """A QLoRA job (model.adapter.base_precision nf4) needs bitsandbytes on the workers (the driver's environment
     here) and real base weights: its merged export folds the adapter into them, re-read from where they came from.
@@ -190,6 +205,7 @@ def launch_problems(job: JobConfig, cfg: JobConfig, launcher: str = "ray") -> li
         lambda: init_from_problem(cfg),
         lambda: data_problems(cfg),
         lambda: callback_problems(cfg),
+        lambda: reward_problems(cfg),
         lambda: qlora_problems(cfg),
         lambda: harness_problems(cfg),
     ]

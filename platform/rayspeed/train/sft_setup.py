@@ -16,7 +16,8 @@ from rayspeed.config.schema import JobConfig
 from rayspeed.train import data_setup
 
 # train.objective -> the module and class of its setup; each takes (cfg, groups, storage) and has the members above.
-OBJECTIVE_DATA = {"sft": ("rayspeed.train.sft_setup", "SftData"), "dpo": ("rayspeed.train.dpo_setup", "DpoData")}
+OBJECTIVE_DATA = {"sft": ("rayspeed.train.sft_setup", "SftData"), "dpo": ("rayspeed.train.dpo_setup", "DpoData"),
+                  "grpo": ("rayspeed.train.grpo_setup", "GrpoData")}
 
 
 def objective_data(cfg: JobConfig, groups: Any, storage: str) -> Any:
