@@ -135,6 +135,10 @@ def examples_home(tmp_path_factory):
 
     made["tiny-llama"] = str(home / "runs" / "examples" / "tiny-llama")
     tiny.save(made["tiny-llama"], tokenizer=True)  # what `make examples` runs: the script's defaults
+    spec = importlib.util.spec_from_file_location("make_tiny_sum_model", ROOT / "scripts" / "make_tiny_sum_model.py")
+    sums = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sums)
+    made["tiny-sum"] = sums.save(str(home / "runs" / "examples" / "tiny-sum"), steps=0)  # its files, untrained
     return home, made
 
 

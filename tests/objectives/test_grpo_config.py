@@ -95,3 +95,18 @@ def test_a_bad_prompt_record_and_a_missing_reward_are_exit_2_naming_them(tmp_pat
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
         assert said in r.stderr, r.stderr[-3000:]
     assert list(home.iterdir()) == []
+
+
+def test_retraining_a_grpo_job_is_exit_2_with_the_reason(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAYSPEED_HOME": str(tmp_path),
+           "PYTHONPATH": str(ROOT / "platform")}
+    r = subprocess.run([sys.executable, "-m", "rayspeed", "retrain", "--config", TINY, *(f"--set={s}" for s in GRPO),
+                        "--launcher", "local"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "train.objective: grpo: retraining promotes on a re-evaluated next-token val/loss" in r.stderr + r.stdout
+
+
+def test_every_prompt_may_train_without_a_validation_share():
+    assert load(TINY, [*GRPO, "data.val_fraction=0"]).data.val_fraction == 0
+    with pytest.raises(ConfigError, match="data.val_fraction: must be in"):
+        load(TINY, ["data.val_fraction=0"])

@@ -243,6 +243,15 @@ def _get(cfg: JobConfig, dotted: str) -> float:
     return getattr(getattr(cfg, section), key)
 
 
+def _val_fraction_problems(cfg: JobConfig) -> list[str]:
+    """Held out from the training data, less than half of it; a GRPO job may train on every prompt (0: no
+    val/reward)."""
+    d = cfg.data
+    if d.val_split is not None or 0.0 < d.val_fraction < 0.5 or (cfg.train.objective == "grpo" and not d.val_fraction):
+        return []
+    return [f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}"]
+
+
 def data_problems(cfg: JobConfig) -> list[str]:
     """The data section: each source with the keys it needs, the chat format with a tokenizer that has a template."""
     d, p = cfg.data, []
@@ -275,9 +284,7 @@ def data_problems(cfg: JobConfig) -> list[str]:
     if d.document_masking and any(x.endswith(".bin") for x in paths):
         p.append("data.document_masking: raw .bin token files record no document boundaries; write token shards "
                  "(data.source: tokens) or tokenize text")
-    if d.val_split is None and not 0.0 < d.val_fraction < 0.5:
-        p.append(f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
-    return p
+    return p + _val_fraction_problems(cfg)
 
 
 

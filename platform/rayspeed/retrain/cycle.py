@@ -209,6 +209,10 @@ def _cycle(config: str, overrides: list[str], force: bool, margin: float, launch
         raise _Stop("bad_input", "train.objective: dpo: retraining promotes on a re-evaluated next-token val/loss, "
                                  "which a DPO job does not train on; retrain its SFT job, or run the DPO job on its "
                                  "own (python jobs/train.py) and promote by hand")
+    if cfg.train.objective == "grpo":  # its val/loss is minus a reward of greedy samples, not a re-evaluated loss
+        raise _Stop("bad_input", "train.objective: grpo: retraining promotes on a re-evaluated next-token val/loss; "
+                                 "a gate on val/reward is not built yet: run the GRPO job on its own (python "
+                                 "jobs/train.py) and promote by hand")
     base, reg, uri, storage = cfg.name, registered_model_name(cfg), tracking_uri(cfg), storage_path(cfg)
     refused = access_problem(uri, "tracking.uri" if cfg.tracking.uri != AUTO else "MLFLOW_TRACKING_URI")
     if refused:

@@ -142,11 +142,9 @@ def prepare_prompts(cfg: JobConfig) -> Corpus:
     if len(train) < per_step:
         raise ConfigError(f"data: {len(train)} training prompts, fewer than one step's {per_step} "
                           "(train.global_batch_size / train.grpo.num_generations); add prompts or lower the batch")
-    if not val:
-        raise ConfigError("data.val_fraction: 0 leaves no held-out prompts for val/reward; set it above 0 (or give "
-                          "data.val_split)")
-    log.info("data: %s; %d training and %d validation prompts (%d cut from the left to leave %d tokens for the "
-             "completion)", corpus.train, len(train), len(val), corpus.train.cut, cfg.train.grpo.max_new_tokens)
+    log.info("data: %s; %d training and %d validation prompts%s (%d cut from the left to leave %d tokens for the "
+             "completion)", corpus.train, len(train), len(val), "" if val else " (no val/reward: data.val_fraction 0)",
+             corpus.train.cut, cfg.train.grpo.max_new_tokens)
     return corpus
 
 

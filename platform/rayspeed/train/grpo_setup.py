@@ -101,7 +101,7 @@ class GrpoData:
         self.batches.sampler = Sampler(self, engine, context, objective, device)
         greedy = Sampling(s.max_new_tokens, greedy=True)
         share = self.val[g.dp_rank::g.dp][:max(1, c.train.eval_batches * grpo_keys.prompts_per_step(c) // g.dp)]
-        objective.validator = GrpoValidator(c, share, context, greedy)
+        objective.validator = GrpoValidator(c, share, context, greedy, held_out=bool(self.val))
         return objective
 
 

@@ -20,13 +20,14 @@ from rayspeed.train.events import Callback, TrainState
 
 
 class GrpoValidator:
-    def __init__(self, cfg: Any, prompts: list, context: Any, greedy: Sampling):
-        self.prompts, self.context, self.greedy = prompts, context, greedy
+    def __init__(self, cfg: Any, prompts: list, context: Any, greedy: Sampling, held_out: bool = True):
+        """held_out: the job holds prompts out at all (data.val_fraction 0 or no data.val_split: never validates)."""
+        self.prompts, self.context, self.greedy, self.held_out = prompts, context, greedy, held_out
         self.every, self.max_steps = cfg.train.eval_every_steps, cfg.train.max_steps
         self.stats: dict[str, float] = {}
 
     def should_validate(self, step: int) -> bool:
-        return bool(self.every and step % self.every == 0) or step == self.max_steps
+        return self.held_out and (bool(self.every and step % self.every == 0) or step == self.max_steps)
 
     @torch.no_grad()
     def run(self, engine: Any) -> float:
