@@ -3,7 +3,8 @@
     python scripts/bench.py [--reps 5] [--steps 300] [--log-every 10] [--skip-windows 3] [--zero auto[,2]]
                             [--platform-set KEY=VALUE]...
                             [--only cpu,resilience,planner,gpu,checkpoint,adapters,plan_accuracy,activation_memory,
-                                   pipeline_overhead,pipeline_memory,microbatch_memory,context_parallel,moe,dpo]
+                                   pipeline_overhead,pipeline_memory,microbatch_memory,context_parallel,moe,dpo,
+                                   grpo]
                             [--record-memory] [--home DIR] [--keep]
 
 Lines (in this order; "bench" names each):
@@ -58,6 +59,10 @@ Lines (in this order; "bench" names each):
   dpo_reference scripts/bench_dpo.py: one DPO micro-batch (4 pairs of 256 tokens) forward and backward with the
                 reference's log-probabilities precomputed against a resident frozen copy scoring it: both step times,
                 their ratio beside the planner's assumption (4/3), the copy's MiB, the loss difference. Seconds.
+  grpo          GRPO on the example (configs/tiny-grpo-cpu.yaml): rayspeed under Ray Train (2 CPU workers) against
+                TRL 1.16's GRPOTrainer (scripts/bench_grpo_trl.py, one process) in the same run, 30 steps each:
+                steady-state steps/s and generated tokens/s after 5 steps, rayspeed's sampling-only tokens/s, the
+                weight sync (none when colocated), steps_per_s_ratio (rayspeed over TRL).
   gpu           scripts/bench_gpu.py's lines when a CUDA device is present, else a `skipped` line.
   checkpoint    scripts/bench_checkpoint.py: a ~300M-parameter job (--launcher local) saved synchronously and
                 asynchronously, and resumed from the async checkpoint: sync_stall_s, async_stall_s, stall_ratio,
@@ -672,7 +677,8 @@ def _script_lines(script: str, bench: str, extra_env: Optional[dict[str, str]] =
     env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"), **(extra_env or {}))
     proc = subprocess.run([PY, str(ROOT / "scripts" / script), *script_args], cwd=str(ROOT), env=env,
                           stdout=subprocess.PIPE, text=True)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # '{"': a JSON line, not a library's printed dict (TRL prints its logs as Python dicts)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"')]
     return lines or [{"bench": bench, "status": "failed", "rc": proc.returncode}]
 
 
@@ -720,6 +726,50 @@ def bench_moe(args) -> list[dict[str, Any]]:
 def bench_dpo(args) -> list[dict[str, Any]]:
     _note("dpo: a DPO step with a precomputed against a resident reference (scripts/bench_dpo.py)")
     return _script_lines("bench_dpo.py", "dpo_reference")
+
+
+GRPO_STEPS, GRPO_SKIP = 30, 5
+
+
+def bench_grpo(args, home: Path) -> dict[str, Any]:
+    """GRPO on the example (scripts/make_tiny_sum_model.py, configs/tiny-grpo-cpu.yaml: 8 prompts x 8 completions of
+    at most 3 tokens per step): rayspeed (jobs/train.py under Ray Train, 2 CPU workers, colocated rollouts) against
+    TRL 1.16's GRPOTrainer (one process, use_cpu) in the same run, 30 steps each. Steady-state steps/s after the
+    first 5 steps (rayspeed: the MLflow stamps of `reward`, logged every step; TRL: its step-end callback), generated
+    tokens/s (completions/mean_length x completions / those seconds), rayspeed's own rollout/tokens_per_s (sampling
+    alone) and the weight sync (none: colocated workers sample with their own weights)."""
+    import importlib.util
+
+    _note("grpo: rayspeed (2 Ray workers) against TRL's GRPOTrainer on the GRPO example, 30 steps each")
+    spec = importlib.util.spec_from_file_location("make_tiny_sum_model", ROOT / "scripts" / "make_tiny_sum_model.py")
+    example = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(example)
+    made = example.save(str(home / "tiny-sum"))
+    prompts = f"{made['prompts']}/sums.jsonl"
+    out: dict[str, Any] = {"bench": "grpo", "steps": GRPO_STEPS, "skip": GRPO_SKIP,
+                           "weight_sync_s": None, "weight_sync": "colocated: each worker samples with its own weights"}
+    trl = _script_lines("bench_grpo_trl.py", "grpo_trl",
+                        script_args=("--model", made["model"], "--prompts", prompts, "--steps", str(GRPO_STEPS),
+                                     "--skip", str(GRPO_SKIP), "--out", str(home / "trl")))[0]
+    out["trl"] = {k: trl.get(k) for k in ("steps_per_s", "generated_tokens_per_s", "wall_s", "status")}
+    res = run_platform(home, "configs/tiny-grpo-cpu.yaml", "bench-grpo",
+                       [f"model.pretrained={made['model']}", f"data.path={prompts}", f"train.max_steps={GRPO_STEPS}",
+                        "tracking.log_every_steps=1", "resilience.checkpoint_every_steps=0",
+                        "train.grpo.samples_every_steps=0", *args.platform_set], args.timeout)
+    run_id = res["summary"]["mlflow_run_id"]
+    stamps = {st: ts / 1000.0 for st, _, ts in metric_history(home, run_id, "reward")}
+    lengths = {st: v for st, v, _ in metric_history(home, run_id, "completions/mean_length")}
+    seconds = stamps[GRPO_STEPS] - stamps[GRPO_SKIP]
+    tokens = sum(lengths[st] for st in range(GRPO_SKIP + 1, GRPO_STEPS + 1)) * res["summary"]["global_batch_size"]
+    rollout = [v for st, v, _ in metric_history(home, run_id, "rollout/tokens_per_s") if st > GRPO_SKIP]
+    out["rayspeed"] = {"steps_per_s": _r((GRPO_STEPS - GRPO_SKIP) / seconds, 3),
+                       "generated_tokens_per_s": _r(tokens / seconds, 1),
+                       "rollout_tokens_per_s": _r(_median(rollout), 1), "wall_s": _r(res["wall_s"], 1),
+                       "workers": res["summary"]["world_size"]}
+    if out["trl"].get("steps_per_s"):
+        out["steps_per_s_ratio"] = _r(out["rayspeed"]["steps_per_s"] / out["trl"]["steps_per_s"], 3)
+    return out
 
 
 def bench_gpu(args) -> list[dict[str, Any]]:
@@ -788,10 +838,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--platform-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set for the platform's CPU runs (experiments: what a setting costs)")
     ap.add_argument("--only", default="cpu,resilience,startup,planner,gpu,checkpoint,adapters,pipeline_memory,"
-                    "microbatch_memory,context_parallel,moe,dpo",
+                    "microbatch_memory,context_parallel,moe,dpo,grpo",
                     help="comma-separated: cpu, resilience, startup, planner, gpu, checkpoint, adapters, "
-                    "pipeline_memory, microbatch_memory, "
-                    "context_parallel, moe, dpo, plan_accuracy, activation_memory, pipeline_overhead (the last three "
+                    "pipeline_memory, microbatch_memory, context_parallel, moe, dpo, grpo, "
+                    "plan_accuracy, activation_memory, pipeline_overhead (the last three "
                     "not in the default)")
     ap.add_argument("--record-memory", action="store_true",
                     help=f"write the memory lines to {MEASURED_MEMORY.relative_to(ROOT)} (read by the planner's tests)")
@@ -838,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_moe(args)
         if "dpo" in only:
             lines += bench_dpo(args)
+        if "grpo" in only:
+            lines.append(bench_grpo(args, home))
         if "gpu" in only:
             lines += bench_gpu(args)
         if "checkpoint" in only:
