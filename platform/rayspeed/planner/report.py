@@ -25,6 +25,10 @@ def summary(res: Any) -> str:
         *([f"dpo: a micro-batch of {b['micro_batch_size']} pairs is {2 * b['micro_batch_size']} sequences; the "
            f"reference pass before step 1 takes about {b['dpo_reference_pass_s_per_1000_pairs']:.3g} s per 1,000 "
            "pairs"] if b.get("dpo_reference_pass_s_per_1000_pairs") is not None else []),
+        *([f"grpo: each rank samples its {b['grpo_rollout']['completions_per_rank']} completions at once between "
+           f"steps: a key/value cache of {b['grpo_rollout']['kv_cache_gib']:.3g} GiB, about "
+           f"{b['grpo_rollout']['sampling_s']:.3g} s of sampling per step (in the step time)"]
+          if b.get("grpo_rollout") else []),
         f"strategy rule: {res.rules['strategy']['recommends']} ({res.rules['strategy']['note']})",
         "run with --explain for the reasons and the runner-ups",
     ]

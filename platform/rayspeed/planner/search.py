@@ -19,6 +19,7 @@ from rayspeed.planner import hardware, hwprofile
 from rayspeed.planner.adapter_terms import AdapterPlan
 from rayspeed.planner.dpo_terms import DpoPlan, reference_pass_s
 from rayspeed.planner.ep_terms import ep_degrees, ep_problem
+from rayspeed.planner.grpo_terms import GrpoPlan, cache_bytes, rollout_s
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.margin import margin_bytes
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
@@ -88,7 +89,7 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
                notes=tuple(notes), document_masking=bool(getattr(cfg.data, "document_masking", False)),
                cp_scheme=str(getattr(cfg.parallel, "cp_scheme", AUTO)),
                adapter=AdapterPlan.of(cfg.model.adapter, shape), dpo=DpoPlan.of(cfg),
-               rows_per_sample=2 if t.objective == "dpo" else 1, oom=oom, rollouts=t.objective == "grpo", **extra)
+               rows_per_sample=2 if t.objective == "dpo" else 1, oom=oom, grpo=GrpoPlan.of(cfg), **extra)
 
 
 # ---------------------------------------------------------------- constraints
@@ -144,7 +145,7 @@ def zero_problem(ctx: Ctx, zero: int) -> str | None:
                 f"{ctx.grad_accum_dtype}: DeepSpeed has no ZeRO-0 path for half-precision weights whose gradients "
                 "accumulate in another dtype; use parallel.zero_stage 1 (the same weights and gradients per rank, "
                 f"the optimizer state divided){alt}")
-    if zero == 3 and ctx.rollouts:
+    if zero == 3 and ctx.grpo is not None:
         return "parallel.zero_stage 3 with train.objective grpo: the rollouts would gather every layer per token"
     if zero == 3 and ctx.adapter is not None and ctx.adapter.dora:
         return "parallel.zero_stage 3 with model.adapter.dora: DoRA reads each whole base weight every forward"
@@ -361,6 +362,10 @@ class Estimate:
         )
         if self.ctx.dpo is not None and self.ctx.dpo.reference == "precomputed":
             d["dpo_reference_pass_s_per_1000_pairs"] = round(reference_pass_s(self.ctx, self.layout), 3)
+        if self.ctx.grpo is not None:
+            d["grpo_rollout"] = {"completions_per_rank": self.ctx.global_batch // self.layout.dp,
+                                 "kv_cache_gib": round(cache_bytes(self.ctx, self.layout) / GIB, 4),
+                                 "sampling_s": round(rollout_s(self.ctx, self.layout), 4)}
         if self.refused is not None:
             m = self.refused
             d["reason"] = (f"ran out of memory at step {m.step} on rank {m.rank} (needed at least "
