@@ -66,7 +66,9 @@ def _rollout(tok):
     return rollout
 
 
-def _trl(model_dir, tmp_path, case):
+def _trl(model_dir, tmp_path, case, peft=None):
+    """TRL's loss, statistics, gradients, scored inputs and metrics. peft: (LoraConfig, adapter state): TRL makes a
+    new adapter on the base (its reference the base, the adapter off), then holds the given adapter weights."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -82,8 +84,12 @@ def _trl(model_dir, tmp_path, case):
                       max_completion_length=MAX_COMPLETION, reward_weights=WEIGHTS, **settings)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward_vowels, reward_digits], args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]), processing_class=tok,
-                          rollout_func=_rollout(tok))
-    if trainer.beta != 0.0:
+                          rollout_func=_rollout(tok), peft_config=None if peft is None else peft[0])
+    if peft is not None:
+        from peft import set_peft_model_state_dict
+
+        assert not set_peft_model_state_dict(trainer.model, peft[1]).unexpected_keys
+    if trainer.beta != 0.0 and trainer.ref_model is not None:  # a PeftModel's reference: its adapter turned off
         trainer.ref_model.load_state_dict(
             AutoModelForCausalLM.from_pretrained(str(model_dir.parent / "reference"), dtype=torch.float32)
             .state_dict())
