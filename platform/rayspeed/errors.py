@@ -21,6 +21,14 @@ class ConfigError(Exception):
         return redact_text("\n".join(lines))
 
 
+class FinalError(RuntimeError):
+    """A failure of the job itself that a restart would only repeat (a user's function raising on their data):
+    raised on every rank at once, it ends the job with its message instead of costing the restarts. `status` is
+    the summary's."""
+
+    status = "failed"
+
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2

@@ -116,3 +116,23 @@ def test_latent_attention_decodes_by_recomputing(tmp_path):
     assert not caches(model)  # DeepSeek-V3's latent attention keeps no cache here: each token reruns the sequence
     got = generate(model, PROMPTS, Sampling(NEW, greedy=True), [], PAD)
     assert got.ids == _transformers(tmp_path, None)
+
+
+def test_each_sampled_tokens_entropy_is_the_whole_forwards(tmp_path):
+    """A sampled token's entropy (Completions.entropies, TRL's `entropy` on-policy) is the entropy of the
+    temperature-scaled distribution at its position in one forward over the prompt and the completion (the cache's
+    numbers are the whole sequence's), over the whole vocabulary whatever top_p cut; greedy decoding reports none."""
+    from rayspeed.model.generate import Sampling, entropy, generate
+
+    save(tmp_path / "llama", LLAMA_TIED, seed=11)
+    model = build(shape_of(tmp_path / "llama", 64), tmp_path / "llama").eval()
+    prompt = PROMPTS[0]
+    sampling = Sampling(NEW, temperature=0.7, top_p=0.9)
+    got = generate(model, [prompt], sampling, [], PAD, generator=torch.Generator().manual_seed(3))
+    row = got.ids[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + row]))[0]
+    want = entropy(logits[len(prompt) - 1:len(prompt) - 1 + len(row)], 0.7)
+    torch.testing.assert_close(torch.tensor(got.entropies[0]), want, rtol=1e-5, atol=1e-5)
+    assert want.min() > 0.1  # a spread-out distribution: the check is not of zeros
+    assert generate(model, [prompt], Sampling(NEW, greedy=True), [], PAD).entropies == []

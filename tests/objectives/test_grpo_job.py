@@ -17,9 +17,8 @@ import pytest
 from _hf_models import LLAMA_TIED, save
 
 METRICS = ("train/loss", "reward", "reward_std", "rewards/exact_number/mean", "rewards/exact_number/std",
-           "rewards/matches_format/mean",
-           "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
-           "rollout/tokens_per_s")
+           "rewards/matches_format/mean", "frac_reward_zero_std", "entropy", "completions/mean_length",
+           "completions/clipped_ratio", "clip_ratio/region_mean", "rollout/tokens_per_s")
 
 
 def _prompts(path):
@@ -90,3 +89,20 @@ def test_a_grpo_job_with_an_adapter_and_beta_measures_kl_to_the_base(tmp_path):
     assert s["status"] == "finished", s
     kl = dict(metric_history(tmp_path, s["mlflow_run_id"], "kl"))
     assert kl[1] == pytest.approx(0.0, abs=1e-7) and kl[3] > 1e-6, kl
+
+
+def test_a_reward_that_raises_on_one_rank_ends_the_job_at_once_naming_it(tmp_path, monkeypatch):
+    """Rank 1's reward function raises at the second step while rank 0's scores: every rank stops with the one
+    message (none waits for the others' rewards), the job ends with status reward_failed and no restart."""
+    from _cluster import ROOT
+    from _inprocess import run_inprocess
+
+    save(tmp_path / "llama", LLAMA_TIED, seed=4, tokenizer=True)
+    _prompts(tmp_path / "prompts.jsonl")
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fixtures" / "hooks"))  # spawned workers get this sys.path
+    sets = [s for s in _sets(tmp_path, "grpo-raises") if not s.startswith("train.grpo.reward")]
+    sets += ["train.grpo.rewards=[failing_rewards:fails_on_rank_one]", "resilience.max_failures=3"]
+    s = run_inprocess(tmp_path, str(ROOT / "configs" / "tiny-pretrained-cpu.yaml"), sets, workers=2)
+    assert s["status"] == "reward_failed" and s["steps"] == 1 and s["restarts"] == 0, s
+    assert "reward function fails_on_rank_one raised ValueError: no answer checker for this record" in s["error"], s
+    assert "What is " in s["error"]  # the prompt it raised on

@@ -40,3 +40,25 @@ def test_a_killed_trainer_worker_resumes_the_same_rollouts(ray_head, tmp_path):
         got, want = _series(killed, s2["mlflow_run_id"], key), _series(whole, s["mlflow_run_id"], key)
         assert len(want) == 8, (key, want)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6, msg=key)
+
+
+def test_a_reward_that_raises_ends_the_ray_job_without_restarts(ray_head, tmp_path):
+    """Rank 1's reward function raises at the second step (tests/fixtures/hooks/failing_rewards.py): the job ends
+    at once with exit 1, status reward_failed and the function's one-line message, none of its three restarts
+    spent (each would score the same records the same way)."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("make_tiny_sum_model", ROOT / "scripts" / "make_tiny_sum_model.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    made = example.save(str(tmp_path / "example"), steps=0)
+    hooks = str(ROOT / "tests" / "fixtures" / "hooks")
+    sets = ["--config", str(CONFIG), "--set", f"model.pretrained={made['model']}",
+            "--set", f"data.path={made['prompts']}/sums.jsonl", "--set", "train.max_steps=4",
+            "--set", "train.grpo.rewards=[failing_rewards:fails_on_rank_one]",
+            "--set", "cluster.env=" + json.dumps({"PYTHONPATH": hooks}), "--set", "resilience.max_failures=3"]
+    r, s = run_job(tmp_path / "home", sets, ray_head.address, env_extra={"PYTHONPATH": hooks})
+    assert r.returncode == 1 and s["status"] == "reward_failed" and s["restarts"] == 0, r.stdout[-3000:] + \
+        r.stderr[-3000:]
+    assert "reward function fails_on_rank_one raised ValueError: no answer checker for this record" in r.stderr
+    assert "resumed from" not in r.stderr

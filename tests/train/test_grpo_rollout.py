@@ -61,7 +61,8 @@ def test_two_ranks_sample_score_and_share_the_advantages(scale, mask_truncated):
     metrics = ranks[0][3]
     assert set(metrics) == {"reward", "reward_std", "rewards/longer_is_better/mean", "rewards/longer_is_better/std",
                             "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
-                            "rollout/tokens_per_s"}
+                            "rollout/tokens_per_s", "entropy"}
+    assert 0 < metrics["entropy"] <= float(torch.log(torch.tensor(float(MODEL["vocab_size"]))))  # nats over 64 ids
     assert metrics["reward"] == pytest.approx(float(rewards.mean()), rel=1e-6)
     lengths = []
     for rank, (ids, mask, _, _, samples) in enumerate(ranks):

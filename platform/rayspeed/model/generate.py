@@ -11,7 +11,7 @@ the caller's generator (a rollout's seed makes its completions again).
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,15 @@ class Sampling:
 class Completions:
     ids: list[list[int]]  # each row's new tokens, up to and including its first end token
     truncated: list[bool]  # the row reached max_new_tokens without an end token
+    entropies: list[list[float]] = field(default_factory=list)
+    """Each new token's entropy of the temperature-scaled distribution over the whole vocabulary (before top-k and
+    top-p: TRL's `entropy`) it was drawn from, in nats; empty for greedy decoding."""
+
+
+def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The entropy [b] of softmax(logits / temperature) over the last dimension."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def caches(model: nn.Module) -> bool:
@@ -101,9 +110,12 @@ def _decode(model: nn.Module, prompts: list[list[int]], sampling: Sampling, eos:
     out: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     step_ids = ids
+    spread: list[torch.Tensor] = []  # each step's entropies [b], read back once at the end
     for _ in range(sampling.max_new_tokens):
         logits = model(step_ids, segment_ids=state) if state is not None else model(ids, segment_ids=segments_of(valid))
         token = pick(logits[:, -1], sampling, generator)
+        if not sampling.greedy:
+            spread.append(entropy(logits[:, -1], sampling.temperature))
         chosen = token.tolist()  # the one host sync of a token
         for i, t in enumerate(chosen):
             if not done[i]:
@@ -120,4 +132,7 @@ def _decode(model: nn.Module, prompts: list[list[int]], sampling: Sampling, eos:
         else:  # recomputing: the whole sequence again next time
             ids, valid = torch.cat([ids, step_ids], dim=1), torch.cat([valid, real], dim=1)
     truncated = [not (row and row[-1] in eos) for row in out]
-    return Completions(out, truncated)
+    if not spread:
+        return Completions(out, truncated)
+    per_step = torch.stack(spread, dim=1).tolist()  # [b, steps]
+    return Completions(out, truncated, [values[:len(row)] for values, row in zip(per_step, out)])

@@ -23,11 +23,15 @@ from typing import Any
 
 import torch
 
+from rayspeed.errors import FinalError
+
 RewardFn = Callable[..., Any]
 
 
-class RewardError(RuntimeError):
+class RewardError(FinalError):
     """A reward function failed: which one, on which record, and how."""
+
+    status = "reward_failed"
 
 
 @dataclass

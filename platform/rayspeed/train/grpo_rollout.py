@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rayspeed.data.prompts import PromptRecord
 from rayspeed.model.generate import Sampling, generate
 from rayspeed.objectives.grpo import GrpoSettings, advantages, nanstd, rewards_of
-from rayspeed.objectives.rewards import RewardLog, TrainerState, reward_name, score
+from rayspeed.objectives.rewards import RewardError, RewardLog, TrainerState, reward_name, score
 
 
 @dataclass
@@ -70,7 +70,7 @@ def sample_step(model: torch.nn.Module, records: list[PromptRecord], ctx: Rollou
     columns = {k: [r.columns[k] for r in records for _ in range(g)] for k in (records[0].columns if records else {})}
     log = RewardLog()
     texts = [ctx.decode(ids) for ids in done.ids]
-    per_function = score(ctx.rewards, prompts, texts, done.ids, columns, state or TrainerState(), log)
+    per_function = _scored(ctx, prompts, texts, done.ids, columns, state or TrainerState(), log)
     everyone = _gathered(per_function, ctx.group)
     rewards = rewards_of(everyone, ctx.weights)
     adv, std_zero = advantages(rewards, ctx.settings)
@@ -86,6 +86,28 @@ def sample_step(model: torch.nn.Module, records: list[PromptRecord], ctx: Rollou
             row[column] = v
     metrics.update(log.metric_means())
     return StepRollout(ids, mask, adv[mine], metrics, samples)
+
+
+def _scored(ctx: RolloutContext, prompts: list[Any], texts: list[Any], ids: list[list[int]],
+            columns: dict[str, list[Any]], state: TrainerState, log: RewardLog) -> torch.Tensor:
+    """This rank's scores; when a reward function failed on any rank, its RewardError on every rank (none is left
+    waiting for the others' rewards)."""
+    failure = ""
+    try:
+        values = score(ctx.rewards, prompts, texts, ids, columns, state, log)
+    except RewardError as e:
+        failure, values = str(e), torch.full((len(prompts), len(ctx.rewards)), float("nan"))
+    if ctx.group is None or dist.get_world_size(ctx.group) == 1:
+        if failure:
+            raise RewardError(failure)
+        return values
+    failed = torch.tensor([1.0 if failure else 0.0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ctx.group)
+    if failed.item():  # only then the messages: pickling collectives stay off the step's path
+        messages: list[Any] = [None] * dist.get_world_size(ctx.group)
+        dist.all_gather_object(messages, failure, group=ctx.group)
+        raise RewardError(next(m for m in messages if m))
+    return values
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,12 +146,16 @@ def _metrics(per_function: torch.Tensor, rewards: torch.Tensor, std_zero: torch.
     out["reward_std"] = float(nanstd(rewards))
     out["frac_reward_zero_std"] = float(std_zero.float().mean())
     lengths = torch.tensor([float(len(c)) for c in done.ids])
-    # One all-reduce: tokens, completions, truncated ones, and each rank's tokens per second (their sum the step's).
+    spread = float(sum(sum(row) for row in done.entropies))
+    # One all-reduce: tokens, completions, truncated ones, each rank's tokens per second (their sum the step's) and
+    # the summed entropy of the sampled tokens.
     counts = torch.stack([lengths.sum(), torch.tensor(float(len(lengths))), torch.tensor(float(sum(done.truncated))),
-                          lengths.sum() / max(seconds, 1e-9)])
+                          lengths.sum() / max(seconds, 1e-9), torch.tensor(spread)])
     if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
         dist.all_reduce(counts, group=ctx.group)
     out["completions/mean_length"] = float(counts[0] / counts[1])
     out["completions/clipped_ratio"] = float(counts[2] / counts[1])
     out["rollout/tokens_per_s"] = float(counts[3])
+    if done.entropies:
+        out["entropy"] = float(counts[4] / counts[0].clamp(min=1.0))
     return out

@@ -39,7 +39,7 @@ class LaunchPayload:
 @dataclass
 class RunResult:
     status: str
-    """finished | preflight_failed."""
+    """finished | preflight_failed | a FinalError's status (reward_failed)."""
     steps: int = 0
     final_loss: Optional[float] = None
     val_loss: Optional[float] = None

@@ -17,6 +17,7 @@ from rayspeed.config.layout import Layout
 from rayspeed.config.load import parse
 from rayspeed.config.schema import JobConfig
 from rayspeed.config.shape import ModelShape
+from rayspeed.errors import FinalError
 from rayspeed.logs import log_rank
 from rayspeed.parallel.groups import ParallelGroups
 from rayspeed.parallel.objects import gather_objects
@@ -212,7 +213,15 @@ class Trainer:
             events.failure(state, e)
             raise
         self.engine.train()
-        run_loop(self.batches.iterate(start, c.train.max_steps - start), step, saves, events, state)
+        try:
+            run_loop(self.batches.iterate(start, c.train.max_steps - start), step, saves, events, state)
+        except FinalError as e:  # raised on every rank at once (its callbacks heard it): a restart would repeat it
+            if self.ctx.is_rank0:
+                log.error("%s: %s", e.status, e)
+                self.mlflow.set_tags({"rayspeed.failure": str(e)[:4000]})
+                self.mlflow.close(e.status)
+            return RunResult(status=e.status, error=str(e), steps=state.step, world_size=self.ctx.world_size,
+                             mlflow_run_id=self.payload.mlflow_run_id)
         return self.result(state)
 
     def _guard(self, readings: StepReadings) -> Any:
