@@ -13,17 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_grpo_parity import (
-    CASES,
-    COMPLETIONS,
-    GENERATIONS,
-    MAX_COMPLETION,
-    PROMPTS,
-    WEIGHTS,
-    _trl,
-    reward_digits,
-    reward_vowels,
-)
+from test_grpo_parity import CASES, _trl, settings_and_advantages
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 TP_CASES = ["dapo-beta", "grpo-beta-clipped"]
@@ -45,19 +35,12 @@ def _tp2_sp_rank(rank, world, model_dir, rows, case):
     from _hf_parity import init_deepspeed_gloo
     from rayspeed.model.hf_weights import load_hf_weights
     from rayspeed.model.transformer import Transformer
-    from rayspeed.objectives.grpo import GrpoSettings, advantages, grpo_loss, mean_of, rewards_of
+    from rayspeed.objectives.grpo import grpo_loss, mean_of
     from rayspeed.parallel.groups import ParallelGroups
     from rayspeed.parallel.layers import gather_full
 
     init_deepspeed_gloo()
-    s = GrpoSettings(num_generations=GENERATIONS, loss=case["loss_type"], beta=case.get("beta", 0.0),
-                     epsilon_low=case.get("epsilon", 0.2), epsilon_high=case.get("epsilon_high", case.get("epsilon",
-                                                                                                            0.2)),
-                     scale_rewards=case.get("scale_rewards", "group"), max_completion_length=MAX_COMPLETION)
-    prompts = [p for p in PROMPTS for _ in range(GENERATIONS)]
-    per_function = torch.tensor([[v if v is not None else float("nan") for v in f(prompts, COMPLETIONS)]
-                                 for f in (reward_vowels, reward_digits)]).T
-    advantage, _ = advantages(rewards_of(per_function, torch.tensor(WEIGHTS)), s)
+    s, advantage = settings_and_advantages(case)
     shape = _shape(model_dir)
     tp = ParallelGroups(dp=1, tp=2, pp=1).tp
     policy = Transformer(shape, tp=tp, sequence_parallel=True)
@@ -133,17 +116,11 @@ def _adapted(model_dir):
 def test_lora_with_the_base_as_reference_equals_trl_with_peft(model_dir, tmp_path, case):
     from rayspeed.adapters import peft_files
     from rayspeed.adapters.lora import adapters_disabled
-    from rayspeed.objectives.grpo import GrpoSettings, advantages, grpo_loss, mean_of, rewards_of
+    from rayspeed.objectives.grpo import grpo_loss, mean_of
 
     shape, model, peft = _adapted(model_dir)
     want, want_stats, want_grads, inputs, _ = _trl(model_dir, tmp_path, CASES[case], peft=peft)
-    c = CASES[case]
-    s = GrpoSettings(num_generations=GENERATIONS, loss=c["loss_type"], beta=c.get("beta", 0.0),
-                     scale_rewards=c.get("scale_rewards", "group"), max_completion_length=MAX_COMPLETION)
-    prompts = [p for p in PROMPTS for _ in range(GENERATIONS)]
-    per_function = torch.tensor([[v if v is not None else float("nan") for v in f(prompts, COMPLETIONS)]
-                                 for f in (reward_vowels, reward_digits)]).T
-    advantage, _ = advantages(rewards_of(per_function, torch.tensor(WEIGHTS)), s)
+    s, advantage = settings_and_advantages(CASES[case])
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     start = inputs["prompt_ids"].size(1) - 1
 

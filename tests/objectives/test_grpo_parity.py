@@ -111,12 +111,9 @@ def _trl(model_dir, tmp_path, case, peft=None):
     return loss.detach(), stats, grads, inputs, trainer._metrics["train"]
 
 
-def _rayspeed(model_dir, inputs, case):
-    from test_dpo_parity import _shape
-
-    from rayspeed.model.hf_weights import load_hf_weights
-    from rayspeed.model.transformer import Transformer
-    from rayspeed.objectives.grpo import GrpoSettings, advantages, grpo_loss, mean_of, rewards_of
+def settings_and_advantages(case):
+    """rayspeed's settings for a case and its advantages over the fixed completions' rewards."""
+    from rayspeed.objectives.grpo import GrpoSettings, advantages, rewards_of
 
     s = GrpoSettings(num_generations=GENERATIONS, loss=case["loss_type"], beta=case.get("beta", 0.0),
                      epsilon_low=case.get("epsilon", 0.2), epsilon_high=case.get("epsilon_high", case.get("epsilon",
@@ -125,7 +122,17 @@ def _rayspeed(model_dir, inputs, case):
     prompts = [p for p in PROMPTS for _ in range(GENERATIONS)]
     per_function = torch.tensor([[v if v is not None else float("nan") for v in f(prompts, COMPLETIONS)]
                                  for f in (reward_vowels, reward_digits)]).T
-    advantage, _ = advantages(rewards_of(per_function, torch.tensor(WEIGHTS)), s)
+    return s, advantages(rewards_of(per_function, torch.tensor(WEIGHTS)), s)[0]
+
+
+def _rayspeed(model_dir, inputs, case):
+    from test_dpo_parity import _shape
+
+    from rayspeed.model.hf_weights import load_hf_weights
+    from rayspeed.model.transformer import Transformer
+    from rayspeed.objectives.grpo import grpo_loss, mean_of
+
+    s, advantage = settings_and_advantages(case)
 
     shape = _shape(model_dir)
     policy, reference = Transformer(shape), Transformer(shape)
