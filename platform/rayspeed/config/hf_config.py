@@ -136,7 +136,15 @@ def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
     named as that family's text-only architecture; any other config.json as it is."""
     archs = hf.get("architectures") or []
     family = families.text_family(str(archs[0])) if archs else None
-    if family is None or not isinstance(hf.get("text_config"), dict):
+    text_config = hf.get("text_config")
+    vision = families.vision_language(str(archs[0])) if archs else None
+    if family is None and isinstance(text_config, dict) and vision is not None:
+        # A vision-language architecture's text model is any family's, named by its own model_type.
+        try:
+            family = families.by_model_type(str(text_config.get("model_type", vision.text_model_type)))
+        except KeyError:
+            return {**text_config, "architectures": None}
+    if family is None or not isinstance(text_config, dict):
         return hf
     text = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config", "architectures", "model_type")}
     return {**text, **hf["text_config"], "architectures": [family.architecture], "model_type": family.model_type}

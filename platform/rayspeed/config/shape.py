@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rayspeed import families
+from rayspeed.config.vision_shape import VisionShape
 from rayspeed.families import Family
 from rayspeed.families.family import QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION
 
@@ -115,6 +116,8 @@ class ModelShape:
     """Weight of the load-balancing loss in the training loss (a training setting, not part of the function)."""
     family_keys: tuple[tuple[str, Any], ...] = ()
     """The family's own config.json keys (Family.keys.own) that differ from its defaults, sorted: family_key()."""
+    vision: Optional[VisionShape] = None
+    """The image path before the text model (a vision-language checkpoint's tower and projector); None: text only."""
 
     def family_key(self, key: str) -> Any:
         """The value of one of the family's own config.json keys: the model's, else the family's default."""
@@ -350,6 +353,7 @@ def shape_fields(m: Any) -> dict[str, Any]:
               final_logit_softcapping=_optional_float(getattr(m, "final_logit_softcapping", None)),
               partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0),
               family_keys=own_keys(family, getattr(m, "family_keys", None)),
+              vision=vision if isinstance(vision := getattr(m, "vision", None), VisionShape) else None,
               **expert_fields(m, int(m.num_layers),
                               int(ffn) if ffn is not None else default_ffn(int(m.hidden_size))), **rope)
 

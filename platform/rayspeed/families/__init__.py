@@ -15,9 +15,10 @@ import pkgutil
 from typing import Any, Optional
 
 from rayspeed.families.family import ROPE_TYPES, Family, TensorNames
+from rayspeed.families.vision import VisionLanguage
 
 __all__ = ["DEFAULT", "FAMILIES", "ROPE_TYPES", "Family", "TensorNames", "by_architecture", "by_model_type",
-           "find", "names", "records_of", "text_family"]
+           "find", "names", "records_of", "text_family", "vision_language", "VisionLanguage"]
 
 
 def records_of(path: Any, package: str, attribute: str, kind: type) -> tuple[Any, ...]:
@@ -39,6 +40,18 @@ def discover() -> tuple[Family, ...]:
 FAMILIES: tuple[Family, ...] = discover()
 DEFAULT: Family = next(f for f in FAMILIES if f.model_type == "llama")
 """The family of a model section that names none."""
+
+VISION_LANGUAGE: tuple[VisionLanguage, ...] = records_of(__path__, __name__, "VISION", VisionLanguage)
+"""The VISION of every module of this package: the vision-language architectures (an image path before a text
+model of any family)."""
+
+
+def vision_language(architecture: Optional[str]) -> Optional[VisionLanguage]:
+    """The vision-language record of a Hugging Face architecture name, or None."""
+    for record in VISION_LANGUAGE:
+        if architecture in record.architectures:
+            return record
+    return None
 
 
 def find(architecture: Optional[str]) -> Optional[Family]:

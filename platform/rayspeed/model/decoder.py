@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import torch.nn as nn
 
 from rayspeed.config.shape import ModelShape
-from rayspeed.model.families import composition_of
+from rayspeed.model.families import composition_of, input_stage_of
 from rayspeed.model.moe import MoE, RouterStats
 from rayspeed.model.output import Routing
 from rayspeed.model.parts.head import OutputHead
@@ -43,7 +43,8 @@ def decoder_pieces(dims: ModelShape, tp: TensorParallel, sequence_parallel: bool
     model = composition_of(dims.family)
     sp = sequence_parallel
     scale = model.embedding_scale(dims.hidden_size)
-    pieces = [Piece("embed", model.input_stage, functools.partial(model.input_stage.build, dims, tp, sp, seed, scale))]
+    stage = input_stage_of(dims)
+    pieces = [Piece("embed", stage, functools.partial(stage.build, dims, tp, sp, seed, scale))]
     pieces += [Piece(f"layers.{i}", model.block, functools.partial(
         model.block, dims, i, tp, sp, activation_checkpointing, preserve_rng_state, seed))
         for i in range(dims.num_layers)]

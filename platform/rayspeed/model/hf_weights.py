@@ -30,6 +30,7 @@ from rayspeed.config.hf_checkpoint import (
 )
 from rayspeed.config.hf_config import is_local_ref
 from rayspeed.config.shape import ModelShape
+from rayspeed.model.image_weights import is_image_path, read_image_path
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,20 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     names, converted = shape.family.tensor_names, converted_params(shape)
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     expert_dims: dict[str, int] = {}
-    elements, nbytes, views = 0, 0, Fp8Views(model_dir, files, stored)
+    nbytes, views = 0, Fp8Views(model_dir, files, stored)
     p: torch.Tensor  # a parameter here, the tensor it is read into (a slice of an expert stack too) below
-    for name, p in named_parameters(model):
+    params = named_parameters(model)
+    image_path = [(name, p) for name, p in params if is_image_path(name)]
+    elements = 0
+    if image_path:
+        assert shape.vision is not None  # only a vision-language shape builds an image path
+        try:
+            elements = read_image_path(image_path, model_dir, shape.vision, what)
+        except ValueError as e:
+            raise HFWeightsError(str(e)) from None
+    for name, p in params:
+        if is_image_path(name):
+            continue
         if name not in expected:
             raise HFWeightsError(f"{what}: the model has a parameter {name} that a {shape.architecture} checkpoint "
                                  "does not hold")
@@ -143,7 +155,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
                                              f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
                     p.copy_(value.to(device=p.device, dtype=p.dtype))
                     elements, nbytes = elements + value.numel(), nbytes + value.numel() * value.element_size()
-    return {"model_dir": str(model_dir), "parameters": len(named_parameters(model)),
+    return {"model_dir": str(model_dir), "parameters": len(params),
             "elements": elements, "bytes_read": nbytes}
 
 

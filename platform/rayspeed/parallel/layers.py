@@ -282,11 +282,17 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return self.scaled(F.embedding(input_ids, self.weight))
+        return self.scaled(leave_tp_region(self.partial(input_ids), self.tp, self.sequence_parallel))
+
+    def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the embedding, unscaled: its rows' vectors, zeros for tokens another rank owns (the
+        sum over the tp group is the embedding)."""
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return self.scaled(leave_tp_region(out, self.tp, self.sequence_parallel))
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def scaled(self, out: torch.Tensor) -> torch.Tensor:
         if self.scale is None:

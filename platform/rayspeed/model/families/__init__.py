@@ -48,6 +48,29 @@ def compositions() -> tuple[Composition, ...]:
     return records_of(__path__, __name__, "MODEL", Composition)
 
 
+@dataclass(frozen=True)
+class VisionComposition:
+    """What a vision-language architecture's image path is made of: the input stage that writes the projected image
+    features over their placeholder tokens (its projector named there)."""
+    records: tuple[Any, ...]
+    """The vision-language records (rayspeed.families.vision) this composition runs."""
+    input_stage: type[TokenInput]
+
+
+@functools.cache
+def vision_compositions() -> tuple[VisionComposition, ...]:
+    """The VISION_MODEL of every module of this package."""
+    return records_of(__path__, __name__, "VISION_MODEL", VisionComposition)
+
+
+def input_stage_of(dims: Any) -> type[TokenInput]:
+    """The first piece's class: the image path's stage of a vision-language shape, else the text family's."""
+    if dims.vision is None:
+        return composition_of(dims.family).input_stage
+    record = dims.vision.record
+    return next(v.input_stage for v in vision_compositions() if any(r is record for r in v.records))
+
+
 def composition_of(family: Any) -> Composition:
     """The composition that runs `family`; the Llama decoder for a family no module composes."""
     for model in compositions():

@@ -1,0 +1,159 @@
+"""LLaVA-style parity with transformers (LlavaForConditionalGeneration made locally: a Llama text model after a CLIP
+tower under the default strategy, and after a SigLIP tower keeping every position), fp32, rtol = atol = 1e-5: with
+images in the batch the logits, the loss and every gradient, the tower's and the projector's included, at tp1, and
+each rank's at tp2 with sequence parallelism; the image path changes the logits (so the parity cannot hold with the
+images ignored)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _dist import run_distributed
+from _hf_models import shape_of
+from _hf_parity import TOL, build, reference_grad
+
+SEQ, BATCH, VOCAB, IMAGE_TOKEN = 16, 2, 256, 255
+TEXT = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None)
+CLIP = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, image_size=28, patch_size=14, projection_dim=16)
+SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=2, image_size=28, patch_size=14, vision_use_head=False)
+TOWERS = {"clip": (CLIP, "default", 4), "siglip": (SIGLIP, "full", 4)}  # 2 x 2 patches: 4 image tokens either way
+
+
+def _save(out, tower, strategy, seed=7):
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(LlavaConfig(text_config=TEXT, vision_config=tower,
+                                                      image_token_index=IMAGE_TOKEN,
+                                                      vision_feature_select_strategy=strategy))
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn(p.shape))
+    model.save_pretrained(out)
+
+
+def _batch(image_tokens):
+    """(ids [b, s + 1] with one image's placeholders per row at 2 .., labels' image places ignored, images)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, IMAGE_TOKEN, (BATCH, SEQ + 1), generator=g)
+    ids[:, 2:2 + image_tokens] = IMAGE_TOKEN
+    labels = ids[:, 1:].clone()
+    labels[labels == IMAGE_TOKEN] = -100
+    return ids, labels, torch.randn(BATCH, 3, 28, 28, generator=g)
+
+
+def _theirs(name, shape):
+    """transformers' in-memory name of rayspeed parameter `name`."""
+    from rayspeed.model.image_weights import image_path_tensors, is_image_path
+
+    if is_image_path(name):
+        return next(iter(image_path_tensors({name: None}, shape.vision)))
+    hf = shape.family.tensor_names.hf_name(name)
+    return hf if hf.startswith("lm_head.") else "model.language_model." + hf[len("model."):]
+
+
+def _shape(model_dir):
+    from rayspeed.config.vision_shape import vision_shape_from_hf
+
+    config = json.loads((model_dir / "config.json").read_text())
+    vision, problems = vision_shape_from_hf(config, "config.json")
+    assert not problems
+    return dataclasses.replace(shape_of(str(model_dir), SEQ), vision=vision)
+
+
+@pytest.fixture(scope="module", params=sorted(TOWERS))
+def llava(request, tmp_path_factory):
+    from transformers import LlavaForConditionalGeneration
+
+    tower, strategy, image_tokens = TOWERS[request.param]
+    d = tmp_path_factory.mktemp(f"llava-{request.param}") / "m"
+    _save(d, tower, strategy)
+    model = LlavaForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32).eval()
+    ids, labels, images = _batch(image_tokens)
+    logits = model(input_ids=ids[:, :-1], pixel_values=images).logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"dir": d, "ids": ids, "labels": labels, "images": images, "logits": logits.detach(),
+            "loss": loss.detach(), "grads": grads, "shape": _shape(d)}
+
+
+def test_the_shape_reads_the_image_path(llava):
+    shape = llava["shape"]
+    assert shape.architecture == "LlamaForCausalLM" and shape.vision.image_token_id == IMAGE_TOKEN
+    assert shape.vision.image_tokens == 4 and shape.vision.feature_layer == -2
+
+
+def test_tp1_logits_loss_and_every_gradient_match_transformers(llava):
+    shape = llava["shape"]
+    model = build(shape, str(llava["dir"]))
+    ids, images = llava["ids"][:, :-1], {"pixel_values": llava["images"]}
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, inputs=images), llava["logits"], **TOL)
+    loss = model(ids, llava["labels"], inputs=images)
+    torch.testing.assert_close(loss.detach(), llava["loss"], **TOL)
+    loss.backward()
+    names = {n: _theirs(n, shape) for n, p in model.named_parameters() if p.grad is not None}
+    # The tower's layers after the feature layer, and its last norm, feed nothing (in transformers neither).
+    assert set(names.values()) == set(llava["grads"]), "every trained tensor of transformers' model, once"
+    assert any(n.startswith("embed.tower.") for n in names) and any(n.startswith("embed.projector.") for n in names)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, llava["grads"][names[name]], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_images_change_the_logits(llava):
+    model = build(llava["shape"], str(llava["dir"]))
+    with torch.no_grad():
+        other = model(llava["ids"][:, :-1], inputs={"pixel_values": llava["images"].flip(-1)})
+    assert (other - llava["logits"]).abs().max() > 1e-3
+
+
+def test_placeholders_and_images_that_disagree_are_refused(llava):
+    model = build(llava["shape"], str(llava["dir"]))
+    with pytest.raises(ValueError, match="8 image tokens in the batch but 1 images of 4 features"):
+        model(llava["ids"][:, :-1], inputs={"pixel_values": llava["images"][:1]})
+
+
+def _tp2(rank, world_size, model_dir, ids, labels, images):
+    from rayspeed.parallel.groups import ParallelGroups
+
+    shape = _shape(model_dir)
+    model = build(shape, str(model_dir), ParallelGroups(dp=1, tp=2, pp=1).tp, sp=True)
+    with torch.no_grad():
+        logits = model(ids, inputs={"pixel_values": images})
+    loss = model(ids, labels, inputs={"pixel_values": images})
+    loss.backward()
+    return logits, loss.detach(), {n: None if p.grad is None else p.grad.detach().clone()
+                                   for n, p in model.named_parameters()}
+
+
+def test_tp2_sequence_parallel_matches_transformers(llava):
+    """Each rank's logits and loss, its text shards' gradients, and the replicated tower's
+    and projector's whole gradients."""
+    shape = llava["shape"]
+    results = run_distributed(_tp2, 2, llava["dir"], llava["ids"][:, :-1], llava["labels"], llava["images"],
+                              timeout_s=120)
+    for rank, (logits, loss, grads) in enumerate(results):
+        torch.testing.assert_close(logits, llava["logits"], **TOL)
+        torch.testing.assert_close(loss, llava["loss"], **TOL)
+        for name, grad in grads.items():
+            if grad is None:
+                continue
+            theirs = _theirs(name, shape)
+            if name.startswith("embed.") and name != "embed.weight":
+                expected = llava["grads"][theirs]
+            else:
+                ref = {"grads": {shape.family.tensor_names.hf_name(name): llava["grads"][theirs]}}
+                expected = reference_grad(ref, shape, name, rank, 2)
+            torch.testing.assert_close(grad, expected, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
