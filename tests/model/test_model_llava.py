@@ -6,7 +6,6 @@ images ignored)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -57,18 +56,13 @@ def _theirs(name, shape):
     from rayspeed.model.image_weights import image_path_tensors, is_image_path
 
     if is_image_path(name):
-        return next(iter(image_path_tensors({name: None}, shape.vision)))
+        return next(iter(image_path_tensors({name: None}, shape.image_path)))
     hf = shape.family.tensor_names.hf_name(name)
     return hf if hf.startswith("lm_head.") else "model.language_model." + hf[len("model."):]
 
 
 def _shape(model_dir):
-    from rayspeed.config.vision_shape import vision_shape_from_hf
-
-    config = json.loads((model_dir / "config.json").read_text())
-    vision, problems = vision_shape_from_hf(config, "config.json")
-    assert not problems
-    return dataclasses.replace(shape_of(str(model_dir), SEQ), vision=vision)
+    return shape_of(str(model_dir), SEQ)  # through the job config: model.pretrained fills model.image_path
 
 
 @pytest.fixture(scope="module", params=sorted(TOWERS))
@@ -90,8 +84,8 @@ def llava(request, tmp_path_factory):
 
 def test_the_shape_reads_the_image_path(llava):
     shape = llava["shape"]
-    assert shape.architecture == "LlamaForCausalLM" and shape.vision.image_token_id == IMAGE_TOKEN
-    assert shape.vision.image_tokens == 4 and shape.vision.feature_layer == -2
+    assert shape.architecture == "LlamaForCausalLM" and shape.image_path.image_token_id == IMAGE_TOKEN
+    assert shape.image_path.image_tokens == 4 and shape.image_path.feature_layer == -2
 
 
 def test_tp1_logits_loss_and_every_gradient_match_transformers(llava):
@@ -157,3 +151,29 @@ def test_tp2_sequence_parallel_matches_transformers(llava):
                 ref = {"grads": {shape.family.tensor_names.hf_name(name): llava["grads"][theirs]}}
                 expected = reference_grad(ref, shape, name, rank, 2)
             torch.testing.assert_close(grad, expected, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vision_config": {**CLIP, "model_type": "pixtral"}}, "vision_config.model_type 'pixtral' is not supported for "
+     "LlavaForConditionalGeneration; supported: clip_vision_model, siglip_vision_model"),
+    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer [-2, -1]: only one feature layer is supported"),
+])
+def test_an_image_path_rayspeed_cannot_run_is_named(tmp_path, llava, change, message):
+    from rayspeed.config.load import parse
+    from rayspeed.errors import ConfigError
+
+    d = tmp_path / "m"
+    d.mkdir()
+    config = {**json.loads((llava["dir"] / "config.json").read_text()), **change}
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse({"model": {"seq_len": SEQ}}, [f"model.pretrained={d}"])
+
+
+def test_pipeline_and_context_parallelism_are_refused_with_images(llava):
+    from rayspeed.config.load import parse
+    from rayspeed.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="parallel.pp: 2 with the image path of LlavaForConditionalGeneration is not "
+                                          "built yet"):
+        parse({"model": {"seq_len": SEQ}}, [f"model.pretrained={llava['dir']}", "parallel.pp=2"])

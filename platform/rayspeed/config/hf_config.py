@@ -20,6 +20,7 @@ from rayspeed.config.examples import prepare_hint
 from rayspeed.config.hf_rope import local_rope, partial_rotary, rope_from_hf
 from rayspeed.config.moe_keys import MOE_SHAPE_KEYS, aux_coef_from_hf, moe_keys_from_hf, unsupported_reason
 from rayspeed.config.shape import ModelShape, rope_fields
+from rayspeed.config.vision_shape import vision_shape_from_hf
 from rayspeed.families import Family
 from rayspeed.families.family import (
     FULL_ATTENTION,
@@ -40,7 +41,7 @@ SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_
               "ffn_hidden_size", "vocab_size", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
               "max_position_embeddings", "hidden_act", "sliding_window", "layer_types", "rope_local_theta",
               "query_pre_attn_scalar", "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping",
-              "family_keys", *MOE_SHAPE_KEYS)
+              "family_keys", "image_path", *MOE_SHAPE_KEYS)
 
 # transformers' Qwen2Config / Qwen3Config default.
 MAX_WINDOW_LAYERS_DEFAULT = 28
@@ -163,7 +164,7 @@ def _architecture(hf: dict[str, Any]) -> Optional[str]:
 def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = None
                        ) -> tuple[dict[str, Any], list[str]]:
     """The job's model keys a config.json decides, and what in it rayspeed cannot run (each naming the file)."""
-    problems: list[str] = []
+    image_path, problems = vision_shape_from_hf(hf, where)
     hf = text_model_config(hf)
     arch = _architecture(hf)
     family = families.find(arch)
@@ -220,6 +221,7 @@ def model_keys_from_hf(hf: dict[str, Any], where: str, seq_len: Optional[int] = 
         "partial_rotary_factor": partial_rotary(hf) if family.keys.reads(PARTIAL_ROTARY_KEY) else None,
         **caps,
         "family_keys": {key: hf.get(key, default) for key, default in family.keys.own.items()} or None,
+        "image_path": image_path,
         **moe_keys_from_hf(family, hf, where, problems),
     }
     return keys, problems

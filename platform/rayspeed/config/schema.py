@@ -16,6 +16,7 @@ from rayspeed.config.chaos_keys import ChaosConfig
 from rayspeed.config.eval_keys import EvalConfig
 from rayspeed.config.grpo_keys import GrpoConfig
 from rayspeed.config.objective_keys import DpoConfig
+from rayspeed.config.vision_shape import VisionShape
 
 Auto = Literal["auto"]
 AUTO: Final = "auto"
@@ -90,6 +91,10 @@ class ModelConfig:
     family_keys: Optional[dict[str, Union[str, float, bool, list[float]]]] = None
     """config.json keys only the architecture's family reads, by their config.json names (gpt-oss's swiglu_alpha
     and swiglu_limit: docs/MODELS.md); model.pretrained fills them. null or a key left out: the family's default."""
+    image_path: Optional[VisionShape] = None
+    """A vision-language checkpoint's image path (LLaVA: its tower's vision_config, the feature layer and strategy,
+    the projector, the image placeholder token), as its config.json says; model.pretrained fills it, a job file
+    leaves it out. null: a text model."""
     attention_kernel: str = "auto"
     """The kernel of masked and soft-capped attention (sliding windows, packed documents, Gemma 2's cap): auto =
     sdpa; sdpa = PyTorch's SDPA with a dense mask (every tile computed) and the math path for soft-capped scores

@@ -116,7 +116,7 @@ class ModelShape:
     """Weight of the load-balancing loss in the training loss (a training setting, not part of the function)."""
     family_keys: tuple[tuple[str, Any], ...] = ()
     """The family's own config.json keys (Family.keys.own) that differ from its defaults, sorted: family_key()."""
-    vision: Optional[VisionShape] = None
+    image_path: Optional[VisionShape] = None
     """The image path before the text model (a vision-language checkpoint's tower and projector); None: text only."""
 
     def family_key(self, key: str) -> Any:
@@ -353,9 +353,16 @@ def shape_fields(m: Any) -> dict[str, Any]:
               final_logit_softcapping=_optional_float(getattr(m, "final_logit_softcapping", None)),
               partial_rotary_factor=float(getattr(m, "partial_rotary_factor", None) or 1.0),
               family_keys=own_keys(family, getattr(m, "family_keys", None)),
-              vision=vision if isinstance(vision := getattr(m, "vision", None), VisionShape) else None,
+              image_path=image_path_of(getattr(m, "image_path", None)),
               **expert_fields(m, int(m.num_layers),
                               int(ffn) if ffn is not None else default_ffn(int(m.hidden_size))), **rope)
+
+
+def image_path_of(given: Any) -> Optional[VisionShape]:
+    """The model section's image path (a namespace rebuilt from asdict holds it as a mapping)."""
+    if given is None or isinstance(given, VisionShape):
+        return given
+    return VisionShape(**dict(given))
 
 
 def expert_fields(m: Any, num_layers: int, ffn: int) -> dict[str, Any]:

@@ -170,12 +170,23 @@ def model_problems(cfg: JobConfig) -> list[str]:
                  f"model.max_position_embeddings to at least {m.seq_len}, with model.rope_scaling (e.g. "
                  f"{{rope_type: yarn, factor: {-(-m.seq_len // m.max_position_embeddings)}}}) if RoPE should stretch "
                  "(docs/MODELS.md)")
-    p += family_problems(m)
+    p += family_problems(m) + image_path_problems(cfg)
     if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
         p.append(f"model.ffn_hidden_size: must be >= 1, got {m.ffn_hidden_size}")
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
         p.append(f"model.vocab_size ({m.vocab_size}) must be >= 256 with data.tokenizer: bytes")
     return p
+
+
+def image_path_problems(cfg: JobConfig) -> list[str]:
+    """A vision-language model's layouts: the images reach the input stage whole."""
+    m = cfg.model
+    if m.image_path is None:
+        return []
+    return [f"parallel.{k}: {getattr(cfg.parallel, k)} with the image path of {m.image_path.architecture} is not "
+            f"built yet (the images would have to reach one pipeline stage, or one context-parallel chunk); set "
+            f"parallel.{k}: 1, or leave it auto" for k in ("pp", "cp")
+            if isinstance(getattr(cfg.parallel, k), int) and getattr(cfg.parallel, k) > 1]
 
 
 def family_problems(m: Any) -> list[str]:

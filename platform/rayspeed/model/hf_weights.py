@@ -111,9 +111,9 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, shape: ModelShape, t
     image_path = [(name, p) for name, p in params if is_image_path(name)]
     elements = 0
     if image_path:
-        assert shape.vision is not None  # only a vision-language shape builds an image path
+        assert shape.image_path is not None  # only a vision-language shape builds an image path
         try:
-            elements = read_image_path(image_path, model_dir, shape.vision, what)
+            elements = read_image_path(image_path, model_dir, shape.image_path, what)
         except ValueError as e:
             raise HFWeightsError(str(e)) from None
     for name, p in params:

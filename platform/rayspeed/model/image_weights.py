@@ -2,8 +2,8 @@
 (they are replicated), under the names the record maps (the hub's, transformers 5's), checked against the module
 built from config.json: a tensor missing, or of another shape, names itself and the file.
 
-    read_image_path(params, model_dir, shape.vision, what)   # params: (rayspeed name, parameter) under embed.
-    image_path_tensors(state, shape.vision)                  # an export's names of the same tensors
+    read_image_path(params, model_dir, shape.image_path, what)   # params: (rayspeed name, parameter) under embed.
+    image_path_tensors(state, shape.image_path)                  # an export's names of the same tensors
 """
 
 from __future__ import annotations

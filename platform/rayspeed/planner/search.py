@@ -115,6 +115,8 @@ def fixed_keys(cfg: JobConfig) -> dict:
     out = {k: getattr(par, k) for k in LAYOUT_KEYS if getattr(par, k) != AUTO}
     if getattr(cfg.train, "objective", "sft") == "grpo":  # sampling is built for data parallelism alone
         out.update({k: 1 for k in ("tp", "pp", "cp") if k not in out})
+    if getattr(cfg.model, "image_path", None) is not None:  # the images enter whole on one stage, one rank's chunk
+        out.update({k: 1 for k in ("pp", "cp") if k not in out})
     split = getattr(par, "stage_layers", None)
     if split:
         out["stage_layers"] = tuple(int(n) for n in split)

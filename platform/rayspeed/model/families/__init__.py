@@ -65,9 +65,9 @@ def vision_compositions() -> tuple[VisionComposition, ...]:
 
 def input_stage_of(dims: Any) -> type[TokenInput]:
     """The first piece's class: the image path's stage of a vision-language shape, else the text family's."""
-    if dims.vision is None:
+    if dims.image_path is None:
         return composition_of(dims.family).input_stage
-    record = dims.vision.record
+    record = dims.image_path.record
     return next(v.input_stage for v in vision_compositions() if any(r is record for r in v.records))
 
 

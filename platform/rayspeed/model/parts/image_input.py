@@ -53,14 +53,14 @@ class ImageTextInput(TokenInput):
     def build(cls, dims: ModelShape, tp: TensorParallel, sequence_parallel: bool, seed: int,
               scale: Optional[float]) -> "TokenInput":
         stage = super().build(dims, tp, sequence_parallel, seed, scale)
-        assert isinstance(stage, ImageTextInput) and dims.vision is not None  # decoder_pieces picks this stage so
-        stage.vision = dims.vision
+        assert isinstance(stage, ImageTextInput) and dims.image_path is not None  # decoder_pieces picks this stage so
+        stage.vision = dims.image_path
         # Initial weights from the seed alone, so every rank and layout starts the same (a checkpoint then
         # overwrites them).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(stable_seed(seed, "embed.image_path"))
-            stage.tower = build_tower(dims.vision)
-            stage.projector = cls.projector_class(dims.vision, dims.hidden_size)
+            stage.tower = build_tower(dims.image_path)
+            stage.projector = cls.projector_class(dims.image_path, dims.hidden_size)
         return stage
 
     def forward(self, input_ids: Any, **inputs: Any) -> Any:
