@@ -18,7 +18,7 @@ count, the same on every rank and for every layout (computed from the data, no c
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -103,8 +103,46 @@ def _to_tensors(windows: np.ndarray) -> MicroBatch:
     return x, y
 
 
+class WithImages(tuple):
+    """A micro-batch whose windows hold images: the tensors as any other's, `inputs`, what the model's input stage
+    takes besides the ids (pixel values, each image's feature rows inside its window), and each image's window."""
+    inputs: dict[str, torch.Tensor]
+    windows: torch.Tensor
+
+
+def rows_of(micro_batch: tuple, lo: int, hi: int) -> tuple:
+    """Windows [lo, hi) of a micro-batch, with their images."""
+    part = tuple(t[lo:hi] for t in micro_batch)
+    if not isinstance(micro_batch, WithImages):
+        return part
+    keep = (micro_batch.windows >= lo) & (micro_batch.windows < hi)
+    out = WithImages(part)
+    out.inputs = {k: v[keep] for k, v in micro_batch.inputs.items()}
+    out.windows = micro_batch.windows[keep] - lo
+    return out
+
+
+def model_inputs(micro_batch: tuple, device: Any) -> dict[str, Any]:
+    """The keyword arguments the model takes beside a micro-batch's tensors ({}: a text micro-batch)."""
+    inputs = getattr(micro_batch, "inputs", None)
+    return {"inputs": {k: v.to(device) for k, v in inputs.items()}} if inputs else {}
+
+
 def make_batch(split: TokenSplit, seq_indices: np.ndarray, seq_len: int, document_masking: bool = False) -> MicroBatch:
-    """(input_ids, labels[, segment_ids]) of the given windows, labels the loss ignores set to -100."""
+    """(input_ids, labels[, segment_ids]) of the given windows, labels the loss ignores set to -100; with images, a
+    WithImages."""
+    batch = _text_batch(split, seq_indices, seq_len, document_masking)
+    images = getattr(split.store, "images", None)
+    if images is None:
+        return batch
+    pixels, rows, windows = images.window_images(split.window_starts(seq_indices, seq_len), seq_len)
+    out = WithImages(batch)
+    out.inputs = {"pixel_values": torch.from_numpy(pixels), "image_rows": torch.from_numpy(rows)}
+    out.windows = torch.from_numpy(windows)
+    return out
+
+
+def _text_batch(split: TokenSplit, seq_indices: np.ndarray, seq_len: int, document_masking: bool) -> MicroBatch:
     windows = split.windows(seq_indices, seq_len)
     if split.mask is None and not document_masking:
         return _to_tensors(windows)

@@ -52,9 +52,10 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         raise ConfigError(f"data.format: chat: {where}: 'messages' must be a non-empty list of "
                           "{role, content} objects")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ConfigError(f"data.format: chat: {where}: message {i} is not a {{role, content}} object with "
-                              "string values")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"),
+                                                                                          (str, list)):
+            raise ConfigError(f"data.format: chat: {where}: message {i} is not a {{role, content}} object with a "
+                              "string role and a string (or a list of text and image parts) content")
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"data.format: chat: {where} has no assistant turn (nothing to train on); every record "
                           "needs at least one message with role 'assistant'")

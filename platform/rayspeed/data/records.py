@@ -45,6 +45,9 @@ class DataSpec:
     split: str = "train"
     hf_cache_dir: Optional[str] = None
     streaming: bool = False
+    images: Optional[tuple[str, int, int]] = None
+    """Chat records with images: (the checkpoint directory whose image processor resizes them, the placeholder
+    token's id, tokens per image). None: text only."""
 
     @staticmethod
     def paths(path: Union[None, str, list[str], tuple[str, ...]]) -> tuple[str, ...]:

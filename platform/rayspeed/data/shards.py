@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from rayspeed.data.image_shards import ImageTable, write_images
 from rayspeed.errors import ConfigError
 
 MAGIC = b"RSTOKEN1"
@@ -135,17 +136,25 @@ def write_shard(path: str, tokens: np.ndarray, doc_offsets: Sequence[int], mask:
 class ShardWriter:
     """Collects documents (ids, optional mask) and writes them as one shard."""
 
-    def __init__(self, with_mask: bool, vocab_size: int):
+    def __init__(self, with_mask: bool, vocab_size: int, images: Optional[dict[str, Any]] = None):
         self.with_mask, self.vocab_size = with_mask, int(vocab_size)
         self.ids: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []
         self.offsets = [0]
+        self.images_meta = images  # with images: written beside the shard (image_shards.py), this their metadata
+        self.pixels: list[np.ndarray] = []
+        self.image_at: list[int] = []
 
-    def add(self, ids: Iterable[int], mask: Optional[Iterable[int]] = None) -> None:
+    def add(self, ids: Iterable[int], mask: Optional[Iterable[int]] = None,
+            images: Sequence[tuple[int, np.ndarray]] = ()) -> None:
+        """One document; `images`: (the position of its first placeholder in the document, its uint8 pixels)."""
         a = np.asarray(ids, dtype=np.int64)
         self.ids.append(a)
         if self.with_mask:
             self.masks.append(np.asarray(mask, dtype=np.uint8) if mask is not None else np.ones(a.size, np.uint8))
+        for at, pixels in images:
+            self.image_at.append(self.offsets[-1] + int(at))
+            self.pixels.append(pixels)
         self.offsets.append(self.offsets[-1] + a.size)
 
     @property
@@ -156,7 +165,10 @@ class ShardWriter:
         tokens = np.concatenate(self.ids) if self.ids else np.zeros(0, np.int64)
         mask = (np.concatenate(self.masks) if self.masks else np.zeros(0, np.uint8)) if self.with_mask else None
         width = 2 if self.vocab_size <= 1 << 16 else 4
-        return write_shard(path, tokens, self.offsets, mask, self.vocab_size, width)
+        entry = write_shard(path, tokens, self.offsets, mask, self.vocab_size, width)
+        if self.images_meta is not None:
+            entry.update(write_images(path, self.pixels, self.image_at, self.images_meta))
+        return entry
 
 
 class Shard:
@@ -236,6 +248,8 @@ class ShardSet:
             starts.append(s.offsets[:-1] + base)
             base += s.header.num_tokens
         self.doc_starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+        bases = np.cumsum([0] + [s.header.num_tokens for s in shards])[:-1].tolist()
+        self.images = ImageTable.open(self.paths, bases)  # None: a text corpus
         self.num_documents = int(self.doc_starts.size)
         self.vocab_size = max((s.header.vocab_size for s in shards), default=0)
 

@@ -66,6 +66,10 @@ class TokenSplit:
             out.append(self.start + j * w)
         return out
 
+    def window_starts(self, seq_indices: Sequence[int], seq_len: int) -> list[int]:
+        """The global token position where each window starts."""
+        return self._starts(seq_indices, seq_len)
+
     def _read(self, arr: Any, seq_indices: Sequence[int], seq_len: int, dtype: Any) -> np.ndarray:
         starts, w = self._starts(seq_indices, seq_len), seq_len + 1
         out = np.empty((len(starts), w), dtype=dtype)

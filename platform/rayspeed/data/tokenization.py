@@ -53,8 +53,9 @@ def _tokenizer(spec: DataSpec) -> Any:
     return tok
 
 
-def _documents(unit: Unit, spec: DataSpec, tok: Any) -> Any:
-    """(ids, mask or None, location) of every document of the unit."""
+def _documents(unit: Unit, spec: DataSpec, tok: Any, pictures: Optional["_Pictures"] = None) -> Any:
+    """(ids, mask or None, location, images) of every document of the unit; images: (the position of its first
+    placeholder, uint8 pixels) of each of the document's images."""
     renderer = None
     if spec.format == "chat":
         from rayspeed.data.chat import ChatRenderer
@@ -62,20 +63,56 @@ def _documents(unit: Unit, spec: DataSpec, tok: Any) -> Any:
         renderer = ChatRenderer(tok)
     for record, loc in iter_records(unit, spec):
         if unit.kind == "text":
-            yield encode_document(tok, record), None, loc
+            yield encode_document(tok, record), None, loc, ()
             continue
         if not isinstance(record, dict):
             raise ConfigError(f"data.path: {describe(loc)} is not an object with fields")
+        if renderer is not None and pictures is not None:
+            yield from pictures.documents(renderer, record, loc)
+            continue
         if renderer is not None:
             for ids, mask in renderer.render_documents(record.get("messages"), describe(loc)):
-                yield ids, mask, loc
+                yield ids, mask, loc, ()
             continue
         text = record.get(spec.text_field)
         if not isinstance(text, str):
             fields = ", ".join(sorted(map(str, record))[:8]) or "none"
             what = "has no field" if spec.text_field not in record else "has a non-text field"
             raise ConfigError(f"data.text_field: {describe(loc)} {what} {spec.text_field!r} (its fields: {fields})")
-        yield encode_document(tok, text), None, loc
+        yield encode_document(tok, text), None, loc, ()
+
+
+class _Pictures:
+    """Chat records with images (rayspeed.data.images): each image read and resized once, its placeholder repeated
+    to one token per feature."""
+
+    def __init__(self, images: tuple[str, int, int]):
+        from rayspeed.data.images import ImagePrep
+
+        self.prep = ImagePrep.from_model(images[0])
+        self.token_id, self.tokens = int(images[1]), int(images[2])
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "rescale": self.prep.rescale, "mean": self.prep.mean.ravel().tolist(),
+                "std": self.prep.std.ravel().tolist()}
+
+    def documents(self, renderer: Any, record: dict[str, Any], loc: tuple[Any, ...]) -> Any:
+        from rayspeed.data.images import ImageParts, expand_placeholders
+
+        where = describe(loc)
+        parts = ImageParts(record, where, os.path.dirname(str(loc[1])))
+        documents = renderer.render_documents(parts.messages, where)
+        for ids, mask in documents:
+            found = int((ids == self.token_id).sum())
+            if found != len(parts.sources):
+                raise ConfigError(f"data.format: chat: {where}: the chat template renders {found} image "
+                                  f"placeholder(s) for the record's {len(parts.sources)} image(s); its template must "
+                                  "render each image part once (and a conversation split per assistant turn cannot "
+                                  "carry images yet)")
+            ids, mask, starts = expand_placeholders(ids, mask, self.token_id, self.tokens)
+            pixels = [self.prep.to_uint8(parts.open(i)) for i in range(len(parts.sources))]
+            yield ids, mask, loc, list(zip(starts.tolist(), pixels))
 
 
 def tokenize_unit(unit: Unit, spec: DataSpec, out_dir: str, tokenizer: Any = None) -> dict[str, Any]:
@@ -84,12 +121,14 @@ def tokenize_unit(unit: Unit, spec: DataSpec, out_dir: str, tokenizer: Any = Non
     try:
         tok = tokenizer if tokenizer is not None else _tokenizer(spec)
         vocab = int(tok.vocab_size)
-        writer = ShardWriter(with_mask=spec.format == "chat", vocab_size=vocab)
-        for ids, mask, loc in _documents(unit, spec, tok):
+        pictures = _Pictures(spec.images) if spec.images else None
+        writer = ShardWriter(with_mask=spec.format == "chat", vocab_size=vocab,
+                             images=pictures.meta if pictures else None)
+        for ids, mask, loc, images in _documents(unit, spec, tok, pictures):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
                 raise ConfigError(f"data.tokenizer: {tok!r} produced id {int(ids.max())} for {describe(loc)}, "
                                   f"outside its vocabulary of {vocab}")
-            writer.add(ids, mask)
+            writer.add(ids, mask, images)
         entry = writer.write(os.path.join(out_dir, shard_name(unit)))
     except ConfigError as e:
         # The problems, not str(e): the driver raises them again as a ConfigError, which adds its own prefix.
@@ -163,7 +202,8 @@ def run_pool(units: list[Unit], spec: DataSpec, out_dir: str, on_done: Callable[
 def _ray_batch(batch: dict[str, np.ndarray], spec_json: str, out_dir: str) -> dict[str, np.ndarray]:
     """map_batches body: each row is one unit (as JSON); returns one row per unit with its shard entry as JSON."""
     fields = json.loads(spec_json)
-    spec = DataSpec(**{**fields, "path": tuple(fields["path"])})
+    spec = DataSpec(**{**fields, "path": tuple(fields["path"]),
+                       "images": tuple(fields["images"]) if fields.get("images") else None})
     out = []
     for raw in batch["unit"]:
         u = json.loads(str(raw))
@@ -270,7 +310,7 @@ def _build_locked(spec: DataSpec, units: list[Unit], ident: Any, key: str, final
         docs = sum(e["documents"] for e in entries)
         if docs == 0:
             raise ConfigError(f"data.path: {spec.describe()} holds no records (an empty dataset)")
-        digest = hashlib.sha256("".join(e["sha256"] for e in entries).encode()).hexdigest()
+        digest = hashlib.sha256("".join(e["sha256"] + e.get("images_sha256", "") for e in entries).encode()).hexdigest()
         index = {"format": SHARDS_FORMAT, "key": key, "source": spec.describe(), "identity": ident,
                  "tokenizer": tok.fingerprint, "vocab_size": int(tok.vocab_size), "format_kind": spec.format,
                  "num_tokens": sum(e["tokens"] for e in entries), "num_documents": docs,

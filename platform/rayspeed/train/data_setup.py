@@ -59,7 +59,18 @@ def data_spec(cfg: JobConfig, tokenizer: Optional[str] = None) -> DataSpec:
     d = cfg.data
     return DataSpec(source=d.source, path=DataSpec.paths(d.path), tokenizer=tokenizer or tokenizer_spec(cfg),
                     text_field=d.text_field, format=d.format, dataset=d.dataset, split=d.split,
-                    hf_cache_dir=d.hf_cache_dir, streaming=d.streaming)
+                    hf_cache_dir=d.hf_cache_dir, streaming=d.streaming, images=image_spec(cfg))
+
+
+def image_spec(cfg: JobConfig) -> Optional[tuple[str, int, int]]:
+    """A vision-language model's chat records: (its checkpoint's folder, whose image processor resizes the images;
+    the placeholder token; tokens per image). None: a text model."""
+    vision = cfg.model.image_path
+    if vision is None or cfg.data.format != "chat" or not cfg.model.pretrained:
+        return None
+    from rayspeed.model.hf_weights import local_model_dir
+
+    return str(local_model_dir(str(cfg.model.pretrained))), vision.image_token_id, vision.image_tokens
 
 
 def cache_dir(cfg: JobConfig, storage: str) -> str:

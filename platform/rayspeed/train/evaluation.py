@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from rayspeed.data.batches import model_inputs, rows_of
 from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.logs import log_rank
 from rayspeed.train.events import Callback, TrainState
@@ -83,7 +84,7 @@ class Validator:
         counted = torch.zeros((), device=self.device, dtype=torch.float64)
         b, n = self.micro, 0
         for mb in self.batches:
-            chunks = [tuple(t[i : i + b] for t in mb) for i in range(0, mb[0].shape[0], b)]
+            chunks = [rows_of(mb, i, i + b) for i in range(0, mb[0].shape[0], b)]
             if self.pipelined:
                 if self.weighted:  # each chunk's summed loss times the chunk count: eval_batch's mean is their sum
                     engine.module.loss_fn.scale = float(len(chunks))
@@ -95,7 +96,8 @@ class Validator:
             else:
                 for c in chunks:
                     # val/loss is the language loss (a mixture's balance term left out)
-                    loss = over_cp(engine(*local_part(c, self.cp, self.device), parts=True).language, self.cp)
+                    loss = over_cp(engine(*local_part(c, self.cp, self.device), parts=True,
+                                          **model_inputs(c, self.device)).language, self.cp)
                     k = int((c[1] != IGNORE_INDEX).sum())
                     total += loss.detach().double() * (k if self.weighted else 1)
                     counted += k

@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 import torch
 
 from rayspeed import compat
+from rayspeed.data.batches import model_inputs
 from rayspeed.data.token_split import IGNORE_INDEX
 from rayspeed.train.evaluation import local_part, over_cp, stage_batches
 
@@ -82,7 +83,8 @@ class LanguageModel:
         return self.scales(index)
 
     def loss(self, engine: Any, micro_batch: tuple, scale: Optional[float]) -> Losses:
-        out = engine(*local_part(micro_batch, self.cp, self.device), parts=True)
+        out = engine(*local_part(micro_batch, self.cp, self.device), parts=True,
+                     **model_inputs(micro_batch, self.device))
         reported = out.language
         if scale is not None:  # mean over this micro-batch's counted labels -> its share of the step's mean
             reported = reported * (int((micro_batch[1] != IGNORE_INDEX).sum()) * scale)

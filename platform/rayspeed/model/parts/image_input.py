@@ -67,19 +67,35 @@ class ImageTextInput(TokenInput):
         if isinstance(input_ids, tuple):
             ids, where = input_ids
             return self.forward(ids, **inputs), where
-        pixel_values = inputs.pop("pixel_values", None)
+        pixel_values, rows = inputs.pop("pixel_values", None), inputs.pop("image_rows", None)
         if inputs:
-            raise TypeError(f"an image-text input stage takes token ids and pixel_values, not {sorted(inputs)}")
+            raise TypeError(f"an image-text input stage takes token ids, pixel_values and image_rows, not "
+                            f"{sorted(inputs)}")
         if pixel_values is None:
             return super().forward(input_ids)
         x = self.scaled(reduce_from_tp(self.partial(input_ids), self.tp))
-        features = self.image_features(pixel_values)
-        at = input_ids == self.vision.image_token_id
-        if int(at.sum()) != features.shape[0] * features.shape[1]:
-            raise ValueError(f"{int(at.sum())} image tokens in the batch but {features.shape[0]} images of "
-                             f"{features.shape[1]} features")
-        x = x.masked_scatter(at.unsqueeze(-1), features.to(x.dtype))
+        x = self.with_images(x, input_ids == self.vision.image_token_id, pixel_values, rows)
         return split_to_sequence(x, self.tp, SEQ_DIM) if self.sequence_parallel else x
+
+    def with_images(self, x: torch.Tensor, at: torch.Tensor, pixel_values: torch.Tensor,
+                    rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """The embeddings with the features written over the placeholders (`at`, in order). rows [images, 2]: each
+        image's features [lo, hi) that fall in the batch (a window that cuts an image holds part of it); None: all
+        of them. A batch without images runs the path on one blank image, times zero, so the trained parameters get
+        a gradient (zero) in every step on every rank."""
+        if pixel_values.shape[0] == 0:
+            t = self.vision.tower
+            blank = x.new_zeros(1, int(t.get("num_channels", 3)), int(t["image_size"]), int(t["image_size"]))
+            return x + self.image_features(blank).sum().to(x.dtype) * 0.0
+        features = self.image_features(pixel_values)
+        if rows is None:
+            flat = features.reshape(-1, features.shape[-1])
+        else:
+            flat = torch.cat([features[i, lo:hi] for i, (lo, hi) in enumerate(rows.tolist())])
+        if int(at.sum()) != flat.shape[0]:
+            raise ValueError(f"{int(at.sum())} image tokens in the batch but {features.shape[0]} images of "
+                             f"{flat.shape[0]} features in all")
+        return x.masked_scatter(at.unsqueeze(-1), flat.to(x.dtype))
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, tokens per image, hidden]: the chosen layer's hidden states, projected."""
