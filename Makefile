@@ -26,7 +26,8 @@ setup: $(STAMP)
 
 # The shipped examples' prepared inputs (made here, nothing is downloaded), in runs/examples/. A job file that reads
 # from runs/examples/ gets them made first by `make train` and `make submit`.
-EXAMPLE_INPUTS := runs/examples/tiny-chat/.made runs/examples/tiny-llama/.made runs/examples/tiny-sum/.made
+EXAMPLE_INPUTS := runs/examples/tiny-chat/.made runs/examples/tiny-llama/.made runs/examples/tiny-sum/.made \
+	runs/examples/tiny-vision/.made
 examples: $(EXAMPLE_INPUTS)
 runs/examples/tiny-llama/.made: scripts/make_tiny_hf_model.py $(STAMP)
 	$(BIN)/python scripts/make_tiny_hf_model.py runs/examples/tiny-llama --tokenizer
@@ -36,6 +37,9 @@ runs/examples/tiny-chat/.made: scripts/make_tiny_chat_model.py $(STAMP)
 	@touch $@
 runs/examples/tiny-sum/.made: scripts/make_tiny_sum_model.py $(STAMP)
 	$(BIN)/python scripts/make_tiny_sum_model.py runs/examples/tiny-sum
+	@touch $@
+runs/examples/tiny-vision/.made: scripts/make_tiny_vision_model.py $(STAMP)
+	$(BIN)/python scripts/make_tiny_vision_model.py runs/examples/tiny-vision
 	@touch $@
 # Read by make itself, never through a shell: CONFIG is the user's text (see the scheduling targets below).
 NEEDS_EXAMPLES = $(if $(wildcard $(value CONFIG)/.),,$(if $(findstring runs/examples/,$(file <$(value CONFIG))),examples))

@@ -139,6 +139,11 @@ def examples_home(tmp_path_factory):
     sums = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sums)
     made["tiny-sum"] = sums.save(str(home / "runs" / "examples" / "tiny-sum"), steps=0)  # its files, untrained
+    spec = importlib.util.spec_from_file_location("make_tiny_vision_model",
+                                                  ROOT / "scripts" / "make_tiny_vision_model.py")
+    vision = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vision)
+    made["tiny-vision"] = vision.save(str(home / "runs" / "examples" / "tiny-vision"))
     return home, made
 
 

@@ -266,6 +266,17 @@ def export_command(args: argparse.Namespace) -> int:
     for line in lines:
         print(line)
     how = ("peft.PeftModel.from_pretrained(base, OUT)" if args.format == "peft"
-           else "transformers.AutoModelForCausalLM.from_pretrained")
+           else "transformers.AutoModelForImageTextToText.from_pretrained, with AutoProcessor"
+           if _vision_language(out) else "transformers.AutoModelForCausalLM.from_pretrained")
     print(f"wrote {out} (load with {how})")
     return EXIT_OK
+
+
+def _vision_language(out: Any) -> bool:
+    """The written folder holds a whole vision-language model (its config.json names a vision_config)."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((Path(str(out)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False

@@ -177,3 +177,29 @@ def test_pipeline_and_context_parallelism_are_refused_with_images(llava):
     with pytest.raises(ConfigError, match="parallel.pp: 2 with the image path of LlavaForConditionalGeneration is not "
                                           "built yet"):
         parse({"model": {"seq_len": SEQ}}, [f"model.pretrained={llava['dir']}", "parallel.pp=2"])
+
+
+def test_the_export_is_the_whole_model_transformers_loads_with_the_same_logits(llava, tmp_path):
+    """Out again: the trained image path and text model written as one LlavaForConditionalGeneration (no missing
+    or unexpected tensor), with rayspeed's logits on images."""
+    from transformers import LlavaForConditionalGeneration
+
+    from rayspeed.model.hf_export import write_hf_dir
+
+    shape = llava["shape"]
+    model = build(shape, str(llava["dir"])).eval()
+    ids, images = llava["ids"][:, :-1], {"pixel_values": llava["images"]}
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # moved from the checkpoint, the projector and tower too
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        expected = model(ids, inputs=images)
+    write_hf_dir(model.full_state_dict(), shape, str(tmp_path / "hf"), tokenizer=None)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlavaForConditionalGeneration"] and config["text_config"]["model_type"] == \
+        "llama" and config["vision_config"]["model_type"] == json.loads(
+            (llava["dir"] / "config.json").read_text())["vision_config"]["model_type"]
+    hf, info = LlavaForConditionalGeneration.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                             output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(input_ids=ids, pixel_values=llava["images"]).logits, expected, **TOL)

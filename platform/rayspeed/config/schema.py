@@ -16,7 +16,7 @@ from rayspeed.config.chaos_keys import ChaosConfig
 from rayspeed.config.eval_keys import EvalConfig
 from rayspeed.config.grpo_keys import GrpoConfig
 from rayspeed.config.objective_keys import DpoConfig
-from rayspeed.config.vision_shape import VisionShape
+from rayspeed.config.vision_shape import VisionShape, VisionTraining
 
 Auto = Literal["auto"]
 AUTO: Final = "auto"
@@ -133,6 +133,9 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     """Adapter fine-tuning (LoRA, rsLoRA, DoRA, QLoRA) instead of training every parameter."""
+    vision: VisionTraining = field(default_factory=VisionTraining)
+    """A vision-language model's image path: {train_tower: false, train_projector: true} by default (a text model
+    ignores it)."""
 
 
 @dataclass

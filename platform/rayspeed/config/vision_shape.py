@@ -18,6 +18,16 @@ from rayspeed.families.vision import SELECT_DEFAULT, SELECT_FULL, VisionLanguage
 PROJECTOR_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "silu", "relu")
 
 
+@dataclass
+class VisionTraining:
+    """model.vision: what of a vision-language model's image path trains (the text model trains as the job says:
+    in full, or through adapters)."""
+    train_tower: bool = False
+    """Train the vision tower too (by default it stays as loaded: it was trained on far more images)."""
+    train_projector: bool = True
+    """Train the projector in full, with adapters on the text model too (the common recipe)."""
+
+
 @dataclass(frozen=True)
 class VisionShape:
     architecture: str
@@ -89,3 +99,16 @@ def vision_shape_from_hf(hf: dict[str, Any], where: str) -> tuple[Optional[Visio
                        feature_layer=int(layer), select_strategy=str(keys["vision_feature_select_strategy"]),
                        projector_act=str(keys["projector_hidden_act"]),
                        projector_bias=bool(keys["multimodal_projector_bias"])), []
+
+
+def vision_language_config(vision: VisionShape, text: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the whole vision-language model: `text` (the text model's own config.json) as its
+    text_config, the tower's vision_config, and the keys that join them."""
+    record = vision.record
+    inner = {k: v for k, v in text.items() if k not in ("architectures", "dtype")}
+    return {"architectures": [record.architecture], "model_type": record.model_type, "text_config": inner,
+            "vision_config": vision.tower, record.image_token_key: vision.image_token_id,
+            "vision_feature_layer": vision.feature_layer, "vision_feature_select_strategy": vision.select_strategy,
+            "projector_hidden_act": vision.projector_act, "multimodal_projector_bias": vision.projector_bias,
+            "image_seq_length": vision.image_tokens, "tie_word_embeddings": bool(text.get("tie_word_embeddings")),
+            "dtype": text.get("dtype", "float32")}

@@ -1,6 +1,6 @@
 """What is done to the model of a rank, in one declared order, after it is built and its weights are in:
 
-    tensor_parallel -> expert_parallel -> pipeline_split -> router_freeze -> adapters -> context_parallel
+    tensor_parallel -> expert_parallel -> pipeline_split -> router_freeze -> adapters -> image_path -> context_parallel
         -> activation_checkpointing -> compile
 
     applied = apply_transforms(model, cfg, groups, on_gpu)     # [(name, what it did)], logged as one line
@@ -141,6 +141,24 @@ def _adapters(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Op
             f"({','.join(roles)}){extra}; {train} of {total} parameters of this rank train{packed}")
 
 
+def _image_path(model: torch.nn.Module, cfg: Any, groups: Any, on_gpu: bool) -> Optional[str]:
+    """model.vision: the tower and the projector train or stay as loaded (after the adapters, which freeze every
+    base weight: the projector then trains in full beside them)."""
+    if cfg.model.image_path is None:
+        return None
+    from rayspeed.model.parts.image_input import ImageTextInput
+
+    v = cfg.model.vision
+    stages = [m for m in model.modules() if isinstance(m, ImageTextInput)]
+    for stage in stages:
+        for part, train in ((stage.tower, v.train_tower), (stage.projector, v.train_projector)):
+            for p in part.parameters():
+                p.requires_grad_(train)
+    if not stages:
+        return None
+    return f"tower {'trains' if v.train_tower else 'frozen'}, projector {'trains' if v.train_projector else 'frozen'}"
+
+
 def compile_decision(cfg: Any, on_gpu: bool) -> tuple[bool, str]:
     """(compile?, why). torch.compile runs on the model *before* deepspeed.initialize: that keeps part of the
     compile gain under DeepSpeed (H200 anchor: 124M ZeRO-1 71.3 ms compiled first vs 75.8 ms eager), where
@@ -199,6 +217,7 @@ ORDER = (
     Transform("router_freeze", "none", apply=_router_freeze),
     Transform("adapters", "adapter weights beside the frozen base names (<layer>.adapter.lora_A / lora_B / "
               "magnitude)", apply=_adapters),
+    Transform("image_path", "none (a frozen tower keeps its names)", apply=_image_path),
     Transform("context_parallel", "slot: none (attention over a sequence split)"),
     Transform("activation_checkpointing", "none", apply=_activation_checkpointing),
     Transform("compile", "none (nn.Module.compile keeps parameter names)", apply=_compile),

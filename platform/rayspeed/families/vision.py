@@ -34,6 +34,8 @@ class VisionLanguage:
     """config.json's own keys with transformers' defaults (the image token's id, the feature layer, ...)."""
     stored: tuple[tuple[str, str], ...]
     """(checkpoint prefix, rayspeed prefix), longest first: the hub's legacy names and transformers 5's."""
+    text_prefix: str = "model.language_model."
+    """Where an export puts the text model's `model.*` tensors (transformers 5's names; lm_head stays as it is)."""
     text_model_type: str = ""
     """The text model's model_type when text_config names none (transformers' config default)."""
     image_token_key: str = "image_token_index"

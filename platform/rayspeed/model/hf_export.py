@@ -23,6 +23,8 @@ import torch
 from rayspeed.config.hf_checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from rayspeed.config.hf_config import to_hf_config
 from rayspeed.config.shape import ModelShape
+from rayspeed.config.vision_shape import vision_language_config
+from rayspeed.model.image_weights import vision_language_tensors
 
 DEFAULT_SHARD_BYTES = 2 << 30  # transformers' own default shard size (2 GB files, many of them for big models)
 
@@ -92,6 +94,21 @@ def write_tokenizer(tokenizer: Any, out: Path) -> list[str]:
     return sorted(set(p.name for p in out.iterdir()) - before)
 
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.json")
+
+
+def write_processor(source: Any, out: Path) -> list[str]:
+    """A vision-language model's processor files (image processor, the processor's own settings), copied from the
+    checkpoint it was trained from; their names."""
+    src = Path(str(source)) if isinstance(source, (str, Path)) else None
+    if src is None or not src.is_dir():
+        return []
+    copied = [name for name in PROCESSOR_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copy2(src / name, out / name)
+    return copied
+
+
 def write_hf_dir(state: dict[str, torch.Tensor], shape: ModelShape, out_dir: str, tokenizer: Any = None,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Write state (rayspeed names, full shapes) as a Hugging Face checkpoint into out_dir (created).
@@ -100,9 +117,14 @@ def write_hf_dir(state: dict[str, torch.Tensor], shape: ModelShape, out_dir: str
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.to(dtype) for k, v in hf_tensors(state, shape).items()}
+    tensors = hf_tensors(state, shape)
+    if shape.image_path is not None:
+        tensors = vision_language_tensors(tensors, state, shape.image_path)
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
     files = write_weights(tensors, out, max_shard_bytes)
     tok_files = write_tokenizer(tokenizer, out)
+    if shape.image_path is not None:
+        tok_files += write_processor(tokenizer, out)
     source = Path(str(tokenizer)) if isinstance(tokenizer, (str, Path)) and Path(str(tokenizer)).is_dir() else None
     bos = eos = None
     if tokenizer is not None and not hasattr(tokenizer, "eos_token_id") and tok_files:
@@ -116,6 +138,8 @@ def write_hf_dir(state: dict[str, torch.Tensor], shape: ModelShape, out_dir: str
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     eos = stop_ids(eos, source)
     config = to_hf_config(shape, bos, eos, dtype=str(dtype).replace("torch.", ""))
+    if shape.image_path is not None:
+        config = vision_language_config(shape.image_path, config)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: v for k, v in {"bos_token_id": bos, "eos_token_id": eos}.items() if v is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -55,6 +55,15 @@ def read_image_path(params: Sequence[tuple[str, torch.Tensor]], model_dir: str, 
     return elements
 
 
+def vision_language_tensors(text: dict[str, Any], state: dict[str, Any], vision: VisionShape) -> dict[str, Any]:
+    """The whole model's export tensors: the text model's (transformers' text-only names, `text`) moved under the
+    record's text prefix, and the image path's."""
+    prefix = vision.record.text_prefix
+    out = {(prefix + k[len("model."):] if k.startswith("model.") else k): v for k, v in text.items()}
+    out.update({k: v.detach().to("cpu").contiguous() for k, v in image_path_tensors(state, vision).items()})
+    return out
+
+
 def image_path_tensors(state: dict[str, Any], vision: VisionShape) -> dict[str, Any]:
     """The export's tensors of the image path: rayspeed's names -> transformers 5.24's."""
     out = {}
