@@ -1,8 +1,11 @@
 """Ask a chat model a question: a registered MLflow version (models:/<name>/<version|latest>) or a Hugging Face
-directory, loaded with transformers, prompted through its chat template, answered greedily.
+directory, loaded with transformers, prompted through its chat template, answered greedily; with --image, a question
+about a picture to a vision-language model (its processor's template and image processing).
 
     python scripts/chat_generate.py models:/rayspeed-tiny-chat-finetune-cpu/latest "What is the capital of Italy?"
     python scripts/chat_generate.py runs/examples/tiny-chat/model "What color is the sky?"
+    python scripts/chat_generate.py models:/rayspeed-tiny-vision-cpu/latest "What colour is the shape?" \
+        --image runs/examples/tiny-vision/shapes/img/0400.png
 
 Tracking store: MLFLOW_TRACKING_URI, else the repository's mlflow.db (RAYSPEED_HOME, else this checkout).
 """
@@ -34,6 +37,8 @@ def model_dirs(ref: str, tracking_uri: str, dst: str) -> tuple[str, str]:
     if source.startswith("models:/m-"):  # an MLflow 3 logged model
         source = client.get_logged_model(source[len("models:/"):]).artifact_location
     local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dst)
+    if os.path.isdir(os.path.join(local, "artifacts", "model")):  # a vision-language model, logged as pyfunc
+        return os.path.join(local, "artifacts", "model"), os.path.join(local, "artifacts", "model")
     tok = os.path.join(local, "components", "tokenizer")
     return os.path.join(local, "model"), tok if os.path.isdir(tok) else os.path.join(local, "model")
 
@@ -57,6 +62,16 @@ def answer(directory: str, question: str, max_new_tokens: int = 32, tokenizer_di
     return tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def image_answer(directory: str, question: str, image: str, max_new_tokens: int = 32) -> str:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rayspeed.tracking.image_text_model import answer as ask
+
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    return ask(model, AutoProcessor.from_pretrained(directory), question, image, max_new_tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     from rayspeed.paths import MLFLOW_DB, home
 
@@ -66,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     default_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / MLFLOW_DB}"
     ap.add_argument("--tracking-uri", default=default_uri)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--image", help="a picture the question is about (a vision-language model)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rayspeed-chat-") as tmp:
         d, t = model_dirs(a.model, a.tracking_uri, tmp)
         print(f"Q: {a.question}")
-        print(f"A: {answer(d, a.question, a.max_new_tokens, t)}")
+        given = image_answer(d, a.question, a.image, a.max_new_tokens) if a.image else \
+            answer(d, a.question, a.max_new_tokens, t)
+        print(f"A: {given}")
     return 0
 
 

@@ -86,6 +86,13 @@ def test_a_llava_fine_tuned_on_ray_learns_the_colours_and_transformers_answers_t
     print(f"held-out accuracy through transformers: {accuracy:.2f} (chance 0.25); first answers {pairs[:4]}")
     assert accuracy >= 0.8
     assert _rayspeed_answers(str(hf), made["shapes"], pairs) == [given for _, given in pairs]
+    assert s["registered_model_version"] == "1", s  # logged as an image-text model and registered
+    image = os.path.join(made["shapes"], "img", "0400.png")
+    c = subprocess.run([sys.executable, str(ROOT / "scripts" / "chat_generate.py"),
+                        "models:/rayspeed-tiny-vision-cpu/1", "What colour is the shape?", "--image", image],
+                       capture_output=True, text=True,
+                       env=dict(os.environ, RAYSPEED_HOME=str(home)), timeout=300)
+    assert c.returncode == 0 and f"A: {pairs[0][0]}" in c.stdout, c.stdout + c.stderr[-2000:]
 
     with safe_open(os.path.join(made["model"], "model.safetensors"), "pt") as before, \
             safe_open(str(hf / "model.safetensors"), "pt") as after:

@@ -21,6 +21,7 @@ import io
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,8 +114,6 @@ def log_hf_model(tracking_uri: str, run_id: str, hf_dir: str, export_dir: Option
 
     client = mlflow_client(tracking_uri)
     run = client.get_run(run_id)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     import transformers
 
     # Explicit requirements: MLflow's inference imports torchvision and friends, which a CPU image lacks.
@@ -123,10 +122,23 @@ def log_hf_model(tracking_uri: str, run_id: str, hf_dir: str, export_dir: Option
     # Model.log resolves the store and the experiment from the process-wide settings.
     with mlflow_process_store(tracking_uri):
         mlflow.set_experiment(experiment_id=run.info.experiment_id)
-        info = mlflow.transformers.log_model(
-            {"model": model, "tokenizer": tokenizer}, name=LOGGED_MODEL_NAME, task="text-generation", run_id=run_id,
-            pip_requirements=reqs, model_config={"max_new_tokens": 32}, tags=tags or None,
-        )
+        if (Path(hf_dir) / "processor_config.json").is_file():  # a vision-language model: no flavor pipeline
+            from rayspeed.tracking.image_text_model import ARTIFACT, ImageTextModel
+
+            with tempfile.TemporaryDirectory(prefix="rayspeed-hf-") as named:
+                folder = os.path.join(named, ARTIFACT)  # the artifact keeps its folder's name: artifacts/model/
+                shutil.copytree(hf_dir, folder, copy_function=_link_or_copy)
+                # Model.log with the pyfunc flavor: pyfunc.log_model takes no run_id (the run is not active here).
+                info = mlflow.models.Model.log(artifact_path=None, flavor=mlflow.pyfunc, name=LOGGED_MODEL_NAME,
+                                               run_id=run_id, python_model=ImageTextModel(),
+                                               artifacts={ARTIFACT: folder},
+                                               pip_requirements=[*reqs, "pillow", "pandas"], tags=tags or None)
+        else:
+            info = mlflow.transformers.log_model(
+                {"model": AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                 "tokenizer": AutoTokenizer.from_pretrained(hf_dir)}, name=LOGGED_MODEL_NAME,
+                task="text-generation", run_id=run_id, pip_requirements=reqs, model_config={"max_new_tokens": 32},
+                tags=tags or None)
     if export_dir:
         client.log_model_artifacts(info.model_id, export_dir, RAYSPEED_SUBDIR)
     # MLflow's fallback LICENSE.txt sends the reader to a hub URL built from the temporary folder's path: the
@@ -135,6 +147,14 @@ def log_hf_model(tracking_uri: str, run_id: str, hf_dir: str, export_dir: Option
         Path(lic, "LICENSE.txt").write_text(license_note(run, _base_model(export_dir)), encoding="utf-8")
         client.log_model_artifacts(info.model_id, lic)
     return info
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link where the two folders share a file system (no second copy of the weights), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _base_model(export_dir: Optional[str]) -> Optional[str]:
