@@ -37,6 +37,7 @@ class Ctx:
     adapter: Any = None  # planner.adapter_terms.AdapterPlan of model.adapter (None: every parameter trains)
     dpo: Any = None  # planner.dpo_terms.DpoPlan of train.objective dpo (None: next-token loss)
     grpo: Any = None  # planner.grpo_terms.GrpoPlan of train.objective grpo: sampling between steps (ZeRO 0-2 only)
+    image: Any = None  # planner.image_terms.ImagePlan of a vision-language model's image path (None: text only)
     rows_per_sample: int = 1  # sequences a sample is (2 for a DPO pair) while its layout still counts samples
     oom: Any = None  # planner.oom_feedback.OomFeedback: layouts that ran out of memory in this submission
     # Costs shared by many layouts of one search (block, head, split), keyed by what they depend on; never

@@ -20,6 +20,7 @@ from rayspeed.planner.adapter_terms import AdapterPlan
 from rayspeed.planner.dpo_terms import DpoPlan, reference_pass_s
 from rayspeed.planner.ep_terms import ep_degrees, ep_problem
 from rayspeed.planner.grpo_terms import GrpoPlan, cache_bytes, rollout_s
+from rayspeed.planner.image_terms import ImagePlan, images_per_micro_batch
 from rayspeed.planner.inputs import Ctx
 from rayspeed.planner.margin import margin_bytes
 from rayspeed.planner.memory import buckets, to_gib, worst_stage
@@ -82,7 +83,7 @@ def build_ctx(cfg: JobConfig, world_size: int | None = None, hardware_overrides:
         precision = "fp32" if not hw.is_gpu else ("bf16" if hw.bf16 else "fp16")
     elif precision == "bf16" and hw.is_gpu and not hw.bf16:
         raise ConfigError(f"train.precision: bf16 is not supported on {hw.name}; use fp16 or auto")
-    extra = prof.ctx_fields() if prof is not None else {}
+    extra = {**(prof.ctx_fields() if prof is not None else {}), "image": ImagePlan.of(cfg)}
     shape = ModelShape.from_config(cfg.model)
     return Ctx(shape=shape, hw=hw, precision=precision, grad_accum_dtype=t.grad_accum_dtype,
                world=world, node_size=max(1, node_size), global_batch=t.global_batch_size, memory_gib=memory,
@@ -368,6 +369,11 @@ class Estimate:
             d["grpo_rollout"] = {"completions_per_rank": self.ctx.global_batch // self.layout.dp,
                                  "kv_cache_gib": round(cache_bytes(self.ctx, self.layout) / GIB, 4),
                                  "sampling_s": round(rollout_s(self.ctx, self.layout), 4)}
+        if self.ctx.image is not None:
+            im = self.ctx.image
+            d["images"] = {"tokens_per_image": im.image_tokens, "at_most_per_micro_batch":
+                           images_per_micro_batch(self.ctx, self.layout), "cached_bytes_per_image": im.pixel_bytes,
+                           "tower_parameters": im.tower_params, "projector_parameters": im.projector_params}
         if self.refused is not None:
             m = self.refused
             d["reason"] = (f"ran out of memory at step {m.step} on rank {m.rank} (needed at least "
