@@ -203,3 +203,20 @@ def test_the_export_is_the_whole_model_transformers_loads_with_the_same_logits(l
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(input_ids=ids, pixel_values=llava["images"]).logits, expected, **TOL)
+
+
+def test_the_base_an_adapter_merges_into_holds_the_image_path_and_an_export_without_it_is_refused(llava, tmp_path):
+    """An adapter job's checkpoints hold neither the frozen tower nor the text base: the export reads them from
+    model.pretrained (read_whole), and weights lacking the image path are refused rather than written without it."""
+    from rayspeed.model.hf_export import write_hf_dir
+    from rayspeed.model.hf_weights import read_whole
+
+    shape = llava["shape"]
+    whole = read_whole(str(llava["dir"]), shape)
+    model = build(shape, str(llava["dir"]))
+    assert set(whole) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert torch.equal(whole[name], p.detach()), name
+    text_only = {k: v for k, v in whole.items() if not k.startswith("embed.tower.")}
+    with pytest.raises(KeyError, match="the weights lack the image path's embed.tower."):
+        write_hf_dir(text_only, shape, str(tmp_path / "hf"))

@@ -30,7 +30,7 @@ from rayspeed.config.hf_checkpoint import (
 )
 from rayspeed.config.hf_config import is_local_ref
 from rayspeed.config.shape import ModelShape
-from rayspeed.model.image_weights import is_image_path, read_image_path
+from rayspeed.model.image_weights import is_image_path, read_image_path, read_image_path_whole
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +293,11 @@ def read_whole(model_dir: str, shape: ModelShape, what: str = "model.pretrained"
             fused = bool(names.fused_parts(layout[name][0]))
             out[name] = _rank_slice(views(fh, hname), None, None, layout[name][1],
                                     expected[name][0] if fused else None).float()
+    if shape.image_path is not None:
+        try:
+            out.update(read_image_path_whole(model_dir, shape.image_path))
+        except ValueError as e:
+            raise HFWeightsError(f"{what}: {e}") from None
     return out
 
 

@@ -55,9 +55,29 @@ def read_image_path(params: Sequence[tuple[str, torch.Tensor]], model_dir: str, 
     return elements
 
 
+def read_image_path_whole(model_dir: str, vision: VisionShape) -> dict[str, torch.Tensor]:
+    """Every image-path tensor of the checkpoint, whole, fp32, under rayspeed's names (the base an adapter job's
+    export merges into: a frozen tower is not in the job's checkpoints)."""
+    from safetensors import safe_open
+
+    files, problems = weight_files(Path(model_dir))
+    if problems:
+        raise ValueError("; ".join(problems))
+    out = {}
+    for stored, path in files.items():
+        ours = vision.record.rayspeed_name(stored)
+        if ours is not None:
+            with safe_open(str(path), framework="pt") as fh:
+                out[ours] = fh.get_tensor(stored).float()
+    return out
+
+
 def vision_language_tensors(text: dict[str, Any], state: dict[str, Any], vision: VisionShape) -> dict[str, Any]:
     """The whole model's export tensors: the text model's (transformers' text-only names, `text`) moved under the
     record's text prefix, and the image path's."""
+    missing = [p for p in IMAGE_PATH_PREFIXES if not any(k.startswith(p) for k in state)]
+    if missing:
+        raise KeyError(f"the weights lack the image path's {' and '.join(missing)}* tensors")
     prefix = vision.record.text_prefix
     out = {(prefix + k[len("model."):] if k.startswith("model.") else k): v for k, v in text.items()}
     out.update({k: v.detach().to("cpu").contiguous() for k, v in image_path_tensors(state, vision).items()})
