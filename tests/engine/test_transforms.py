@@ -23,8 +23,10 @@ def _model():
 
 
 def test_the_declared_order():
+    # image_path after adapters: an adapter job freezes every base weight, then the projector trains again in full
     assert [t.name for t in ORDER] == ["tensor_parallel", "expert_parallel", "pipeline_split", "router_freeze",
-                                       "adapters", "context_parallel", "activation_checkpointing", "compile"]
+                                       "adapters", "image_path", "context_parallel", "activation_checkpointing",
+                                       "compile"]
     assert all(t.name_map for t in ORDER)
 
 
