@@ -18,4 +18,5 @@ VISION = VisionLanguage(
     # (vision_tower.*) and its in-memory names (model.vision_tower.*); the tower's own names are 5.24's.
     stored=(("model.vision_tower.vision_model.", TOWER_PREFIX), ("vision_tower.vision_model.", TOWER_PREFIX),
             ("model.vision_tower.", TOWER_PREFIX), ("vision_tower.", TOWER_PREFIX),
-            ("model.multi_modal_projector.", PROJECTOR_PREFIX), ("multi_modal_projector.", PROJECTOR_PREFIX)))
+            ("model.multi_modal_projector.", PROJECTOR_PREFIX), ("multi_modal_projector.", PROJECTOR_PREFIX)),
+    written=((TOWER_PREFIX, "model.vision_tower."), (PROJECTOR_PREFIX, "model.multi_modal_projector.")))

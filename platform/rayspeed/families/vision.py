@@ -34,6 +34,9 @@ class VisionLanguage:
     """config.json's own keys with transformers' defaults (the image token's id, the feature layer, ...)."""
     stored: tuple[tuple[str, str], ...]
     """(checkpoint prefix, rayspeed prefix), longest first: the hub's legacy names and transformers 5's."""
+    written: tuple[tuple[str, str], ...] = ()
+    """(rayspeed prefix, the prefix an export writes): transformers 5's in-memory names of the tower and projector,
+    which it loads with no missing or unexpected key."""
     text_prefix: str = "model.language_model."
     """Where an export puts the text model's `model.*` tensors (transformers 5's names; lm_head stays as it is)."""
     text_model_type: str = ""

@@ -19,10 +19,6 @@ from rayspeed.families.vision import PROJECTOR_PREFIX, TOWER_PREFIX
 
 IMAGE_PATH_PREFIXES = (TOWER_PREFIX, PROJECTOR_PREFIX)
 
-# What an export writes: transformers 5.24's own names of the same tensors (LlavaForConditionalGeneration loads them
-# with neither missing nor unexpected keys).
-EXPORT_PREFIXES = {TOWER_PREFIX: "model.vision_tower.", PROJECTOR_PREFIX: "model.multi_modal_projector."}
-
 
 def is_image_path(name: str) -> bool:
     return name.startswith(IMAGE_PATH_PREFIXES)
@@ -88,7 +84,7 @@ def image_path_tensors(state: dict[str, Any], vision: VisionShape) -> dict[str, 
     """The export's tensors of the image path: rayspeed's names -> transformers 5.24's."""
     out = {}
     for name, value in state.items():
-        for ours, theirs in EXPORT_PREFIXES.items():
+        for ours, theirs in vision.record.written:
             if name.startswith(ours):
                 out[theirs + name[len(ours):]] = value
     return out

@@ -93,7 +93,7 @@ def step_s(ctx: Any, lay: Any) -> float:
 
 
 def _images(ctx: Any, lay: Any) -> bool:
-    return getattr(ctx, "image", None) is not None
+    return ctx.image is not None
 
 
 register(MemoryTerm("image_path_weights", applies=_images, bytes=weight_bytes, dynamic=False,
